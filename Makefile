@@ -1,0 +1,33 @@
+# Two commands set everything up on a fresh machine: `make test` and `make train`/`make profile`.
+PYTHON_SYS ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat requirements.txt | cksum | cut -d' ' -f1)
+
+.PHONY: setup test demo train profile sample lint format gpu-check clean
+
+setup: $(STAMP)
+
+# Re-runs only when requirements.txt changes; a half-made venv is rebuilt, not reused.
+$(STAMP): requirements.txt
+	@test -x $(PY) || { rm -rf $(VENV); $(PYTHON_SYS) -m venv $(VENV); }
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
+	@rm -f $(VENV)/.installed-*
+	@touch $@
+
+test: setup
+	$(PY) -m pytest
+
+demo: setup
+	$(PY) scripts/demo.py
+
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: setup
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
+
+clean:
+	rm -rf $(VENV) runs profiles .pytest_cache

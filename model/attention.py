@@ -1,0 +1,225 @@
+"""Causal self-attention variants: one signature, one registry, looked up by name.
+
+Shape legend: B batch, H heads, T sequence length, D head size.
+
+Every variant is a plain function
+
+    fn(q, k, v, mask, dropout_p) -> y
+
+    q, k, v    (B, H, T, D)
+    mask       (T, T) bool, True where a query may NOT attend (strictly above the diagonal).
+               Built once per layer and sliced, never rebuilt per call. Variants that know
+               causality natively (SDPA's is_causal, flex's block mask) ignore it.
+    dropout_p  probability of dropping an attention weight; 0.0 outside training.
+    y          (B, H, T, D)
+
+The layer resolves its variant once, when it is built; forward has no branch on the name.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+AttentionFn = Callable[[Tensor, Tensor, Tensor, Tensor, float], Tensor]
+
+
+def naive(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dropout_p: float) -> Tensor:
+    """The readable reference and the test oracle: five ops and one hidden copy.
+
+    `masked_fill` is out of place, so it first copies the whole (B, H, T, T) score tensor
+    (an aten::clone) and then fills the copy. That copy is what `inplace` removes.
+    """
+    scale = 1.0 / q.size(-1) ** 0.5
+    att = (q @ k.transpose(-2, -1)) * scale  # (B, H, T, T)
+    att = att.masked_fill(mask, float("-inf"))
+    att = F.softmax(att, dim=-1)
+    if dropout_p > 0.0:
+        att = F.dropout(att, p=dropout_p)
+    return att @ v  # (B, H, T, D)
+
+
+def inplace(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dropout_p: float) -> Tensor:
+    """`naive` with `masked_fill_`: the same function, one copy fewer per layer.
+
+    Why this is safe under autograd (the blog only showed it under no_grad): autograd refuses
+    an in-place op on a tensor whose value a backward formula saved. The scores come from a
+    multiply by a Python scalar, whose backward needs only that scalar, and the matmul before
+    it saved q and k, not its output. So nothing saved the scores, their version bump is
+    harmless, and masked_fill_'s own backward only needs the mask. softmax saves its output,
+    which is a new tensor, so it is unaffected.
+    """
+    scale = 1.0 / q.size(-1) ** 0.5
+    att = (q @ k.transpose(-2, -1)) * scale  # (B, H, T, T)
+    att.masked_fill_(mask, float("-inf"))
+    att = F.softmax(att, dim=-1)
+    if dropout_p > 0.0:
+        att = F.dropout(att, p=dropout_p)
+    return att @ v  # (B, H, T, D)
+
+
+def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dropout_p: float) -> Tensor:
+    """PyTorch's fused entry point; PyTorch picks the backend for these inputs.
+
+    is_causal=True instead of passing `mask`: an explicit mask rules out the flash and
+    cuDNN kernels, and is_causal lets every backend skip the masked half of the work.
+    """
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+
+
+def _pinned(backend: SDPBackend) -> AttentionFn:
+    def fn(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dropout_p: float) -> Tensor:
+        # sdpa_kernel with a single backend: if it cannot take these inputs, torch raises
+        # instead of quietly using another kernel.
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+
+    fn.__doc__ = f"SDPA pinned to SDPBackend.{backend.name}."
+    return fn
+
+
+def _causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    return q_idx >= kv_idx
+
+
+@functools.cache
+def _compiled_flex_attention() -> Callable[..., Tensor]:
+    # flex_attention is only fast when compiled: eager mode runs a slow reference.
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+@functools.cache
+def _causal_block_mask(T: int, device: torch.device):  # -> BlockMask
+    # One block mask per (T, device), reused by every layer and step: building it costs
+    # a pass over the (T/128)^2 blocks, which would otherwise repeat each call.
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(_causal, B=None, H=None, Q_LEN=T, KV_LEN=T, device=device)
+
+
+def flex(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dropout_p: float) -> Tensor:
+    """flex_attention with a causal block mask, compiled. No dropout: flex has none."""
+    block_mask = _causal_block_mask(q.size(-2), q.device)
+    return _compiled_flex_attention()(q, k, v, block_mask=block_mask)
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    fn: AttentionFn
+    summary: str
+    backend: SDPBackend | None = None  # the SDPA backend it is pinned to, if any
+    supports_dropout: bool = True
+    cuda_only: str | None = None  # why it cannot train off CUDA, if it cannot
+
+
+VARIANTS: dict[str, Variant] = {
+    v.name: v
+    for v in (
+        Variant("naive", naive, "matmul, scale, masked_fill (out of place), softmax, matmul"),
+        Variant("inplace", inplace, "naive with masked_fill_: no hidden copy"),
+        Variant("sdpa", sdpa, "F.scaled_dot_product_attention, backend chosen by PyTorch"),
+        Variant("sdpa-math", _pinned(SDPBackend.MATH), "SDPA pinned to the math backend",
+                backend=SDPBackend.MATH),
+        Variant("sdpa-flash", _pinned(SDPBackend.FLASH_ATTENTION),
+                "SDPA pinned to the flash backend", backend=SDPBackend.FLASH_ATTENTION),
+        Variant("sdpa-efficient", _pinned(SDPBackend.EFFICIENT_ATTENTION),
+                "SDPA pinned to the memory-efficient backend",
+                backend=SDPBackend.EFFICIENT_ATTENTION,
+                cuda_only="the memory-efficient SDPA kernel exists only for CUDA"),
+        Variant("sdpa-cudnn", _pinned(SDPBackend.CUDNN_ATTENTION),
+                "SDPA pinned to the cuDNN backend", backend=SDPBackend.CUDNN_ATTENTION,
+                cuda_only="the cuDNN SDPA kernel exists only for CUDA"),
+        Variant("flex", flex, "flex_attention with a causal block mask, compiled",
+                supports_dropout=False,
+                cuda_only="PyTorch has no flex_attention backward (nor compiled kernel) off CUDA"),
+    )
+}
+
+
+def get_variant(name: str) -> Variant:
+    try:
+        return VARIANTS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown attention variant {name!r}; valid choices: {', '.join(VARIANTS)}"
+        ) from None
+
+
+class VariantUnavailable(RuntimeError):
+    """An attention variant that cannot run (forward and backward) on a device and dtype."""
+
+
+def unavailable_reason(
+    name: str,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    head_size: int = 64,
+    dropout_p: float = 0.0,
+) -> str | None:
+    """Why `name` cannot train on `device` in `dtype`, or None if it can.
+
+    Decided by running it: a tiny causal forward and backward at this head size. For pinned
+    SDPA backends that is the only honest test, since their constraints (dtype, head size,
+    dropout, GPU generation, build) differ by version and device.
+    """
+    variant = get_variant(name)
+    device = torch.device(device)
+    if variant.cuda_only and device.type != "cuda":
+        return variant.cuda_only
+    if dropout_p > 0 and not variant.supports_dropout:
+        return "it has no attention dropout"
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return "CUDA is not available"
+    T = 128
+    q, k, v = (
+        torch.randn(1, 2, T, head_size, device=device, dtype=dtype, requires_grad=True)
+        for _ in range(3)
+    )
+    mask = torch.ones(T, T, dtype=torch.bool, device=device).triu(1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            variant.fn(q, k, v, mask, dropout_p).sum().backward()
+        except (RuntimeError, NotImplementedError, ValueError) as e:
+            # torch explains why a pinned kernel refused the inputs in warnings; keep them.
+            why = [str(w.message).strip() for w in caught if "kernel" in str(w.message)]
+            first_line = str(e).strip().splitlines()[0]
+            return "; ".join([first_line, *why])
+    return None
+
+
+def check_variant(
+    name: str,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    head_size: int = 64,
+    dropout_p: float = 0.0,
+) -> None:
+    """Raise VariantUnavailable, naming the variant, device, dtype and reason, if it can't run."""
+    reason = unavailable_reason(name, device, dtype, head_size, dropout_p)
+    if reason is not None:
+        raise VariantUnavailable(
+            f"attention variant {name!r} cannot run on {torch.device(device)} "
+            f"({str(dtype).removeprefix('torch.')}, head size {head_size}, "
+            f"dropout {dropout_p}): {reason}"
+        )
+
+
+def available_variants(
+    device: torch.device | str,
+    dtype: torch.dtype,
+    head_size: int = 64,
+    dropout_p: float = 0.0,
+) -> list[str]:
+    """The variant names that can train on this device and dtype, in registry order."""
+    return [n for n in VARIANTS if unavailable_reason(n, device, dtype, head_size, dropout_p) is None]

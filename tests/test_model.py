@@ -1,0 +1,233 @@
+"""The promise every measurement stands on: the attention variants compute the same function."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model import (
+    GPT,
+    VARIANTS,
+    GPTConfig,
+    VariantUnavailable,
+    available_variants,
+    check_variant,
+)
+from model.attention import inplace, naive
+
+CPU_F64 = available_variants("cpu", torch.float64, head_size=8)
+CPU_F32 = available_variants("cpu", torch.float32, head_size=8)
+SHAPES = [(1, 1), (2, 17), (3, 40), (2, 64)]  # (B, T): T=1, T not a multiple of 16, B > 1
+
+
+def tiny_config(attention: str = "naive", **overrides) -> GPTConfig:
+    fields = dict(vocab_size=97, block_size=64, n_layer=2, n_head=4, n_embd=32, dropout=0.0)
+    fields.update(overrides)
+    return GPTConfig(attention=attention, **fields)
+
+
+def twin_models(variant: str, dtype: torch.dtype, **overrides) -> tuple[GPT, GPT]:
+    """A naive model and a `variant` model with identical weights."""
+    torch.manual_seed(0)
+    reference = GPT(tiny_config("naive", **overrides)).to(dtype)
+    other = GPT(tiny_config(variant, **overrides)).to(dtype)
+    other.load_state_dict(reference.state_dict())
+    return reference, other
+
+
+def test_cpu_runs_what_it_should() -> None:
+    # If this changes, a torch upgrade changed what CPU can do: the docs must follow.
+    assert CPU_F32 == ["naive", "inplace", "sdpa", "sdpa-math", "sdpa-flash"]
+    assert set(VARIANTS) == {
+        "naive", "inplace", "sdpa", "sdpa-math", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn",
+        "flex",
+    }
+
+
+@pytest.mark.parametrize("variant", CPU_F64)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"B{s[0]}T{s[1]}")
+def test_variant_matches_naive_float64(variant: str, shape: tuple[int, int]) -> None:
+    reference, other = twin_models(variant, torch.float64)
+    idx = torch.randint(0, 97, shape)
+    targets = torch.randint(0, 97, shape)
+    logits_ref, loss_ref = reference(idx, targets)
+    logits, loss = other(idx, targets)
+    loss_ref.backward()
+    loss.backward()
+    tol = dict(rtol=1e-9, atol=1e-10)  # float64: only summation order may differ
+    torch.testing.assert_close(logits, logits_ref, **tol)
+    torch.testing.assert_close(loss, loss_ref, **tol)
+    grads_ref = dict(reference.named_parameters())
+    for name, p in other.named_parameters():
+        torch.testing.assert_close(p.grad, grads_ref[name].grad, **tol, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("variant", CPU_F64)
+@pytest.mark.parametrize("n_head", [1, 2])
+def test_variant_matches_naive_other_head_counts(variant: str, n_head: int) -> None:
+    reference, other = twin_models(variant, torch.float64, n_head=n_head, n_layer=1)
+    idx = torch.randint(0, 97, (2, 33))
+    torch.testing.assert_close(other(idx)[0], reference(idx)[0], rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("variant", CPU_F32)
+def test_causal(variant: str) -> None:
+    torch.manual_seed(0)
+    model = GPT(tiny_config(variant)).eval()
+    idx = torch.randint(0, 97, (2, 40))
+    t = 23
+    changed = idx.clone()
+    changed[:, t + 1 :] = torch.randint(0, 97, (2, 40 - t - 1))
+    with torch.no_grad():
+        before, after = model(idx)[0], model(changed)[0]
+    torch.testing.assert_close(after[:, : t + 1], before[:, : t + 1], rtol=0, atol=1e-6)
+    assert not torch.allclose(after[:, t + 1 :], before[:, t + 1 :])
+
+
+def test_inplace_gradcheck() -> None:
+    torch.manual_seed(0)
+    B, H, T, D = 1, 2, 5, 3
+    q, k, v = (torch.randn(B, H, T, D, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    mask = torch.ones(T, T, dtype=torch.bool).triu(1)
+    assert torch.autograd.gradcheck(lambda q, k, v: inplace(q, k, v, mask, 0.0), (q, k, v))
+    grads = torch.autograd.grad(inplace(q, k, v, mask, 0.0).sum(), (q, k, v))
+    grads_ref = torch.autograd.grad(naive(q, k, v, mask, 0.0).sum(), (q, k, v))
+    for g, g_ref in zip(grads, grads_ref, strict=True):
+        torch.testing.assert_close(g, g_ref, rtol=0, atol=0)
+
+
+def clones_in_one_training_step(variant: str, n_layer: int, device: str = "cpu") -> int:
+    """aten::clone calls in one forward + backward + AdamW step of train.train_step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from config import TrainConfig
+    from train import build_optimizer, train_step
+
+    torch.manual_seed(0)
+    model = GPT(tiny_config(variant, n_layer=n_layer)).to(device)
+    optimizer = build_optimizer(model, TrainConfig(), torch.device(device))
+    batch = torch.randint(0, 97, (2, 33), device=device)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        train_step(model, optimizer, [(batch[:, :-1], batch[:, 1:])], grad_clip=1.0)
+    return sum(1 for e in prof.events() if e.name == "aten::clone")
+
+
+@pytest.mark.parametrize("n_layer", [1, 2, 4])
+def test_hidden_copy_in_a_training_step(n_layer: int) -> None:
+    """The blog's finding, inside forward + backward + AdamW: one aten::clone per layer."""
+    extra = clones_in_one_training_step("naive", n_layer) - clones_in_one_training_step("inplace", n_layer)
+    assert extra == n_layer
+
+
+@pytest.mark.parametrize("variant", available_variants("cpu", torch.float32, 8, dropout_p=0.5))
+def test_attention_dropout(variant: str) -> None:
+    torch.manual_seed(0)
+    reference, model = twin_models(variant, torch.float32, dropout=0.5)
+    idx = torch.randint(0, 97, (2, 20))
+    model.train()
+    assert not torch.equal(model(idx)[0], model(idx)[0]), "dropout is not active in training"
+    model.eval(), reference.eval()
+    torch.testing.assert_close(model(idx)[0], reference(idx)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_flash_with_dropout_is_refused() -> None:
+    with pytest.raises(VariantUnavailable, match="sdpa-flash"):
+        check_variant("sdpa-flash", "cpu", torch.float32, head_size=8, dropout_p=0.1)
+
+
+@pytest.mark.parametrize("variant", ["sdpa-efficient", "sdpa-cudnn", "flex"])
+def test_unavailable_on_cpu_says_why(variant: str) -> None:
+    with pytest.raises(VariantUnavailable) as err:
+        check_variant(variant, "cpu", torch.float32)
+    message = str(err.value)
+    assert variant in message and "cpu" in message and "CUDA" in message
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expect"),
+    [
+        ("attention", "flash2", "valid choices: naive, inplace, sdpa"),
+        ("n_head", 5, "n_embd=32 is not divisible by n_head=5"),
+        ("n_layer", 0, "n_layer=0"),
+        ("vocab_size", -3, "vocab_size=-3"),
+        ("block_size", 2.5, "block_size=2.5"),
+        ("dropout", 1.0, "dropout=1.0"),
+        ("bias", "yes", "bias='yes'"),
+    ],
+)
+def test_bad_config_names_field_and_value(field: str, value: object, expect: str) -> None:
+    with pytest.raises(ValueError, match=expect.replace("(", r"\(")) as err:
+        tiny_config(**{field: value})
+    assert field in str(err.value)
+
+
+def test_flex_refuses_dropout() -> None:
+    with pytest.raises(ValueError, match="'flex' cannot apply attention dropout"):
+        tiny_config("flex", dropout=0.1)
+
+
+def test_sequence_longer_than_block_size() -> None:
+    model = GPT(tiny_config(block_size=8))
+    with pytest.raises(ValueError, match="exceeds block_size 8"):
+        model(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_weight_tying_and_init() -> None:
+    model = GPT(tiny_config(n_layer=8))
+    assert model.lm_head.weight is model.wte.weight
+    proj = model.blocks[0].mlp.c_proj.weight
+    assert abs(proj.std().item() - 0.02 / 4) < 0.002  # 1/sqrt(2 * 8) = 1/4
+
+
+def test_generate() -> None:
+    torch.manual_seed(0)
+    model = GPT(tiny_config(block_size=16)).eval()
+    prompt = torch.randint(0, 97, (2, 5))
+    out = model.generate(prompt, 20, temperature=0)  # runs past block_size: context is cropped
+    assert out.shape == (2, 25) and torch.equal(out[:, :5], prompt)
+    assert torch.equal(out, model.generate(prompt, 20, temperature=1.0, top_k=1))
+    sampled = model.generate(prompt, 20, temperature=1.0, top_k=5)
+    assert sampled.shape == (2, 25) and int(sampled.max()) < 97
+
+
+# --- CUDA: these run only where a GPU is present -------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_cuda_variant_matches_naive_bf16(variant: str) -> None:
+    dtype = torch.bfloat16
+    try:
+        check_variant(variant, "cuda", dtype, head_size=16)
+    except VariantUnavailable as e:
+        pytest.skip(str(e))
+    torch.manual_seed(0)
+    reference = GPT(tiny_config("naive", n_embd=64)).cuda()
+    other = GPT(tiny_config(variant, n_embd=64)).cuda()
+    other.load_state_dict(reference.state_dict())
+    idx = torch.randint(0, 97, (2, 64), device="cuda")
+    with torch.autocast("cuda", dtype=dtype):
+        logits_ref, loss_ref = reference(idx, idx)
+        logits, loss = other(idx, idx)
+    loss_ref.backward()
+    loss.backward()
+    torch.testing.assert_close(logits.float(), logits_ref.float(), rtol=2e-2, atol=2e-2)
+    grads_ref = dict(reference.named_parameters())
+    for name, p in other.named_parameters():
+        torch.testing.assert_close(p.grad, grads_ref[name].grad, rtol=5e-2, atol=5e-3)
+
+
+@pytest.mark.cuda
+def test_cuda_fused_backends_available_in_bf16() -> None:
+    # On a recent GPU the pinned fused backends must run; if one does not, say which and why.
+    runnable = available_variants("cuda", torch.bfloat16, head_size=64)
+    assert {"sdpa-flash", "sdpa-efficient"} <= set(runnable), runnable
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n_layer", [1, 2])
+def test_cuda_hidden_copy_in_a_training_step(n_layer: int) -> None:
+    extra = clones_in_one_training_step("naive", n_layer, "cuda") - clones_in_one_training_step(
+        "inplace", n_layer, "cuda"
+    )
+    assert extra == n_layer
