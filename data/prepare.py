@@ -1,0 +1,655 @@
+"""Turn a text corpus into the token files train.py reads.
+
+    python data/prepare.py --name NAME
+        (--stdlib | --files PATH_OR_GLOB ... | --hub DATASET [--hub-config C] [--split S]
+         [--text-column COL])
+        [--vocab-size N] [--val-fraction F] [--max-bytes N]
+        [--encoding-errors {strict,replace}] [--seed N] [--out-root DIR]
+
+writes <out-root>/NAME/ (out-root defaults to this data/ folder):
+
+    train.bin, val.bin  flat raw np.uint16 token ids; every document is followed by <|endoftext|>
+    tokenizer.json      byte-level BPE (`tokenizers`) trained on the train split only
+    meta.json           what was prepared, from what, and how big; written last
+
+The same thing from Python: `prepare("NAME", files=["corpus/*.txt"]) -> Path`.
+This is the only module that imports `datasets`, and only inside functions, so importing
+`prepare`/`PrepareError` from here stays cheap.
+
+Decisions, so that a reader need not reverse-engineer them:
+
+* Split by document, never by token: a permutation seeded by `--seed` picks
+  round(val_fraction * n) documents (at least one, at most n - 1) for val; both splits keep
+  input order. So at least two documents are required.
+* `<|endoftext|>` is the only special token and always has id 0 (EOT_ID): the BPE trainer
+  places special tokens before the 256 byte tokens. A literal "<|endoftext|>" inside a
+  document is encoded as ordinary text, so the separator only ever comes from us.
+* `--stdlib` is every `.py` file under sysconfig's "stdlib" path, sorted by relative path,
+  except those below a site-packages/dist-packages (not the stdlib), test/tests (large,
+  repetitive fixtures) or idlelib (a GUI app) folder. That is about 11 MB / 670 files for
+  CPython 3.11 and prepares in ~6 s on 2 cores, so there is no cap by default. Empty files
+  (bare __init__.py) and non-UTF-8 files are skipped and counted in meta.json, since the
+  corpus is fixed and the user cannot fix it.
+* `--files`: an empty file is an error (a glob that picked one up is more likely a mistake
+  than intent), and so is non-UTF-8 input, naming the file and byte offset;
+  `--encoding-errors replace` instead replaces each undecodable byte by U+FFFD and counts
+  them in meta.json. Hub documents that are empty or None are skipped and counted.
+* `--max-bytes N` keeps the longest prefix of whole documents, in input order, that fits in
+  N bytes (raw file bytes for --files/--stdlib, UTF-8 bytes for --hub).
+* meta.json bytes are the UTF-8 bytes of the documents as tokenized. The `text` builder
+  reads files with universal newlines, so "\\r\\n" counts as one byte. Tokens include one
+  <|endoftext|> per document, bytes include nothing for it.
+* Reuse: content_sha256 covers the settings (with the output format and `tokenizers`
+  versions) and the inputs (--files/--stdlib: relative names and raw bytes; --hub: the text of
+  every kept document). If meta.json has the same hash and the files it describes are
+  whole, nothing is redone. --hub has to load the dataset to hash it; the download is cached
+  in <out-root>/NAME/.hf_cache.
+* Writing: new files go to temporary names first; the old meta.json is removed before they
+  are moved into place and the new one is written last, so an interrupted run never leaves a
+  meta.json that describes files it did not finish. Bad input fails before anything is written.
+"""
+
+import argparse
+import glob
+import hashlib
+import itertools
+import json
+import os
+import platform
+import re
+import sys
+import sysconfig
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tqdm import tqdm
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+
+EOT = "<|endoftext|>"
+EOT_ID = 0  # the trainer gives special tokens the first ids
+DEFAULT_VOCAB_SIZE = 2048
+MIN_VOCAB_SIZE = 256 + 1  # every byte, plus EOT
+MAX_VOCAB_SIZE = 2**16  # ids are stored as uint16
+DEFAULT_VAL_FRACTION = 0.1
+DEFAULT_OUT_ROOT = Path(__file__).resolve().parent
+STDLIB_EXCLUDED_DIRS = frozenset(
+    {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
+)
+# Bump when the files written, or how they are derived, change, so old data is rebuilt.
+FORMAT_VERSION = 1
+OUTPUT_FILES = ("tokenizer.json", "train.bin", "val.bin")
+HF_CACHE_DIR = ".hf_cache"
+BATCH_DOCUMENTS = 64  # per encode_batch call: enough for tokenizers' threads, small in memory
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_ESCAPED_BYTE_RE = re.compile("[\udc80-\udcff]")  # how surrogateescape spells one bad byte
+
+
+class PrepareError(ValueError):
+    """Bad input or settings; the message names the file, flag or field at fault."""
+
+
+@dataclass
+class Corpus:
+    """The documents chosen for preparation, known before any tokenizing."""
+
+    source: dict[str, Any]  # meta.json "source"
+    digest: str  # sha256 over the input content
+    skipped: dict[str, int | list[str]] = field(default_factory=dict)
+    replaced_bytes: int = 0  # undecodable bytes turned into U+FFFD (--encoding-errors replace)
+    paths: list[Path] = field(default_factory=list)  # local files, loaded later
+    documents: "Dataset | None" = None  # hub rows, already loaded; column "text"
+
+
+def prepare(
+    name: str,
+    *,
+    stdlib: bool = False,
+    files: Sequence[str] | None = None,
+    hub: str | None = None,
+    hub_config: str | None = None,
+    split: str = "train",
+    text_column: str = "text",
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    val_fraction: float = DEFAULT_VAL_FRACTION,
+    out_root: Path | str | None = None,
+    max_bytes: int | None = None,
+    encoding_errors: str = "strict",
+    seed: int = 0,
+) -> Path:
+    """Prepare one corpus (exactly one of stdlib/files/hub) and return its output folder."""
+    kind = _check_arguments(name, stdlib, files, hub, hub_config, split, text_column)
+    _check_settings(vocab_size, val_fraction, max_bytes, encoding_errors, seed, kind)
+    out_dir = Path(out_root if out_root is not None else DEFAULT_OUT_ROOT) / name
+    settings: dict[str, Any] = {
+        "format_version": FORMAT_VERSION,
+        "tokenizers_version": tokenizers.__version__,
+        "kind": kind,
+        "vocab_size": vocab_size,
+        "val_fraction": val_fraction,
+        "seed": seed,
+        "max_bytes": max_bytes,
+    }
+    # Only settings that can change the output, so unrelated ones never force a rebuild.
+    if kind == "stdlib":
+        corpus = _stdlib_corpus(max_bytes)
+    elif kind == "files":
+        settings["encoding_errors"] = encoding_errors
+        corpus = _files_corpus(files or [], encoding_errors, max_bytes)
+    else:
+        assert hub is not None
+        settings |= {"hub": hub, "hub_config": hub_config, "split": split}
+        settings["text_column"] = text_column
+        hub_cache = out_dir / HF_CACHE_DIR
+        corpus = _hub_corpus(hub, hub_config, split, text_column, max_bytes, hub_cache)
+    content_sha256 = _sha256_text(json.dumps(settings, sort_keys=True) + "\n" + corpus.digest)
+    if _is_complete(out_dir, content_sha256):
+        print(f"reusing {out_dir}: inputs and settings unchanged ({content_sha256[:12]})")
+        return out_dir
+
+    # Arrow files for local corpora are only needed while tokenizing.
+    with tempfile.TemporaryDirectory(prefix="prepare-datasets-") as cache_dir:
+        documents = corpus.documents
+        if documents is None:
+            documents = _load_text_files(corpus.paths, encoding_errors, Path(cache_dir))
+        train_ids, val_ids = split_indices(len(documents), val_fraction, seed)
+        splits = {"train": documents.select(train_ids), "val": documents.select(val_ids)}
+        print(f"training a {vocab_size}-token byte-level BPE on {len(train_ids)} documents")
+        tokenizer = _train_tokenizer(splits["train"], vocab_size)
+        meta = _write_outputs(out_dir, tokenizer, splits, name, corpus, content_sha256, settings)
+    counts = meta["splits"]
+    print(
+        f"prepared {out_dir}: vocab {meta['vocab_size']}, "
+        f"train {counts['train']['documents']} docs / {counts['train']['tokens']} tokens, "
+        f"val {counts['val']['documents']} docs / {counts['val']['tokens']} tokens"
+    )
+    return out_dir
+
+
+def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Row numbers of the train and val documents: a seeded choice of whole documents."""
+    if n < 2:
+        raise PrepareError(
+            f"need at least 2 non-empty documents to split train/val by document, got {n}"
+        )
+    n_val = min(n - 1, max(1, round(n * val_fraction)))
+    order = np.random.default_rng(seed).permutation(n)
+    return sorted(order[n_val:].tolist()), sorted(order[:n_val].tolist())
+
+
+# --- checking arguments -------------------------------------------------------------------
+
+
+def _check_arguments(
+    name: str,
+    stdlib: bool,
+    files: Sequence[str] | None,
+    hub: str | None,
+    hub_config: str | None,
+    split: str,
+    text_column: str,
+) -> str:
+    """Validate the name and source; return the source kind."""
+    if not _NAME_RE.fullmatch(name):
+        raise PrepareError(
+            f"--name {name!r} must be a plain folder name (letters, digits, '.', '_', '-')"
+        )
+    given = [
+        kind
+        for kind, on in [("stdlib", stdlib), ("files", files is not None), ("hub", hub is not None)]
+        if on
+    ]
+    if len(given) != 1:
+        raise PrepareError(f"give exactly one source of --stdlib, --files, --hub; got {given}")
+    if files is not None and not files:
+        raise PrepareError("--files needs at least one path or glob")
+    hub_only = {"--hub-config": hub_config is not None, "--split": split != "train"}
+    hub_only["--text-column"] = text_column != "text"
+    misused = [flag for flag, on in hub_only.items() if on]
+    if misused and given != ["hub"]:
+        raise PrepareError(f"{', '.join(misused)} only apply to --hub")
+    return given[0]
+
+
+def _check_settings(
+    vocab_size: int,
+    val_fraction: float,
+    max_bytes: int | None,
+    encoding_errors: str,
+    seed: int,
+    kind: str,
+) -> None:
+    if not MIN_VOCAB_SIZE <= vocab_size <= MAX_VOCAB_SIZE:
+        raise PrepareError(
+            f"--vocab-size {vocab_size} must be in [{MIN_VOCAB_SIZE}, {MAX_VOCAB_SIZE}]: "
+            "256 byte tokens plus <|endoftext|>, and ids stored as uint16"
+        )
+    if not 0.0 < val_fraction < 1.0:  # also rejects NaN
+        raise PrepareError(f"--val-fraction {val_fraction} must be strictly between 0 and 1")
+    if max_bytes is not None and max_bytes <= 0:
+        raise PrepareError(f"--max-bytes {max_bytes} must be positive")
+    if encoding_errors not in ("strict", "replace"):
+        raise PrepareError(f"--encoding-errors {encoding_errors!r} must be 'strict' or 'replace'")
+    if encoding_errors != "strict" and kind != "files":
+        raise PrepareError("--encoding-errors only applies to --files")
+    if seed < 0:
+        raise PrepareError(f"--seed {seed} must be non-negative")
+
+
+# --- choosing the documents ---------------------------------------------------------------
+
+
+def _stdlib_files() -> tuple[Path, list[Path]]:
+    """The standard library's .py files, sorted by relative path (see module docstring)."""
+    root = Path(sysconfig.get_paths()["stdlib"]).resolve()
+    paths = [
+        path
+        for path in root.rglob("*.py")
+        if not STDLIB_EXCLUDED_DIRS.intersection(path.relative_to(root).parts[:-1])
+    ]
+    return root, sorted(paths, key=lambda path: path.relative_to(root).as_posix())
+
+
+def _stdlib_corpus(max_bytes: int | None) -> Corpus:
+    root, paths = _stdlib_files()
+    corpus = _read_local(paths, root, skip_bad=True, replace_bad=False, max_bytes=max_bytes)
+    corpus.source = {
+        "kind": "stdlib",
+        "python": platform.python_version(),
+        "root": str(root),
+        "excluded_dirs": sorted(STDLIB_EXCLUDED_DIRS),
+        **corpus.source,
+    }
+    return corpus
+
+
+def _expand_files(patterns: Sequence[str]) -> list[Path]:
+    """Paths and globs -> existing files, in argument order, each glob sorted, no repeats."""
+    found: dict[Path, None] = {}  # an ordered set
+    for pattern in patterns:
+        # An existing file is taken literally even if its name holds glob characters.
+        if not Path(pattern).is_file() and any(char in pattern for char in "*?["):
+            matches = sorted(
+                Path(p) for p in glob.glob(pattern, recursive=True) if Path(p).is_file()
+            )
+            if not matches:
+                raise PrepareError(f"glob {pattern!r} matched no files")
+        else:
+            path = Path(pattern)
+            if path.is_dir():
+                raise PrepareError(
+                    f"{pattern!r} is a directory; pass a glob like '{pattern}/*.txt'"
+                )
+            if not path.is_file():
+                raise PrepareError(f"file {pattern!r} does not exist")
+            matches = [path]
+        found.update(dict.fromkeys(match.resolve() for match in matches))
+    return list(found)
+
+
+def _files_corpus(patterns: Sequence[str], encoding_errors: str, max_bytes: int | None) -> Corpus:
+    paths = _expand_files(patterns)
+    root = Path(os.path.commonpath([path.parent for path in paths]))
+    replace = encoding_errors == "replace"
+    corpus = _read_local(paths, root, skip_bad=False, replace_bad=replace, max_bytes=max_bytes)
+    corpus.source = {
+        "kind": "files",
+        "patterns": list(patterns),
+        "root": str(root),
+        **corpus.source,
+    }
+    return corpus
+
+
+def _read_local(
+    paths: list[Path], root: Path, *, skip_bad: bool, replace_bad: bool, max_bytes: int | None
+) -> Corpus:
+    """Read, check and hash files; keep those that are used (see module docstring)."""
+    kept: list[Path] = []
+    names: list[str] = []
+    content = hashlib.sha256()
+    skipped: dict[str, Any] = {"empty_documents": 0, "non_utf8_files": [], "over_max_bytes": 0}
+    total = replaced = 0
+    for index, path in enumerate(paths):
+        name = path.relative_to(root).as_posix()
+        try:
+            raw = path.read_bytes()
+        except OSError as error:
+            raise PrepareError(f"cannot read {path}: {error.strerror}") from error
+        if not raw:
+            if not skip_bad:
+                raise PrepareError(f"{path} is empty; every input file must hold a document")
+            skipped["empty_documents"] += 1
+            continue
+        bad = _invalid_utf8(raw)
+        if bad is not None:
+            offset, count = bad
+            if skip_bad:
+                skipped["non_utf8_files"].append(name)
+                continue
+            if not replace_bad:
+                raise PrepareError(
+                    f"{path} is not UTF-8 (first bad byte at offset {offset}); "
+                    "fix the file or pass --encoding-errors replace"
+                )
+            replaced += count
+        if max_bytes is not None and total + len(raw) > max_bytes:
+            if not kept:
+                raise PrepareError(
+                    f"--max-bytes {max_bytes} is smaller than the first document, "
+                    f"{path} ({len(raw)} bytes)"
+                )
+            skipped["over_max_bytes"] = len(paths) - index
+            break
+        total += len(raw)
+        kept.append(path)
+        names.append(name)
+        # Length-prefixed so that moving bytes between files changes the hash.
+        content.update(f"{name}\0{len(raw)}\0".encode())
+        content.update(raw)
+    if not kept:
+        raise PrepareError(f"no usable documents under {root}: skipped {skipped}")
+    file_list = "\n".join(names)
+    return Corpus(
+        source={"files": len(kept), "file_list_sha256": _sha256_text(file_list)},
+        digest=content.hexdigest(),
+        skipped=skipped,
+        replaced_bytes=replaced,
+        paths=kept,
+    )
+
+
+def _invalid_utf8(raw: bytes) -> tuple[int, int] | None:
+    """(offset of the first undecodable byte, how many there are), or None for valid UTF-8."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        escaped = raw.decode("utf-8", errors="surrogateescape")
+        return error.start, len(_ESCAPED_BYTE_RE.findall(escaped))
+    return None
+
+
+def _hub_corpus(
+    dataset: str,
+    config: str | None,
+    split: str,
+    text_column: str,
+    max_bytes: int | None,
+    cache_dir: Path,
+) -> Corpus:
+    rows = _load_hub(dataset, config, split, text_column, cache_dir)
+    keep: list[int] = []
+    content = hashlib.sha256()
+    skipped = {"empty_documents": 0, "over_max_bytes": 0}
+    total = 0
+    for index, text in enumerate(_iter_texts(rows, text_column)):
+        if not text:
+            skipped["empty_documents"] += 1
+            continue
+        raw = text.encode("utf-8")
+        if max_bytes is not None and total + len(raw) > max_bytes:
+            if not keep:
+                raise PrepareError(
+                    f"--max-bytes {max_bytes} is smaller than the first document, "
+                    f"row {index} ({len(raw)} bytes)"
+                )
+            skipped["over_max_bytes"] = len(rows) - index
+            break
+        total += len(raw)
+        keep.append(index)
+        content.update(f"{len(raw)}\0".encode())
+        content.update(raw)
+    if not keep:
+        raise PrepareError(
+            f"--hub {dataset!r} split {split!r} has no non-empty documents "
+            f"in --text-column {text_column!r}"
+        )
+    documents = rows.select(keep)
+    if text_column != "text":
+        documents = documents.rename_column(text_column, "text")
+    source = {"kind": "hub", "dataset": dataset, "config": config, "split": split}
+    source |= {"text_column": text_column, "rows": len(rows)}
+    return Corpus(source=source, digest=content.hexdigest(), skipped=skipped, documents=documents)
+
+
+def _iter_texts(rows: "Dataset", column: str) -> Iterator[str | None]:
+    for batch in rows.iter(batch_size=1024):
+        yield from batch[column]
+
+
+# --- loading through `datasets` -----------------------------------------------------------
+
+
+def _import_datasets() -> Any:
+    """Import `datasets` quietly: no telemetry, progress bars or 'Generating split' logs."""
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    import datasets
+
+    datasets.disable_progress_bars()
+    datasets.utils.logging.set_verbosity_error()
+    return datasets
+
+
+def _load_text_files(paths: list[Path], encoding_errors: str, cache_dir: Path) -> "Dataset":
+    """One row per file, column "text" (the `text` builder with whole-file documents)."""
+    datasets = _import_datasets()
+    rows = datasets.load_dataset(
+        "text",
+        # `datasets` expands globs again; escaping keeps names like "a[1].txt" literal.
+        data_files=[glob.escape(str(path)) for path in paths],
+        sample_by="document",
+        encoding_errors=None if encoding_errors == "strict" else encoding_errors,
+        split="train",
+        cache_dir=str(cache_dir),
+    )
+    if len(rows) != len(paths):
+        raise PrepareError(f"`datasets` loaded {len(rows)} documents from {len(paths)} files")
+    return rows
+
+
+def _load_hub(
+    dataset: str, config: str | None, split: str, text_column: str, cache_dir: Path
+) -> "Dataset":
+    datasets = _import_datasets()
+    try:
+        rows = datasets.load_dataset(dataset, config, split=split, cache_dir=str(cache_dir))
+    # The Hub client, fsspec and the builders raise many types; to the user all of them mean
+    # "could not load", and the chained cause keeps the detail.
+    except Exception as error:
+        raise PrepareError(f"--hub {dataset!r}: cannot load split {split!r}: {error}") from error
+    if text_column not in rows.column_names:
+        raise PrepareError(
+            f"--text-column {text_column!r} is not a column of {dataset!r}; "
+            f"columns: {rows.column_names}"
+        )
+    feature = rows.features[text_column]
+    if getattr(feature, "dtype", None) not in ("string", "large_string"):
+        raise PrepareError(
+            f"--text-column {text_column!r} of {dataset!r} holds {feature}, not strings"
+        )
+    return rows.select_columns([text_column])
+
+
+# --- tokenizer and token files ------------------------------------------------------------
+
+
+def _train_tokenizer(train: "Dataset", vocab_size: int) -> Tokenizer:
+    tokenizer = Tokenizer(models.BPE())
+    # No prefix space and no normalizer, so decode(encode(s)) == s for any string.
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOT],
+        # All 256 bytes even if the corpus lacks some, so any later text can be encoded.
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_text_batches(train), trainer, length=len(train))
+    if tokenizer.token_to_id(EOT) != EOT_ID:
+        raise RuntimeError(f"{EOT} got id {tokenizer.token_to_id(EOT)}, expected {EOT_ID}")
+    return tokenizer
+
+
+def _text_batches(documents: "Dataset") -> Iterator[list[str]]:
+    for batch in documents.iter(batch_size=BATCH_DOCUMENTS):
+        yield batch["text"]
+
+
+def _write_tokens(tokenizer: Tokenizer, documents: "Dataset", path: Path, split: str) -> dict:
+    """Encode documents into `path` as uint16, EOT after each; return the split's counts."""
+    # A literal "<|endoftext|>" in the text is then ordinary text: separators are ours alone.
+    # The flag is not saved in tokenizer.json.
+    tokenizer.encode_special_tokens = True
+    n_bytes = n_tokens = 0
+    with path.open("wb") as out, tqdm(total=len(documents), desc=split, unit="doc") as bar:
+        for texts in _text_batches(documents):
+            encodings = tokenizer.encode_batch(texts, add_special_tokens=False)
+            ids = itertools.chain.from_iterable((*enc.ids, EOT_ID) for enc in encodings)
+            array = np.fromiter(ids, dtype=np.uint16)
+            array.tofile(out)
+            n_tokens += len(array)
+            n_bytes += sum(len(text.encode("utf-8")) for text in texts)
+            bar.update(len(texts))
+    return {"documents": len(documents), "bytes": n_bytes, "tokens": n_tokens}
+
+
+def _write_outputs(
+    out_dir: Path,
+    tokenizer: Tokenizer,
+    splits: dict[str, "Dataset"],
+    name: str,
+    corpus: Corpus,
+    content_sha256: str,
+    settings: dict[str, Any],
+) -> dict[str, Any]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    temporary = {final: out_dir / f".{final}.{os.getpid()}.tmp" for final in OUTPUT_FILES}
+    try:
+        tokenizer.save(str(temporary["tokenizer.json"]))
+        counts = {
+            split: _write_tokens(tokenizer, documents, temporary[f"{split}.bin"], split)
+            for split, documents in splits.items()
+        }
+        meta = {
+            "name": name,
+            "source": corpus.source,
+            "vocab_size": tokenizer.get_vocab_size(),  # may be below the request on tiny corpora
+            "eot_id": EOT_ID,
+            "eot_token": EOT,
+            "dtype": "uint16",
+            "content_sha256": content_sha256,
+            "tokenizer_sha256": _file_sha256(temporary["tokenizer.json"]),
+            "splits": counts,
+            "skipped": corpus.skipped,
+            "replaced_invalid_utf8_bytes": corpus.replaced_bytes,
+            "settings": settings,
+        }
+        # Old meta.json first: if we stop between the renames below, no meta.json claims a
+        # mix of old and new files, and the next run rebuilds.
+        (out_dir / "meta.json").unlink(missing_ok=True)
+        for final, path in temporary.items():
+            os.replace(path, out_dir / final)
+        _write_json_atomic(out_dir / "meta.json", meta)
+    finally:
+        for path in temporary.values():
+            path.unlink(missing_ok=True)
+    return meta
+
+
+def _is_complete(out_dir: Path, content_sha256: str) -> bool:
+    """Whether out_dir already holds whole outputs for exactly these inputs and settings."""
+    try:
+        meta = json.loads((out_dir / "meta.json").read_text())
+        if meta["content_sha256"] != content_sha256:
+            return False
+        for split in ("train", "val"):
+            size = (out_dir / f"{split}.bin").stat().st_size
+            if size != 2 * meta["splits"][split]["tokens"]:
+                return False
+        return _file_sha256(out_dir / "tokenizer.json") == meta["tokenizer_sha256"]
+    except (OSError, ValueError, KeyError, TypeError):  # missing or malformed: rebuild
+        return False
+
+
+def _write_json_atomic(path: Path, obj: Any) -> None:
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(temporary, path)
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+# --- command line -------------------------------------------------------------------------
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="data/prepare.py",
+        description="Corpus -> byte-level BPE -> uint16 token files in <out-root>/NAME/.",
+    )
+    parser.add_argument("--name", required=True, help="output folder name under --out-root")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--stdlib", action="store_true", help="this Python's stdlib .py files")
+    source.add_argument("--files", nargs="+", metavar="PATH_OR_GLOB", help="one document per file")
+    source.add_argument("--hub", metavar="DATASET", help="a datasets name or local dataset folder")
+    parser.add_argument("--hub-config", help="--hub: dataset configuration name")
+    parser.add_argument("--split", default="train", help="--hub: split to load (default train)")
+    parser.add_argument("--text-column", default="text", help="--hub: column with the documents")
+    parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
+    parser.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION)
+    parser.add_argument("--max-bytes", type=int, help="keep a prefix of whole documents this big")
+    parser.add_argument(
+        "--encoding-errors",
+        choices=["strict", "replace"],
+        default="strict",
+        help="--files: fail on non-UTF-8 input, or replace bad bytes with U+FFFD",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="for the train/val document split")
+    parser.add_argument("--out-root", type=Path, help=f"default {DEFAULT_OUT_ROOT}")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse_args(argv)
+    try:
+        prepare(
+            args.name,
+            stdlib=args.stdlib,
+            files=args.files,
+            hub=args.hub,
+            hub_config=args.hub_config,
+            split=args.split,
+            text_column=args.text_column,
+            vocab_size=args.vocab_size,
+            val_fraction=args.val_fraction,
+            out_root=args.out_root,
+            max_bytes=args.max_bytes,
+            encoding_errors=args.encoding_errors,
+            seed=args.seed,
+        )
+    except PrepareError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

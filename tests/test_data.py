@@ -1,0 +1,283 @@
+"""data/prepare.py on tiny corpora written into tmp_path: outputs, reuse, sources, bad input."""
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+from data import prepare as prepare_module
+from data.prepare import EOT, EOT_ID, PrepareError, prepare, split_indices
+
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB = 400  # small: fast to train, still room to merge every test word
+META_KEYS = {"name", "source", "vocab_size", "eot_id", "content_sha256", "tokenizer_sha256"}
+# Each document repeats its own word, so a merged token for the word shows which split trained on it.
+WORDS = ["quokka", "zephyr", "bramble", "fjord", "walrus", "cobalt"]
+
+
+def _document(word: str) -> str:
+    return f"The {word} sat.\n" + f"{word} " * 40 + "\nCafé ☕ ünïcode, tabs\tand 'quotes'.\n"
+
+
+def _write(folder: Path, documents: dict[str, str | bytes]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, content in documents.items():
+        data = content if isinstance(content, bytes) else content.encode("utf-8")
+        (folder / name).write_bytes(data)
+    return folder
+
+
+@pytest.fixture
+def corpus(tmp_path: Path) -> Path:
+    return _write(tmp_path / "corpus", {f"{word}.txt": _document(word) for word in WORDS})
+
+
+def _decode_split(out_dir: Path, split: str) -> list[str]:
+    """The split's documents, read back the way train.py reads tokens."""
+    tokenizer = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
+    ids = np.memmap(out_dir / f"{split}.bin", dtype=np.uint16, mode="r")
+    assert ids[-1] == EOT_ID, "every document, the last included, ends with EOT"
+    ends = np.flatnonzero(ids == EOT_ID)
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    return [tokenizer.decode(ids[s:e].tolist()) for s, e in zip(starts, ends, strict=True)]
+
+
+def _meta(out_dir: Path) -> dict:
+    return json.loads((out_dir / "meta.json").read_text())
+
+
+def _mtimes(out_dir: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_mtime_ns for p in sorted(out_dir.iterdir()) if p.is_file()}
+
+
+def test_files_glob_writes_uint16_tokens_split_by_document(corpus: Path, tmp_path: Path) -> None:
+    out = prepare("tiny", files=[str(corpus / "*.txt")], vocab_size=VOCAB, out_root=tmp_path)
+    assert out == tmp_path / "tiny"
+    meta = _meta(out)
+    assert meta.keys() >= META_KEYS
+    assert meta["name"] == "tiny" and meta["source"]["kind"] == "files"
+    assert meta["eot_id"] == EOT_ID
+    tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
+    assert tokenizer.token_to_id(EOT) == EOT_ID
+    assert meta["vocab_size"] == tokenizer.get_vocab_size() <= VOCAB
+    digest = hashlib.sha256((out / "tokenizer.json").read_bytes()).hexdigest()
+    assert meta["tokenizer_sha256"] == digest
+
+    texts = {word: _document(word) for word in WORDS}
+    decoded = {split: _decode_split(out, split) for split in ("train", "val")}
+    # Whole documents, each in exactly one split, decoding back to the original text.
+    assert sorted(decoded["train"] + decoded["val"]) == sorted(texts.values())
+    assert len(decoded["val"]) == 1  # round(6 * 0.1) = 1
+    for split, documents in decoded.items():
+        counts = meta["splits"][split]
+        size = (out / f"{split}.bin").stat().st_size
+        assert counts["documents"] == len(documents)
+        assert counts["bytes"] == sum(len(d.encode("utf-8")) for d in documents)
+        assert counts["tokens"] * 2 == size
+        assert np.fromfile(out / f"{split}.bin", dtype=np.uint16).max() < meta["vocab_size"]
+
+    # The tokenizer saw only train documents: only their words became single tokens.
+    for word in WORDS:
+        in_train = texts[word] in decoded["train"]
+        assert (tokenizer.token_to_id("Ġ" + word) is not None) == in_train, word
+
+
+def test_rerun_reuses_and_changes_rebuild(
+    corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    files = [str(corpus / "*.txt")]
+    out = prepare("tiny", files=files, vocab_size=VOCAB, out_root=tmp_path)
+    first, before = _meta(out), _mtimes(out)
+    capsys.readouterr()
+
+    prepare("tiny", files=files, vocab_size=VOCAB, out_root=tmp_path)
+    assert "reusing" in capsys.readouterr().out
+    assert _mtimes(out) == before
+
+    (corpus / "fjord.txt").write_text(_document("fjord") + "one more line\n")
+    prepare("tiny", files=files, vocab_size=VOCAB, out_root=tmp_path)
+    assert "reusing" not in capsys.readouterr().out
+    assert _meta(out)["content_sha256"] != first["content_sha256"]
+
+    changed = _meta(out)["content_sha256"]
+    prepare("tiny", files=files, vocab_size=VOCAB + 1, out_root=tmp_path)
+    assert _meta(out)["content_sha256"] != changed
+
+
+def test_truncated_output_is_rebuilt(corpus: Path, tmp_path: Path) -> None:
+    out = prepare("tiny", files=[str(corpus / "*.txt")], vocab_size=VOCAB, out_root=tmp_path)
+    tokens = (out / "train.bin").read_bytes()
+    (out / "train.bin").write_bytes(tokens[:-2])
+    prepare("tiny", files=[str(corpus / "*.txt")], vocab_size=VOCAB, out_root=tmp_path)
+    assert (out / "train.bin").read_bytes() == tokens
+
+
+def test_interrupted_rebuild_keeps_previous_outputs(
+    corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    files = [str(corpus / "*.txt")]
+    out = prepare("tiny", files=files, vocab_size=VOCAB, out_root=tmp_path)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    real_write_tokens = prepare_module._write_tokens
+
+    def interrupted(tokenizer: Tokenizer, documents: object, path: Path, split: str) -> dict:
+        if split == "val":
+            raise KeyboardInterrupt
+        return real_write_tokens(tokenizer, documents, path, split)
+
+    monkeypatch.setattr(prepare_module, "_write_tokens", interrupted)
+    (corpus / "fjord.txt").write_text("changed\n")
+    with pytest.raises(KeyboardInterrupt):
+        prepare("tiny", files=files, vocab_size=VOCAB, out_root=tmp_path)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before, "no temp files left"
+
+
+def test_file_names_with_glob_characters_are_literal(tmp_path: Path) -> None:
+    folder = _write(tmp_path / "corpus", {"a[1].txt": "first doc\n", "b*.txt": "second doc\n"})
+    out = prepare(
+        "odd",
+        files=[str(folder / "a[1].txt"), str(folder / "b*.txt")],
+        out_root=tmp_path,
+        vocab_size=300,
+    )
+    documents = _decode_split(out, "train") + _decode_split(out, "val")
+    assert sorted(documents) == ["first doc\n", "second doc\n"]
+
+
+def test_hub_reads_local_parquet_folder(tmp_path: Path) -> None:
+    import datasets
+
+    rows = {"body": [_document(w) for w in WORDS] + ["", None], "id": list(range(len(WORDS) + 2))}
+    folder = tmp_path / "hub"
+    folder.mkdir()
+    datasets.Dataset.from_dict(rows).to_parquet(str(folder / "train-00000.parquet"))
+
+    out = prepare("hubby", hub=str(folder), text_column="body", vocab_size=VOCAB, out_root=tmp_path)
+    meta = _meta(out)
+    assert meta["source"] | {"kind": "hub", "text_column": "body", "rows": 8} == meta["source"]
+    assert meta["skipped"]["empty_documents"] == 2
+    documents = _decode_split(out, "train") + _decode_split(out, "val")
+    assert sorted(documents) == sorted(_document(w) for w in WORDS)
+    assert (out / prepare_module.HF_CACHE_DIR).is_dir(), "the datasets cache stays by the output"
+
+    with pytest.raises(PrepareError, match=r"--text-column 'nope'.*columns: \['body', 'id'\]"):
+        prepare("hubby", hub=str(folder), text_column="nope", out_root=tmp_path)
+    with pytest.raises(PrepareError, match=r"--text-column 'id'.*not strings"):
+        prepare("hubby", hub=str(folder), text_column="id", out_root=tmp_path)
+    with pytest.raises(PrepareError, match=r"--hub .*cannot load split 'validation'"):
+        prepare("hubby", hub=str(folder), split="validation", text_column="body", out_root=tmp_path)
+
+
+def test_stdlib_capped_is_deterministic(tmp_path: Path) -> None:
+    kwargs = {"stdlib": True, "max_bytes": 40_000, "vocab_size": 300}
+    first = _meta(prepare("std", out_root=tmp_path / "a", **kwargs))
+    second = _meta(prepare("std", out_root=tmp_path / "b", **kwargs))
+    assert first["source"]["kind"] == "stdlib"
+    assert first["source"]["file_list_sha256"] == second["source"]["file_list_sha256"]
+    assert first["content_sha256"] == second["content_sha256"]
+    assert first["tokenizer_sha256"] == second["tokenizer_sha256"]
+    assert first["skipped"]["over_max_bytes"] > 0
+    assert sum(split["bytes"] for split in first["splits"].values()) <= 40_000
+
+
+def test_stdlib_skips_non_utf8_and_empty_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = _write(
+        tmp_path / "lib",
+        {"a.py": "x = 1\n", "b.py": b"s = '\xff'\n", "c.py": "", "d.py": "y = 2\n"},
+    )
+    paths = sorted(root.iterdir())
+    monkeypatch.setattr(prepare_module, "_stdlib_files", lambda: (root, paths))
+    meta = _meta(prepare("std", stdlib=True, vocab_size=300, out_root=tmp_path))
+    assert meta["skipped"]["non_utf8_files"] == ["b.py"]
+    assert meta["skipped"]["empty_documents"] == 1
+    assert meta["source"]["files"] == 2
+
+
+def test_non_utf8_file_fails_by_default_and_replace_counts(tmp_path: Path) -> None:
+    folder = _write(
+        tmp_path / "corpus", {"good.txt": "fine text\n", "bad.txt": b"abcde\xff\xfez\n"}
+    )
+    with pytest.raises(PrepareError, match=r"bad\.txt is not UTF-8 \(first bad byte at offset 5\)"):
+        prepare("enc", files=[str(folder / "*.txt")], out_root=tmp_path)
+    assert not (tmp_path / "enc").exists(), "nothing is written for bad input"
+
+    out = prepare(
+        "enc",
+        files=[str(folder / "*.txt")],
+        encoding_errors="replace",
+        vocab_size=300,
+        out_root=tmp_path,
+    )
+    assert _meta(out)["replaced_invalid_utf8_bytes"] == 2
+    documents = _decode_split(out, "train") + _decode_split(out, "val")
+    assert "abcde\ufffd\ufffdz\n" in documents
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"files": ["{corpus}/*.nothing"]}, r"glob '.*\*\.nothing' matched no files"),
+        ({"files": ["{corpus}/missing.txt"]}, r"file '.*missing\.txt' does not exist"),
+        ({"files": ["{corpus}"]}, r"is a directory"),
+        ({"files": ["{corpus}/*.txt", "{corpus}/empty.md"]}, r"empty\.md is empty"),
+        ({"files": ["{corpus}/quokka.txt"]}, r"at least 2 non-empty documents"),
+        ({"files": []}, r"--files needs at least one"),
+        ({"vocab_size": 256}, r"--vocab-size 256 must be in \[257, 65536\]"),
+        ({"vocab_size": 65537}, r"--vocab-size 65537"),
+        ({"val_fraction": 0.0}, r"--val-fraction 0.0"),
+        ({"val_fraction": 1.0}, r"--val-fraction 1.0"),
+        ({"max_bytes": 10}, r"--max-bytes 10 is smaller than the first document"),
+        ({"max_bytes": 0}, r"--max-bytes 0 must be positive"),
+        ({"name": "../escape"}, r"--name '../escape'"),
+        ({"stdlib": True}, r"exactly one source"),
+        ({"hub_config": "x"}, r"--hub-config only apply to --hub"),
+        ({"encoding_errors": "ignore"}, r"--encoding-errors 'ignore'"),
+    ],
+)
+def test_bad_input_fails_clearly_and_keeps_prepared_data(
+    corpus: Path, tmp_path: Path, change: dict, message: str
+) -> None:
+    (corpus / "empty.md").write_bytes(b"")
+    kwargs = {"files": [str(corpus / "*.txt")], "vocab_size": VOCAB, "out_root": tmp_path}
+    out = prepare("tiny", **kwargs)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    change = {
+        key: [v.format(corpus=corpus) for v in value] if key == "files" else value
+        for key, value in change.items()
+    }
+    with pytest.raises(PrepareError, match=message):
+        prepare(**({"name": "tiny"} | kwargs | change))
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_split_indices_is_seeded_and_covers_every_document() -> None:
+    train, val = split_indices(10, 0.25, seed=3)
+    assert (train, val) == split_indices(10, 0.25, seed=3)
+    assert sorted(train + val) == list(range(10)) and len(val) == 2
+    assert split_indices(2, 0.9, seed=0)[0] != [], "train keeps at least one document"
+    assert len(split_indices(50, 0.001, seed=0)[1]) == 1, "val gets at least one document"
+
+
+def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, str(ROOT / "data" / "prepare.py"), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_cli_prepares_and_reports_errors_without_traceback(corpus: Path, tmp_path: Path) -> None:
+    common = ["--name", "cli", "--out-root", str(tmp_path), "--vocab-size", str(VOCAB)]
+    done = _run_cli(*common, "--files", str(corpus / "*.txt"))
+    assert done.returncode == 0, done.stderr
+    assert _meta(tmp_path / "cli")["splits"]["val"]["documents"] >= 1
+
+    failed = _run_cli(*common, "--files", str(corpus / "*.nothing"))
+    assert failed.returncode == 2
+    assert failed.stderr.startswith("error: glob ") and "*.nothing" in failed.stderr
+    assert "Traceback" not in failed.stderr
