@@ -1,0 +1,156 @@
+"""Run configuration: TOML sections that mirror dataclasses, overridden from the command line.
+
+Precedence: command line (`--section.field=value`) > TOML file > dataclass defaults.
+Unknown sections or keys and wrong types are errors that name the key. Nothing is executed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from model import GPTConfig
+
+
+@dataclass
+class DataConfig:
+    name: str = "stdlib"  # a corpus prepared by data/prepare.py into <root>/<name>/
+    root: str = "data"  # folder holding prepared corpora, relative to the working directory
+
+
+@dataclass
+class TrainConfig:
+    device: str = "auto"  # auto picks cuda > mps > cpu; or name one: cuda, cuda:1, mps, cpu
+    dtype: str = "auto"  # auto: bf16 autocast on CUDA, fp32 elsewhere; or float32 / bfloat16
+    compile: bool = False  # torch.compile the model; pays off on GPUs, costs minutes of warm-up
+    seed: int = 1337  # one seed for init, dropout and batch sampling: runs are reproducible
+    batch_size: int = 16  # sequences per micro-batch per process
+    grad_accum: int = 1  # micro-batches per optimizer step; global batch = this x batch x ranks
+    max_steps: int = 1000  # optimizer steps in the run
+    lr: float = 1e-3  # peak learning rate, reached after warmup
+    min_lr: float = 1e-4  # floor of the cosine decay, reached at max_steps
+    warmup_steps: int = 100  # linear warmup from 0: early Adam updates are noisy
+    weight_decay: float = 0.1  # decoupled decay on matrices only; not on biases, norms
+    beta1: float = 0.9
+    beta2: float = 0.95  # below 0.999: adapts faster, steadier for small transformers
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    eval_interval: int = 100  # steps between evaluations (and checkpoints); 0: only at the end
+    eval_batches: int = 20  # batches of val averaged per evaluation; the same batches each time
+    log_interval: int = 10  # steps between metrics.jsonl lines
+    sample_tokens: int = 200  # tokens sampled at the end of `make train`; 0 disables
+    sample_prompt: str = "def "  # prompt for that sample
+
+
+@dataclass
+class Config:
+    model: GPTConfig = field(default_factory=GPTConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be used; the message names the key."""
+
+
+def _check_type(key: str, value: Any, expected: Any) -> Any:
+    if isinstance(expected, types.UnionType) or typing.get_origin(expected) is typing.Union:
+        for option in typing.get_args(expected):
+            if option is type(None) and value is None:
+                return value
+            try:
+                return _check_type(key, value, option)
+            except ConfigError:
+                continue
+    elif expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    elif expected is int and isinstance(value, bool):
+        pass
+    elif isinstance(expected, type) and isinstance(value, expected):
+        return value
+    name = getattr(expected, "__name__", str(expected))
+    raise ConfigError(f"{key}: expected {name}, got {type(value).__name__} {value!r}")
+
+
+def _build(cls: type, values: dict[str, Any], section: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        if key not in known:
+            raise ConfigError(
+                f"unknown key {section}.{key!s}; valid keys in [{section}]: {', '.join(sorted(known))}"
+            )
+        kwargs[key] = _check_type(f"{section}.{key}", value, hints[key])
+    try:
+        return cls(**kwargs)
+    except ValueError as e:  # a dataclass's own validation, e.g. GPTConfig
+        raise ConfigError(f"[{section}] {e}") from None
+
+
+def parse_override(arg: str) -> tuple[str, str, Any]:
+    """'--train.lr=3e-4' -> ('train', 'lr', 0.0003). Bare words are strings: --model.attention=sdpa"""
+    body = arg.removeprefix("--")
+    if "=" not in body or "." not in body.split("=", 1)[0]:
+        raise ConfigError(f"override {arg!r}: expected --section.field=value")
+    dotted, raw = body.split("=", 1)
+    section, key = dotted.split(".", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return section, key, value
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        try:
+            raw = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path}: {e}") from None
+    for arg in overrides:
+        section, key, value = parse_override(arg)
+        raw.setdefault(section, {})[key] = value
+    sections = {f.name: f.type for f in dataclasses.fields(Config)}
+    hints = typing.get_type_hints(Config)
+    built = {}
+    for section, values in raw.items():
+        if section not in sections:
+            raise ConfigError(
+                f"unknown section [{section}]; valid sections: {', '.join(sections)}"
+            )
+        if not isinstance(values, dict):
+            raise ConfigError(f"{section}: expected a [{section}] table, got {values!r}")
+        built[section] = _build(hints[section], values, section)
+    return Config(**built)
+
+
+def config_to_dict(config: Config) -> dict[str, dict[str, Any]]:
+    return dataclasses.asdict(config)
+
+
+def dump_toml(config: Config) -> str:
+    """The effective config, as TOML that load_config reads back to the same Config."""
+    lines = []
+    for section, values in config_to_dict(config).items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            if isinstance(value, bool):
+                text = "true" if value else "false"
+            elif isinstance(value, str):
+                text = json.dumps(value)  # JSON string escapes are valid TOML
+            else:
+                text = repr(value)
+            lines.append(f"{key} = {text}")
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,74 @@
+"""Generate text from a trained run.
+
+    python sample.py --run runs/default --prompt "def " [--tokens 200] [--temperature 0.8] [--top-k 50]
+
+Reads the run's checkpoint, config and tokenizer (train.py copies it into the run directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from config import load_config
+from model import GPT
+from train import CHECKPOINT, TrainError, load_checkpoint, pick_device
+
+
+def load_run(run_dir: Path, device: torch.device) -> tuple[GPT, Tokenizer]:
+    config = load_config(run_dir / "config.toml")
+    tokenizer_path = run_dir / "tokenizer.json"
+    if not tokenizer_path.is_file():
+        raise TrainError(f"{run_dir} has no tokenizer.json; is it a run directory?")
+    ckpt = load_checkpoint(run_dir / CHECKPOINT)
+    model = GPT(config.model)
+    model.load_state_dict(ckpt["model"])
+    return model.to(device).eval(), Tokenizer.from_file(str(tokenizer_path))
+
+
+def sample_run(
+    run_dir: Path,
+    prompt: str,
+    max_new_tokens: int = 200,
+    temperature: float = 0.8,
+    top_k: int | None = 50,
+    seed: int = 0,
+    device: str = "auto",
+) -> str:
+    dev = pick_device(device)
+    model, tokenizer = load_run(run_dir, dev)
+    ids = tokenizer.encode(prompt).ids
+    if not ids:
+        raise TrainError("the prompt is empty; give at least one character")
+    generator = torch.Generator(device=dev).manual_seed(seed)
+    idx = torch.tensor([ids], dtype=torch.long, device=dev)
+    out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator)
+    return tokenizer.decode(out[0].tolist(), skip_special_tokens=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run", type=Path, required=True, help="run directory written by train.py")
+    parser.add_argument("--prompt", default="\n")
+    parser.add_argument("--tokens", type=int, default=200, help="tokens to generate")
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
+    parser.add_argument("--top-k", type=int, default=50, help="sample from the k likeliest; 0 = all")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="auto")
+    args = parser.parse_args(argv)
+    try:
+        text = sample_run(args.run, args.prompt, args.tokens, args.temperature,
+                          args.top_k or None, args.seed, args.device)
+    except (TrainError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,447 @@
+"""Train a GPT on a prepared corpus, with any attention variant, on one device or under torchrun.
+
+    python train.py --config configs/default.toml [--section.field=value ...] [--out DIR]
+    python train.py --config configs/default.toml --resume
+    torchrun --nproc_per_node=2 train.py --config configs/tiny.toml
+
+`train_step` below is the one training step of this project: the profiler imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.profiler import record_function
+from tqdm import tqdm
+
+from config import Config, ConfigError, TrainConfig, dump_toml, load_config
+from model import GPT, VariantUnavailable, check_variant
+
+CHECKPOINT = "ckpt.pt"
+
+
+class TrainError(RuntimeError):
+    """A run that cannot start or go on; the message says what and where."""
+
+
+# --- device and precision ---------------------------------------------------------------------
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise TrainError(f"train.device={name!r}: CUDA is not available on this machine")
+    return device
+
+
+def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype, or None for plain fp32. Parameters and optimizer state stay fp32."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else None
+    choices = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in choices:
+        raise TrainError(f"train.dtype={dtype!r}: valid choices: auto, {', '.join(choices)}")
+    if choices[dtype] == torch.float16:
+        raise TrainError("train.dtype='float16' needs loss scaling, which this trainer omits; use bfloat16")
+    return choices[dtype]
+
+
+def autocast(device: torch.device, amp_dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    if amp_dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=amp_dtype)
+
+
+# --- data -------------------------------------------------------------------------------------
+
+
+def load_meta(root: str | Path, name: str) -> dict[str, Any]:
+    path = Path(root) / name / "meta.json"
+    if not path.is_file():
+        raise TrainError(
+            f"no prepared corpus at {path.parent}/ (missing meta.json); prepare it first, e.g. "
+            f"python data/prepare.py --name {name} --stdlib"
+        )
+    return json.loads(path.read_text())
+
+
+class TokenBatches:
+    """Random windows of a uint16 token file, as (x, y) batches shifted by one token.
+
+    Every rank draws the same world_size x batch_size offsets from one seeded generator and
+    keeps its own rows: each rank reads its own share of every global batch, and a single
+    process with world_size x batch_size rows sees exactly what the ranks see together.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        block_size: int,
+        batch_size: int,
+        seed: int,
+        device: torch.device,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        self.tokens = np.memmap(path, dtype=np.uint16, mode="r")
+        if len(self.tokens) < block_size + 1:
+            raise TrainError(
+                f"{path} holds {len(self.tokens)} tokens, fewer than block_size + 1 = "
+                f"{block_size + 1}: prepare a larger corpus or lower model.block_size"
+            )
+        self.block_size, self.batch_size = block_size, batch_size
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.seed = seed
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def next(self) -> tuple[Tensor, Tensor]:
+        n = self.batch_size * self.world_size
+        starts = torch.randint(len(self.tokens) - self.block_size, (n,), generator=self.generator)
+        starts = starts[self.rank * self.batch_size : (self.rank + 1) * self.batch_size].tolist()
+        rows = np.stack([self.tokens[s : s + self.block_size + 1] for s in starts]).astype(np.int64)
+        xy = torch.from_numpy(rows)
+        if self.device.type == "cuda":
+            xy = xy.pin_memory().to(self.device, non_blocking=True)
+        else:
+            xy = xy.to(self.device)
+        return xy[:, :-1], xy[:, 1:]  # (B, T) each
+
+    def restart(self) -> None:
+        self.generator.manual_seed(self.seed)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        self.generator.set_state(state["generator"])
+
+
+# --- optimizer and schedule ---------------------------------------------------------------------
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW with decay on matrices (embeddings, Linear weights) only, fused where supported."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    # One fused kernel per step for all parameters instead of a loop of small ops per tensor.
+    fused = device.type in ("cuda", "cpu")
+    return torch.optim.AdamW(
+        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused, foreach=None if fused else True
+    )
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup over warmup_steps, then cosine decay to min_lr at max_steps."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.max_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
+
+
+# --- the training step ----------------------------------------------------------------------------
+
+
+def train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: Sequence[tuple[Tensor, Tensor]],
+    grad_clip: float = 0.0,
+    amp_dtype: torch.dtype | None = None,
+) -> Tensor:
+    """Forward, backward and optimizer update over one global batch; returns the mean loss.
+
+    The regions are named for the profiler. The loss comes back as a device tensor, so the
+    caller decides when to synchronise.
+    """
+    device = next(model.parameters()).device
+    n = len(micro_batches)
+    total = torch.zeros((), device=device)
+    for i, (x, y) in enumerate(micro_batches):
+        # Under DDP, all-reduce gradients only after the last micro-batch.
+        sync = contextlib.nullcontext() if i == n - 1 or not isinstance(model, DDP) else model.no_sync()
+        with sync:
+            with record_function("forward"), autocast(device, amp_dtype):
+                _, loss = model(x, y)
+                loss = loss / n
+            with record_function("backward"):
+                loss.backward()
+        total += loss.detach()
+    with record_function("optimizer"):
+        if grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip, foreach=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return total
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module, batches: TokenBatches, n_batches: int, amp_dtype: torch.dtype | None
+) -> float:
+    """Mean loss over the same n_batches windows every time (the generator is reset)."""
+    model.eval()
+    batches.restart()
+    device = batches.device
+    total = torch.zeros((), device=device)
+    for _ in range(n_batches):
+        x, y = batches.next()
+        with autocast(device, amp_dtype):
+            total += model(x, y)[1]
+    model.train()
+    if dist.is_initialized():
+        dist.all_reduce(total)
+        total /= dist.get_world_size()
+    return total.item() / n_batches
+
+
+# --- checkpoints ----------------------------------------------------------------------------------
+
+
+def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
+    """Write to a temporary file, flush it to disk, then rename over the old checkpoint.
+
+    A crash mid-write leaves the previous checkpoint whole; rename is atomic on POSIX.
+    """
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise TrainError(f"no checkpoint to resume at {path}")
+    try:
+        # weights_only: a checkpoint is data; never let loading it run code.
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated zip, wrong format, pickle error: all mean the same
+        raise TrainError(f"checkpoint {path} is unreadable (truncated or corrupt?): {e}") from None
+
+
+def check_compatible(ckpt: dict[str, Any], config: Config, tokenizer_sha256: str, path: Path) -> None:
+    saved, current = ckpt["config"]["model"], asdict(config.model)
+    diff = [f"{k}: {saved.get(k)!r} in checkpoint, {v!r} now" for k, v in current.items() if saved.get(k) != v]
+    if diff:
+        raise TrainError(f"checkpoint {path} was made with another model config: " + "; ".join(diff))
+    if ckpt["tokenizer_sha256"] != tokenizer_sha256:
+        raise TrainError(
+            f"checkpoint {path} was made with another tokenizer (sha256 "
+            f"{ckpt['tokenizer_sha256'][:12]}, corpus '{config.data.name}' has {tokenizer_sha256[:12]})"
+        )
+
+
+# --- distributed ------------------------------------------------------------------------------------
+
+
+def init_distributed(train_cfg: TrainConfig) -> tuple[int, int, torch.device]:
+    """Rank, world size and device; under torchrun, joins the process group (NCCL or gloo)."""
+    if "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) == 1:
+        return 0, 1, pick_device(train_cfg.device)
+    wanted = pick_device(train_cfg.device)
+    if wanted.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = wanted
+        dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+class StopSignal:
+    """SIGINT/SIGTERM set a flag; the loop finishes the step it is in, saves, and exits."""
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.received = signal.Signals(signum).name
+
+
+# --- the loop ---------------------------------------------------------------------------------------
+
+
+def train(config: Config, out_dir: Path, resume: bool = False, stop_after: int | None = None) -> Path:
+    """Run (or resume) training; returns the run directory. Raises TrainError on bad input."""
+    tc = config.train
+    rank, world_size, device = init_distributed(tc)
+    master = rank == 0
+    amp_dtype = autocast_dtype(tc.dtype, device)
+    meta = load_meta(config.data.root, config.data.name)
+    data_dir = Path(config.data.root) / config.data.name
+    if meta["vocab_size"] > config.model.vocab_size:
+        raise TrainError(
+            f"model.vocab_size={config.model.vocab_size} is smaller than the tokenizer of corpus "
+            f"'{config.data.name}' ({meta['vocab_size']} tokens)"
+        )
+    try:
+        check_variant(config.model.attention, device, amp_dtype or torch.float32,
+                      config.model.head_size, config.model.dropout)
+    except VariantUnavailable as e:
+        raise TrainError(str(e)) from None
+
+    ckpt_path = out_dir / CHECKPOINT
+    if ckpt_path.exists() and not resume:
+        raise TrainError(f"{out_dir} already holds a checkpoint; pass --resume to continue it or --out for a new run")
+    ckpt = load_checkpoint(ckpt_path) if resume else None
+    if ckpt is not None:
+        check_compatible(ckpt, config, meta["tokenizer_sha256"], ckpt_path)
+
+    torch.manual_seed(tc.seed)
+    raw_model = GPT(config.model).to(device)
+    optimizer = build_optimizer(raw_model, tc, device)
+    train_batches = TokenBatches(data_dir / "train.bin", config.model.block_size, tc.batch_size,
+                                 tc.seed, device, rank, world_size)
+    val_batches = TokenBatches(data_dir / "val.bin", config.model.block_size, tc.batch_size,
+                               tc.seed + 1, device, rank, world_size)
+    step = 0
+    if ckpt is not None:
+        raw_model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        train_batches.load_state_dict(ckpt["data"])
+        torch.set_rng_state(ckpt["rng"]["torch"])
+        if device.type == "cuda" and "cuda" in ckpt["rng"]:
+            torch.cuda.set_rng_state(ckpt["rng"]["cuda"], device)
+        step = ckpt["step"]
+    model: torch.nn.Module = raw_model
+    if tc.compile:
+        model = torch.compile(model)
+    if world_size > 1:
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+    if master:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.toml").write_text(dump_toml(config))
+        shutil.copyfile(data_dir / "tokenizer.json", out_dir / "tokenizer.json")
+    bpb_factor = meta["splits"]["val"]["tokens"] / meta["splits"]["val"]["bytes"] / math.log(2)
+    tokens_per_step = tc.batch_size * tc.grad_accum * world_size * config.model.block_size
+
+    def snapshot(val_loss: float | None) -> dict[str, Any]:
+        rng = {"torch": torch.get_rng_state()}
+        if device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(device)
+        return {
+            "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+            "rng": rng, "data": train_batches.state_dict(), "config": asdict(config),
+            "tokenizer_sha256": meta["tokenizer_sha256"], "val_loss": val_loss,
+        }
+
+    def log(record: dict[str, Any]) -> None:
+        with open(out_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def eval_and_save() -> float:
+        val_loss = evaluate(model, val_batches, tc.eval_batches, amp_dtype)
+        if master:
+            log({"step": step, "val_loss": val_loss, "val_bpb": val_loss * bpb_factor})
+            save_checkpoint(ckpt_path, snapshot(val_loss))
+            bar.write(f"step {step}: val loss {val_loss:.4f}, {val_loss * bpb_factor:.3f} bits/byte; saved {ckpt_path}")
+        return val_loss
+
+    stop = StopSignal()
+    last_step = tc.max_steps if stop_after is None else min(tc.max_steps, step + stop_after)
+    bar = tqdm(total=tc.max_steps, initial=step, disable=not master, desc=config.model.attention,
+               dynamic_ncols=True, mininterval=1.0)
+    model.train()
+    t0 = time.perf_counter()
+    while step < last_step:
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, tc)
+        micro = [train_batches.next() for _ in range(tc.grad_accum)]
+        loss = train_step(model, optimizer, micro, tc.grad_clip, amp_dtype)
+        step += 1
+        # One small all-reduce carries both the mean loss and "anyone asked to stop", so
+        # every rank stops at the same step and none waits forever on a collective.
+        flags = torch.stack([loss.float(), torch.tensor(float(stop.received is not None), device=device)])
+        if world_size > 1:
+            dist.all_reduce(flags)
+            flags[0] /= world_size
+        loss_value, stop_requested = flags[0].item(), flags[1].item() > 0
+        if not math.isfinite(loss_value):
+            raise TrainError(
+                f"loss is {loss_value} at step {step}; stopped without saving "
+                f"(the last good checkpoint, if any, is {ckpt_path})"
+            )
+        dt = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", ms=f"{dt * 1e3:.0f}")
+        if master and (step % tc.log_interval == 0 or step == last_step):
+            log({"step": step, "loss": loss_value, "lr": lr_at(step - 1, tc),
+                 "ms_per_step": dt * 1e3, "tokens_per_s": tokens_per_step / dt})
+        if stop_requested:
+            eval_and_save()
+            bar.close()
+            if master:
+                print(f"stopped by {stop.received or 'another rank'} after step {step}; "
+                      f"resume with --resume", file=sys.stderr)
+            return out_dir
+        if tc.eval_interval and step % tc.eval_interval == 0 and step != last_step:
+            eval_and_save()
+    eval_and_save()
+    bar.close()
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Any config field can be overridden: --model.attention=sdpa --train.max_steps=200",
+    )
+    parser.add_argument("--config", type=Path, help="TOML file with [model], [data], [train]")
+    parser.add_argument("--out", type=Path, help="run directory (default: runs/<config name>)")
+    parser.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    parser.add_argument("--stop-after", type=int, metavar="N",
+                        help="stop (and save) after N more steps, e.g. to split a run across sessions")
+    args, overrides = parser.parse_known_args(argv)
+    try:
+        config = load_config(args.config, overrides)
+        out = args.out or Path("runs") / (args.config.stem if args.config else "default")
+        run_dir = train(config, out, resume=args.resume, stop_after=args.stop_after)
+    except (ConfigError, TrainError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if config.train.sample_tokens > 0 and int(os.environ.get("RANK", 0)) == 0:
+        from sample import sample_run
+
+        print(f"\n--- sample from {run_dir} (prompt {config.train.sample_prompt!r}) ---")
+        print(sample_run(run_dir, config.train.sample_prompt, config.train.sample_tokens))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
