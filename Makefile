@@ -21,6 +21,23 @@ test: setup
 demo: setup
 	$(PY) scripts/demo.py
 
+# Prepares the standard-library corpus (reused when unchanged), trains, saves, prints a sample.
+# Again into the same run: make train ARGS=--resume. Any override: ARGS="--model.attention=naive".
+train: setup
+	$(PY) data/prepare.py --name stdlib --stdlib
+	$(PY) train.py --config configs/default.toml --out runs/default $(ARGS)
+
+sample: setup
+	$(PY) sample.py --run runs/default $(ARGS)
+
+# The CPU sweep: every variant that runs here x n_layer 1,2,4,8; prints the summary table.
+profile: setup
+	$(PY) profile_train.py --config configs/profile.toml $(ARGS)
+
+# On a CUDA machine: CUDA tests + the GPU sweep, with whatever python3 has torch there.
+gpu-check:
+	bash scripts/gpu_check.sh $(or $(OUT),gpu-check)
+
 lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .

@@ -29,7 +29,7 @@ class DataConfig:
 class TrainConfig:
     device: str = "auto"  # auto picks cuda > mps > cpu; or name one: cuda, cuda:1, mps, cpu
     dtype: str = "auto"  # auto: bf16 autocast on CUDA, fp32 elsewhere; or float32 / bfloat16
-    compile: bool = False  # torch.compile the model; pays off on GPUs, costs minutes of warm-up
+    compile: bool = False  # torch.compile each block; pays off on GPUs, costs a compile up front
     seed: int = 1337  # one seed for init, dropout and batch sampling: runs are reproducible
     batch_size: int = 16  # sequences per micro-batch per process
     grad_accum: int = 1  # micro-batches per optimizer step; global batch = this x batch x ranks

@@ -1,0 +1,431 @@
+"""Profile complete training steps (forward, backward, AdamW) by attention variant and depth.
+
+    python profile_train.py --config configs/profile.toml [--variants a,b,...] [--layers 1,2,4,8]
+        [--compile off|on|both] [--steps N] [--data synthetic|NAME] [--out DIR]
+    python profile_train.py --report DIR [--diff A,B]     # re-render a report, or diff two variants
+
+For every cell of variants x n_layer x compile it measures, each in its own steps:
+  1. step time without the profiler: warm-up excluded, device synchronised, variants of one
+     depth interleaved round by round so drift hits all alike; median and p10/p90;
+  2. one profiled window (wait/warmup/active): ATen ops and CUDA kernels per step by region
+     (forward, backward, optimizer), peak memory, and a gzipped Chrome/Perfetto trace;
+  3. FLOPs of the step (torch.utils.flop_counter), against a matmul peak measured on the spot.
+The step is train.train_step, imported: the profiler measures exactly what train.py runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import dataclasses
+import datetime as dt
+import json
+import os
+import platform
+import shlex
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from config import Config, ConfigError, config_to_dict, load_config
+from model import GPT, VARIANTS, available_variants, unavailable_reason
+from profiling.analysis import fits_by_label, label
+from profiling.measure import (
+    backend_that_ran,
+    count_flops,
+    measure_peak_flops,
+    profiled_steps,
+    resident_bytes,
+    summarize_ms,
+    synchronize,
+    timed,
+    verify_backend,
+)
+from profiling.report import diff_text, write_report
+from train import (
+    TokenBatches,
+    TrainError,
+    autocast_dtype,
+    build_optimizer,
+    compile_blocks,
+    load_meta,
+    pick_device,
+    train_step,
+)
+
+BATCH_POOL = 4  # distinct batches cycled through, drawn before timing so no I/O is timed
+
+
+@dataclasses.dataclass
+class Cell:
+    variant: str
+    n_layer: int
+    compiled: bool
+    step: Callable[[], torch.Tensor] | None = None
+    model: torch.nn.Module | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    times: list[float] = dataclasses.field(default_factory=list)
+    first_step_s: float | None = None
+    status: str = "ok"
+    reason: str | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{label(self.variant, self.compiled)} L{self.n_layer}"
+
+    def fail(self, status: str, error: BaseException | str) -> None:
+        self.status = status
+        self.reason = error if isinstance(error, str) else f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        self.step = self.model = self.optimizer = None
+
+
+class Sweep:
+    def __init__(self, config: Config, args: argparse.Namespace) -> None:
+        self.config, self.args = config, args
+        self.device = pick_device(config.train.device)
+        self.amp_dtype = autocast_dtype(config.train.dtype, self.device)
+        self.dtype = self.amp_dtype or torch.float32
+        self.out = Path(args.out)
+        self.rows: list[dict[str, Any]] = []
+        self.batches = self._batches()
+        self.meta = self._meta()
+
+    # --- setup ---------------------------------------------------------------------------------
+
+    def _batches(self) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+        mc, tc = self.config.model, self.config.train
+        if self.args.data == "synthetic":
+            g = torch.Generator().manual_seed(tc.seed)
+            shape = (tc.batch_size, mc.block_size + 1)
+            draw = lambda: torch.randint(mc.vocab_size, shape, generator=g).to(self.device)
+            pool = [[draw() for _ in range(tc.grad_accum)] for _ in range(BATCH_POOL)]
+            return [[(xy[:, :-1], xy[:, 1:]) for xy in step] for step in pool]
+        meta = load_meta(self.config.data.root, self.args.data)
+        if meta["vocab_size"] > mc.vocab_size:
+            raise TrainError(f"corpus '{self.args.data}' needs vocab_size >= {meta['vocab_size']}")
+        source = TokenBatches(Path(self.config.data.root) / self.args.data / "train.bin",
+                              mc.block_size, tc.batch_size, tc.seed, self.device)
+        return [[source.next() for _ in range(tc.grad_accum)] for _ in range(BATCH_POOL)]
+
+    def _meta(self) -> dict[str, Any]:
+        device_name = (torch.cuda.get_device_name(self.device) if self.device.type == "cuda"
+                       else platform.processor() or platform.machine())
+        meta = {
+            "device": str(self.device), "device_name": device_name,
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch_version": torch.__version__, "python": platform.python_version(),
+            "platform": platform.platform(), "dtype": str(self.dtype).removeprefix("torch."),
+            "autocast": self.amp_dtype is not None,
+            "config": config_to_dict(self.config), "config_file": str(self.args.config),
+            "data": self.args.data, "steps": self.args.steps, "warmup": self.args.warmup,
+            "profile_steps": self.args.profile_steps,
+            "command": "python " + shlex.join(sys.argv), "out": str(self.out),
+            "started_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        }
+        if self.device.type == "cuda":
+            meta["cuda"] = torch.version.cuda
+            meta["cudnn"] = torch.backends.cudnn.version()
+        return meta
+
+    def _build(self, cell: Cell) -> None:
+        mc, tc = self.config.model, self.config.train
+        reason = unavailable_reason(cell.variant, self.device, self.dtype, mc.head_size, mc.dropout)
+        if reason is not None:
+            cell.fail("unsupported", f"{cell.variant} cannot run on {self.device}: {reason}")
+            return
+        torch.manual_seed(tc.seed)
+        model_cfg = dataclasses.replace(mc, attention=cell.variant, n_layer=cell.n_layer)
+        raw = GPT(model_cfg).to(self.device)
+        cell.optimizer = build_optimizer(raw, tc, self.device)
+        if cell.compiled:
+            compile_blocks(raw)
+        cell.model = raw
+        turn = iter(range(10**12))
+
+        def step() -> torch.Tensor:
+            micro = self.batches[next(turn) % BATCH_POOL]
+            return train_step(cell.model, cell.optimizer, micro, tc.grad_clip, self.amp_dtype)
+
+        cell.step = step
+
+    # --- the sweep ------------------------------------------------------------------------------
+
+    def run(self, variants: list[str], layers: list[int], compile_modes: list[bool]) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        print(f"measuring the {self.dtype} matmul peak of {self.meta['device_name']} ...", file=sys.stderr)
+        self.meta["peak_flops_start"] = measure_peak_flops(self.device, self.dtype, self.args.peak_seconds)
+        self.meta["peak_flops"] = self.meta["peak_flops_start"]
+        total = len(variants) * len(layers) * len(compile_modes)
+        bar = tqdm(total=total, desc="cells", unit="cell", dynamic_ncols=True)
+        for n_layer in layers:
+            cells = [Cell(v, n_layer, c) for v in variants for c in compile_modes]
+            flops = self._model_flops(n_layer)
+            self._time(cells, bar)
+            for cell in cells:
+                self._profile_and_record(cell, flops)
+                bar.update(1)
+            synchronize(self.device)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        bar.close()
+        # A second reading of the peak: the MFU denominator is the higher of the two.
+        end_peak = measure_peak_flops(self.device, self.dtype, self.args.peak_seconds)
+        self.meta["peak_flops_end"] = end_peak
+        self.meta["peak_flops"] = max(self.meta["peak_flops_start"], end_peak)
+        for row in self.rows:
+            if row["status"] == "ok" and row["flops_per_step"]:
+                row["mfu"] = row["flops_per_step"] / (row["step_ms"]["median"] / 1e3) / self.meta["peak_flops"]
+        self._write()
+
+    def _model_flops(self, n_layer: int) -> int:
+        """FLOPs of one step at this depth, counted on an eager `naive` model.
+
+        Every variant computes the same function, so all share this count: MFU then compares
+        variants by the work the model needs, not by what each implementation happens to do.
+        """
+        cell = Cell("naive", n_layer, False)
+        self._build(cell)
+        if cell.step is None:
+            return 0
+        return count_flops(cell.step)
+
+    def _time(self, cells: list[Cell], bar: tqdm) -> None:
+        for cell in cells:
+            bar.set_postfix_str(f"warm-up {cell.name}")
+            with self._guard(cell):
+                self._build(cell)
+                if cell.step is None:
+                    continue
+                cell.first_step_s = timed(cell.step, self.device)  # includes compilation
+                for _ in range(self.args.warmup - 1):
+                    timed(cell.step, self.device)
+        for r in range(self.args.steps):
+            bar.set_postfix_str(f"L{cells[0].n_layer} round {r + 1}/{self.args.steps}")
+            for cell in cells:  # A B C A B C ...: drift hits every variant alike
+                if cell.step is None:
+                    continue
+                with self._guard(cell):
+                    cell.times.append(timed(cell.step, self.device))
+
+    @contextlib.contextmanager
+    def _guard(self, cell: Cell):
+        """A cell that fails is recorded as failed; the sweep goes on."""
+        try:
+            yield
+        except torch.OutOfMemoryError as e:
+            cell.fail("oom", e)
+        except KeyboardInterrupt:
+            raise
+        except Exception as e:
+            cell.fail("failed", e)
+        if cell.status != "ok" and self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _profile_and_record(self, cell: Cell, flops: int) -> None:
+        row: dict[str, Any] = {
+            "variant": cell.variant, "n_layer": cell.n_layer, "compile": cell.compiled,
+            "label": label(cell.variant, cell.compiled), "status": cell.status, "reason": cell.reason,
+            "step_ms": None, "tokens_per_s": None, "flops_per_step": flops or None, "mfu": None,
+            "peak_mem_bytes": None, "compile_s": None, "backend": None,
+            "ops_per_step": None, "kernels_per_step": None, "trace": None,
+        }
+        if cell.step is not None:
+            with self._guard(cell):
+                row.update(self._profile(cell))
+                row.update(self._timing_fields(cell, flops))
+        row["status"], row["reason"] = cell.status, cell.reason
+        if cell.status != "ok":
+            for key in ("step_ms", "tokens_per_s", "mfu"):
+                row[key] = None
+        self.rows.append(row)
+        cell.step = cell.model = cell.optimizer = None  # free it before the next depth
+        self._write()
+
+    def _timing_fields(self, cell: Cell, flops: int) -> dict[str, Any]:
+        tc, mc = self.config.train, self.config.model
+        stats = summarize_ms(cell.times)
+        tokens = tc.batch_size * tc.grad_accum * mc.block_size
+        fields: dict[str, Any] = {"step_ms": stats, "tokens_per_s": tokens / (stats["median"] / 1e3)}
+        if flops:
+            fields["mfu"] = flops / (stats["median"] / 1e3) / self.meta["peak_flops"]
+        if cell.compiled and cell.first_step_s is not None:
+            fields["compile_s"] = max(0.0, cell.first_step_s - stats["median"] / 1e3)
+        return fields
+
+    def _profile(self, cell: Cell) -> dict[str, Any]:
+        active = self.args.profile_steps
+        trace = self.out / "traces" / f"{label(cell.variant, cell.compiled)}_L{cell.n_layer}.json.gz"
+        wanted = self.args.traces and (
+            not self.args.trace_layers or cell.n_layer in _csv_list(self.args.trace_layers, int))
+        with profiled_steps(self.device, active, trace if wanted else None,
+                            self.args.trace_stacks) as (advance, results):
+            for _ in range(2 + active):  # wait, warmup, active
+                cell.step()
+                synchronize(self.device)
+                advance()
+        seen = results[0]
+        if seen.trace_bytes > 50 * 2**20:
+            tqdm.write(f"warning: trace {seen.trace} is {seen.trace_bytes / 2**20:.0f} MB; "
+                       f"lower --profile-steps or the model size")
+        counts = seen.per_step(active)
+        fields: dict[str, Any] = {
+            "ops_per_step": counts["ops"],
+            "kernels_per_step": counts["kernels"] if self.device.type == "cuda" else None,
+            "backend": backend_that_ran(counts["ops"]),
+            "trace": str(seen.trace.relative_to(self.out)) if seen.trace else None,
+            "peak_mem_bytes": self._peak_memory(cell, seen.peak_transient_bytes),
+        }
+        backend = VARIANTS[cell.variant].backend
+        if backend is not None:
+            problem = verify_backend(backend.name, counts["ops"], counts["kernels"], self.device)
+            if problem is not None:
+                cell.fail("failed", f"backend check: asked for {backend.name}, but the {problem}")
+        return fields
+
+    def _peak_memory(self, cell: Cell, cpu_transient: int) -> int:
+        """Resident state (parameters, optimizer state) plus the step's own peak above it.
+
+        CUDA: the caching allocator's peak during one more unprofiled step. CPU: the peak of
+        live bytes from the profiler's allocation events during the profiled step.
+        """
+        resident = resident_bytes(cell.model, cell.optimizer)
+        if self.device.type != "cuda":
+            return resident + cpu_transient
+        synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        cell.step()
+        synchronize(self.device)
+        return resident + torch.cuda.max_memory_allocated(self.device) - before
+
+    # --- output ---------------------------------------------------------------------------------
+
+    def _write(self) -> None:
+        """results.json, results.csv, and the report, after every cell: an interrupted sweep
+        keeps what it measured."""
+        write_results(self.out, self.meta, self.rows)
+
+
+def write_results(out: Path, meta: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    results = {"meta": meta, "rows": rows, "fits": fits_by_label(rows)}
+    tmp = out / "results.json.tmp"
+    tmp.write_text(json.dumps(results, indent=1))
+    os.replace(tmp, out / "results.json")
+    _write_csv(out / "results.csv", rows)
+    write_report(out, results)
+
+
+def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    columns = ["variant", "n_layer", "compile", "status", "step_ms_median", "step_ms_p10",
+               "step_ms_p90", "n", "tokens_per_s", "mfu", "peak_mem_bytes", "compile_s",
+               "ops_per_step", "kernels_per_step", "backend", "reason"]
+    tmp = path.with_suffix(".csv.tmp")
+    with open(tmp, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(columns)
+        for r in rows:
+            t = r["step_ms"] or {}
+            total = lambda counts: sum(sum(c.values()) for c in counts.values()) if counts else None
+            writer.writerow([r["variant"], r["n_layer"], r["compile"], r["status"], t.get("median"),
+                             t.get("p10"), t.get("p90"), t.get("n"), r["tokens_per_s"], r["mfu"],
+                             r["peak_mem_bytes"], r["compile_s"], total(r["ops_per_step"]),
+                             total(r["kernels_per_step"]), r["backend"], r["reason"]])
+    os.replace(tmp, path)
+
+
+def _csv_list(text: str, kind: type = str) -> list:
+    return [kind(x.strip()) for x in text.split(",") if x.strip()]
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", type=Path, default=Path("configs/profile.toml"))
+    p.add_argument("--variants", help="comma-separated (default: every variant that runs here)")
+    p.add_argument("--layers", default="1,2,4,8", help="comma-separated n_layer values")
+    p.add_argument("--compile", choices=["off", "on", "both"], default="off")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per cell")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per cell before timing")
+    p.add_argument("--profile-steps", type=int, default=1, help="active steps in the profiled window")
+    p.add_argument("--data", default="synthetic", help="'synthetic' or a prepared corpus name")
+    p.add_argument("--out", type=Path,
+                   help="output folder, new or empty (default: profiles/<config name>/<timestamp>)")
+    p.add_argument("--no-traces", dest="traces", action="store_false", help="write no trace files")
+    p.add_argument("--trace-layers", help="write traces only for these n_layer values (default: all)")
+    p.add_argument("--trace-stacks", action="store_true", help="record Python stacks in traces (large)")
+    p.add_argument("--peak-seconds", type=float, default=0.5,
+                   help="seconds per matmul size when measuring the peak FLOP rate")
+    p.add_argument("--report", type=Path, metavar="DIR", help="re-render the report of an existing sweep")
+    p.add_argument("--diff", metavar="A,B", help="with --report: print the op/kernel diff of A minus B")
+    return p.parse_known_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = parse_args(argv)
+    try:
+        if args.report is not None:
+            return _rerender(args)
+        config = load_config(args.config, overrides)
+        args.out = args.out or _default_out(args.config)
+        if (args.out / "results.json").exists():
+            raise ConfigError(f"--out {args.out} holds an earlier sweep; choose another folder")
+        layers = _csv_list(args.layers, int)
+        if not layers or min(layers) < 1:
+            raise ConfigError(f"--layers={args.layers!r}: give positive integers, e.g. 1,2,4,8")
+        if args.steps < 1 or args.warmup < 1 or args.profile_steps < 1:
+            raise ConfigError("--steps, --warmup and --profile-steps must each be at least 1")
+        device = pick_device(config.train.device)
+        dtype = autocast_dtype(config.train.dtype, device) or torch.float32
+        if args.variants:
+            variants = _csv_list(args.variants)
+            unknown = [v for v in variants if v not in VARIANTS]
+            if unknown:
+                raise ConfigError(f"--variants: unknown {', '.join(unknown)}; valid: {', '.join(VARIANTS)}")
+        else:
+            variants = available_variants(device, dtype, config.model.head_size, config.model.dropout)
+        compile_modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
+        sweep = Sweep(config, args)
+        sweep.run(variants, layers, compile_modes)
+    except (ConfigError, TrainError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"interrupted; the cells measured so far are in {args.out}", file=sys.stderr)
+        return 130
+    print((args.out / "summary.txt").read_text())
+    print(f"report: {args.out / 'report.md'}")
+    return 0
+
+
+def _default_out(config_path: Path) -> Path:
+    """profiles/<config>/<UTC timestamp>, with profiles/<config>/latest pointing at it."""
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    out = Path("profiles") / config_path.stem / stamp
+    out.mkdir(parents=True, exist_ok=True)
+    latest = out.parent / "latest"
+    with contextlib.suppress(OSError):
+        latest.unlink(missing_ok=True)
+        latest.symlink_to(stamp)
+    return out
+
+
+def _rerender(args: argparse.Namespace) -> int:
+    path = args.report / "results.json"
+    if not path.is_file():
+        raise ConfigError(f"--report {args.report}: no results.json there")
+    results = json.loads(path.read_text())
+    if args.diff:
+        a, _, b = args.diff.partition(",")
+        print(diff_text(results["rows"], a.strip(), b.strip()))
+        return 0
+    write_results(args.report, results["meta"], results["rows"])
+    print((args.report / "summary.txt").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

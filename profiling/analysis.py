@@ -1,0 +1,165 @@
+"""From rows of measurements to per-layer costs: linear fits in n_layer, savings, op diffs."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any
+
+REGIONS = ("forward", "backward", "optimizer")
+PROJECT_AT = (12, 24, 48)
+
+
+def label(variant: str, compiled: bool) -> str:
+    """The one name a cell goes by in fits, tables and plot legends."""
+    return f"{variant}+compile" if compiled else variant
+
+
+def fit_line(xs: list[float], ys: list[float]) -> dict[str, float] | None:
+    """Least squares y = intercept + slope * x, with r^2 and the slope's standard error.
+
+    None with fewer than two distinct x. The standard error needs three points; with two it
+    is reported as NaN (a line through two points has no residual to estimate it from).
+    """
+    n = len(xs)
+    if n < 2 or len(set(xs)) < 2:
+        return None
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
+    slope = sxy / sxx
+    intercept = my - slope * mx
+    ss_res = sum((y - intercept - slope * x) ** 2 for x, y in zip(xs, ys, strict=True))
+    ss_tot = sum((y - my) ** 2 for y in ys)
+    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
+    slope_se = math.sqrt(ss_res / (n - 2) / sxx) if n > 2 else float("nan")
+    return {"slope": slope, "intercept": intercept, "r2": r2, "slope_se": slope_se, "points": n}
+
+
+def row_metrics(row: dict[str, Any]) -> dict[str, float]:
+    """The scalar metrics of one row that are fitted against n_layer."""
+    metrics: dict[str, float] = {}
+    if row.get("step_ms"):
+        metrics["step_ms"] = row["step_ms"]["median"]
+    if row.get("peak_mem_bytes") is not None:
+        metrics["peak_mem_bytes"] = row["peak_mem_bytes"]
+    for kind in ("ops_per_step", "kernels_per_step"):
+        counts = row.get(kind)
+        if not counts:
+            continue
+        for region in REGIONS:
+            metrics[f"{kind}.{region}"] = sum(counts.get(region, {}).values())
+        metrics[f"{kind}.total"] = sum(metrics[f"{kind}.{r}"] for r in REGIONS)
+    return metrics
+
+
+def ok_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in rows if r.get("status") == "ok"]
+
+
+def fits_by_label(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
+    """For each variant label and metric, the fit of metric against n_layer."""
+    points: dict[str, dict[str, list[tuple[int, float]]]] = defaultdict(lambda: defaultdict(list))
+    for row in ok_rows(rows):
+        for metric, value in row_metrics(row).items():
+            points[label(row["variant"], row["compile"])][metric].append((row["n_layer"], value))
+    fits: dict[str, dict[str, dict[str, float]]] = {}
+    for name, by_metric in points.items():
+        for metric, pairs in by_metric.items():
+            fit = fit_line([x for x, _ in pairs], [y for _, y in pairs])
+            if fit is not None:
+                fits.setdefault(name, {})[metric] = fit
+    return fits
+
+
+def savings(fits: dict[str, dict[str, dict[str, float]]], baseline: str = "naive",
+            metric: str = "step_ms") -> dict[str, dict[str, Any]]:
+    """Per-layer saving of each label against baseline (slope difference +- its std error),
+    and the saving the two fitted lines project at 12, 24 and 48 layers."""
+    base = fits.get(baseline, {}).get(metric)
+    if base is None:
+        return {}
+    out = {}
+    for name, by_metric in fits.items():
+        fit = by_metric.get(metric)
+        if name == baseline or fit is None:
+            continue
+        per_layer = base["slope"] - fit["slope"]
+        se = math.sqrt(base["slope_se"] ** 2 + fit["slope_se"] ** 2)
+        projected = {}
+        for layers in PROJECT_AT:
+            ref = base["intercept"] + base["slope"] * layers
+            this = fit["intercept"] + fit["slope"] * layers
+            projected[str(layers)] = {"saving": ref - this, "percent": 100 * (ref - this) / ref}
+        out[name] = {"per_layer": per_layer, "per_layer_se": se, "projected": projected}
+    return out
+
+
+def op_slopes(rows: list[dict[str, Any]], name: str, kind: str = "ops_per_step"
+              ) -> dict[tuple[str, str], float]:
+    """For one label: (region, op) -> slope of its per-step count against n_layer."""
+    series: dict[tuple[str, str], dict[int, float]] = defaultdict(dict)
+    layers = set()
+    for row in ok_rows(rows):
+        if label(row["variant"], row["compile"]) != name or not row.get(kind):
+            continue
+        layers.add(row["n_layer"])
+        for region, counts in row[kind].items():
+            for op, count in counts.items():
+                series[(region, op)][row["n_layer"]] = count
+    xs = sorted(layers)
+    out = {}
+    for key, by_layer in series.items():
+        fit = fit_line(xs, [by_layer.get(x, 0.0) for x in xs])
+        if fit is not None:
+            out[key] = fit["slope"]
+    return out
+
+
+def op_diff(rows: list[dict[str, Any]], a: str, b: str, kind: str = "ops_per_step",
+            threshold: float = 0.25) -> list[dict[str, Any]]:
+    """Ops whose per-layer per-step count differs between labels a and b (a minus b).
+
+    With a single depth measured, the difference of counts divided by n_layer stands in
+    for the difference of slopes.
+    """
+    sa, sb = op_slopes(rows, a, kind), op_slopes(rows, b, kind)
+    if not sa and not sb:
+        return _single_depth_diff(rows, a, b, kind, threshold)
+    diffs = []
+    for key in sorted(set(sa) | set(sb)):
+        delta = sa.get(key, 0.0) - sb.get(key, 0.0)
+        if abs(delta) >= threshold:
+            diffs.append({"region": key[0], "name": key[1], "per_layer": round(delta, 2)})
+    return sorted(diffs, key=lambda d: (REGIONS.index(d["region"]), -abs(d["per_layer"]), d["name"]))
+
+
+def _single_depth_diff(rows: list[dict[str, Any]], a: str, b: str, kind: str,
+                       threshold: float) -> list[dict[str, Any]]:
+    by = {label(r["variant"], r["compile"]): r for r in ok_rows(rows) if r.get(kind)}
+    if a not in by or b not in by or by[a]["n_layer"] != by[b]["n_layer"]:
+        return []
+    n_layer = by[a]["n_layer"]
+    diffs = []
+    for region in REGIONS:
+        ca, cb = by[a][kind].get(region, {}), by[b][kind].get(region, {})
+        for op in sorted(set(ca) | set(cb)):
+            delta = (ca.get(op, 0.0) - cb.get(op, 0.0)) / n_layer
+            if abs(delta) >= threshold:
+                diffs.append({"region": region, "name": op, "per_layer": round(delta, 2)})
+    return diffs
+
+
+def describe_diff(a: str, b: str, diffs: list[dict[str, Any]], unit: str = "op") -> str:
+    """'inplace vs naive: 1 aten::clone fewer per layer per step (forward), ...' in words."""
+    if not diffs:
+        return f"{a} vs {b}: the same {unit} counts per layer."
+    parts = []
+    shown = 10
+    for d in diffs[:shown]:
+        n = abs(d["per_layer"])
+        amount = f"{n:g}" if n != int(n) else str(int(n))
+        more = "more" if d["per_layer"] > 0 else "fewer"
+        parts.append(f"{amount} {d['name']} {more} ({d['region']})")
+    more = f"; and {len(diffs) - shown} more (profile_train.py --report DIR --diff {a},{b})" if len(diffs) > shown else ""
+    return f"{a} vs {b}, per layer per step: " + "; ".join(parts) + more + "."

@@ -1,0 +1,234 @@
+"""Measurements of one training step: wall time, ops and kernels by region, memory, FLOPs.
+
+Each measurement runs in its own steps: the profiler is never attached to a timed step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import os
+import re
+import shutil
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile, schedule
+from torch.utils.flop_counter import FlopCounterMode
+
+REGIONS = ("forward", "backward", "optimizer")
+TRACE_WARN_BYTES = 50 * 2**20
+
+# The ATen op each pinned SDPA backend dispatches to (device-independent names first, then
+# CPU's own), and a pattern its CUDA kernels' names match.
+BACKEND_OPS = {
+    "MATH": ("aten::_scaled_dot_product_attention_math",),
+    "FLASH_ATTENTION": (
+        "aten::_scaled_dot_product_flash_attention",
+        "aten::_scaled_dot_product_flash_attention_for_cpu",
+    ),
+    "EFFICIENT_ATTENTION": ("aten::_scaled_dot_product_efficient_attention",),
+    "CUDNN_ATTENTION": ("aten::_scaled_dot_product_cudnn_attention",),
+}
+BACKEND_KERNELS = {
+    "FLASH_ATTENTION": re.compile(r"flash", re.I),
+    "EFFICIENT_ATTENTION": re.compile(r"fmha|efficient|cutlass", re.I),
+    "CUDNN_ATTENTION": re.compile(r"cudnn|sdpa|fmha|flash", re.I),
+}
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def timed(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds for one call of fn, the device drained before and after."""
+    synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - t0
+
+
+def summarize_ms(seconds: list[float]) -> dict[str, float | int]:
+    """Median and 10th/90th percentiles in milliseconds."""
+    ms = sorted(s * 1e3 for s in seconds)
+    if len(ms) == 1:
+        return {"median": ms[0], "p10": ms[0], "p90": ms[0], "n": 1}
+    deciles = statistics.quantiles(ms, n=10, method="inclusive")
+    return {"median": statistics.median(ms), "p10": deciles[0], "p90": deciles[-1], "n": len(ms)}
+
+
+def measure_peak_flops(device: torch.device, dtype: torch.dtype, seconds: float = 0.5) -> float:
+    """The best matmul rate this device reaches in `dtype`, measured now: the MFU denominator.
+
+    Square matmuls of a few sizes; the fastest sustained rate over ~`seconds` per size wins.
+    """
+    sizes = (1024, 2048) if device.type == "cpu" else (4096, 8192)
+    best = 0.0
+    for n in sizes:
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        c = torch.empty(n, n, device=device, dtype=dtype)
+        torch.mm(a, b, out=c)  # warm-up: thread pool, kernel selection
+        reps = max(1, int(seconds / max(timed(lambda: torch.mm(a, b, out=c), device), 1e-6)))
+        for _ in range(3):
+            dt = timed(lambda: [torch.mm(a, b, out=c) for _ in range(reps)], device)
+            best = max(best, 2 * n**3 * reps / dt)
+    return best
+
+
+def count_flops(step: Callable[[], object]) -> int:
+    """FLOPs of one call of `step`, counted by torch.utils.flop_counter (matmul-class ops)."""
+    counter = FlopCounterMode(display=False)
+    with counter:
+        step()
+    return counter.get_total_flops()
+
+
+def resident_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of parameters and optimizer state: what lives on the device between steps."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    for state in optimizer.state.values():
+        total += sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t))
+    return total
+
+
+@dataclass
+class StepProfile:
+    """What the profiler saw, per step, by region. `kernels` is empty off CUDA."""
+
+    ops: dict[str, Counter] = field(default_factory=lambda: {r: Counter() for r in REGIONS})
+    kernels: dict[str, Counter] = field(default_factory=lambda: {r: Counter() for r in REGIONS})
+    peak_transient_bytes: int = 0  # CPU: from the profiler's allocation events
+    trace: Path | None = None
+    trace_bytes: int = 0
+
+    def per_step(self, steps: int) -> dict[str, dict[str, dict[str, float]]]:
+        def scale(by_region: dict[str, Counter]) -> dict[str, dict[str, float]]:
+            return {r: {n: c / steps for n, c in sorted(by_region[r].items())} for r in REGIONS}
+
+        return {"ops": scale(self.ops), "kernels": scale(self.kernels)}
+
+
+def _region_of(start_ns: int, regions: list[tuple[int, int, str]]) -> str | None:
+    for begin, end, name in regions:
+        if begin <= start_ns <= end:
+            return name
+    return None
+
+
+def parse_events(events: list, device: torch.device) -> StepProfile:
+    """Count ops and kernels by region from the profiler's kineto events.
+
+    Regions are the record_function ranges of the main thread; an op belongs to the region
+    its start falls in (the autograd engine runs CUDA backward ops on another thread, so
+    parent links would miss them). A kernel belongs to the region of the CPU runtime call
+    that launched it (cudaLaunchKernel, cuLaunchKernelEx, cudaMemcpyAsync, ...), found by
+    correlation id, since GPU timestamps run behind the CPU's.
+    """
+    result = StepProfile()
+    regions = sorted(
+        (e.start_ns(), e.end_ns(), e.name())
+        for e in events
+        if e.name() in REGIONS and e.device_type() == DeviceType.CPU
+    )
+    launches: dict[int, int] = {}
+    live = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        name, kind = e.name(), e.device_type()
+        if kind == DeviceType.CPU and name.startswith("aten::"):
+            region = _region_of(e.start_ns(), regions)
+            if region:
+                result.ops[region][name] += 1
+        elif kind == DeviceType.CPU and e.correlation_id() and name.startswith("cu"):
+            launches[e.correlation_id()] = e.start_ns()
+        elif name == "[memory]" and device.type == "cpu" and e.device_type() == DeviceType.CPU:
+            live += e.nbytes()
+            peak = max(peak, live)
+    result.peak_transient_bytes = peak
+    if device.type == "cuda":
+        for e in events:
+            if e.device_type() != DeviceType.CUDA or e.is_user_annotation():
+                continue
+            launched = launches.get(e.correlation_id())
+            region = _region_of(launched, regions) if launched is not None else None
+            if region:
+                result.kernels[region][e.name()] += 1
+    return result
+
+
+@contextlib.contextmanager
+def profiled_steps(
+    device: torch.device, active: int, trace_path: Path | None, with_stack: bool = False
+) -> Iterator[tuple[Callable[[], None], list[StepProfile]]]:
+    """Profile with a wait/warmup/active schedule; yields (step(), results).
+
+    Call step() after each training step (wait + warmup + active steps in all). When the
+    active window closes, its events are counted into results[0] and, if trace_path is
+    given, a gzipped Chrome/Perfetto trace is written there.
+    """
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    results: list[StepProfile] = []
+
+    def on_ready(prof: profile) -> None:
+        parsed = parse_events(prof.profiler.kineto_results.events(), device)
+        if trace_path is not None:
+            parsed.trace, parsed.trace_bytes = _export_trace(prof, trace_path)
+        results.append(parsed)
+
+    with profile(
+        activities=activities,
+        schedule=schedule(wait=1, warmup=1, active=active, repeat=1),
+        on_trace_ready=on_ready,
+        profile_memory=device.type == "cpu",
+        record_shapes=False,
+        with_stack=with_stack,
+    ) as prof:
+        yield prof.step, results
+
+
+def _export_trace(prof: profile, path: Path) -> tuple[Path, int]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    raw = path.with_suffix("")  # foo.json.gz -> foo.json
+    prof.export_chrome_trace(str(raw))
+    with open(raw, "rb") as src, gzip.open(path, "wb", compresslevel=6) as dst:
+        shutil.copyfileobj(src, dst)
+    os.remove(raw)
+    return path, path.stat().st_size
+
+
+def verify_backend(backend: str, ops: dict[str, dict[str, float]],
+                   kernels: dict[str, dict[str, float]], device: torch.device) -> str | None:
+    """None if the trace shows the pinned SDPA backend ran; otherwise what was missing."""
+    seen_ops = {name for region in ops.values() for name in region}
+    wanted = BACKEND_OPS[backend]
+    if not seen_ops.intersection(wanted):
+        sdpa_ops = sorted(n for n in seen_ops if "scaled_dot_product" in n)
+        return f"trace lacks {' or '.join(wanted)} (SDPA ops seen: {', '.join(sdpa_ops) or 'none'})"
+    pattern = BACKEND_KERNELS.get(backend)
+    if device.type == "cuda" and pattern is not None:
+        seen_kernels = {name for region in kernels.values() for name in region}
+        if not any(pattern.search(k) for k in seen_kernels):
+            return f"no kernel name matches /{pattern.pattern}/ for {backend}"
+    return None
+
+
+def backend_that_ran(ops: dict[str, dict[str, float]]) -> str | None:
+    """Which SDPA backend the trace shows, for variants that let PyTorch choose."""
+    seen = {name for region in ops.values() for name in region}
+    for backend, names in BACKEND_OPS.items():
+        if seen.intersection(names):
+            return backend
+    return None

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The GPU check, in one go (at most 8 minutes: each part has a time limit, and a sweep cut
+# short keeps the cells it finished):
+#   1. the CUDA-marked tests;
+#   2. profile_train.py over all eight variants at GPT-2-small width, n_layer 1..12, bf16,
+#      compiled and not for naive, sdpa and flex;
+#   3. the report, results.json, plots and traces, in OUT_DIR.
+# Uses whatever python3 has torch (PYTHON=... to choose); needs no network, no prepared corpus
+# and no `datasets`. If the machine's python lacks tqdm/pytest/matplotlib, point WHEELS at a
+# folder of wheels (make gpu-wheels) and they are installed from there, offline.
+#
+#   bash scripts/gpu_check.sh OUT_DIR          (or: make gpu-check OUT=OUT_DIR)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-gpu-check}
+PY=${PYTHON:-python3}
+LAYERS=${LAYERS:-1,2,4,8,12}
+STEPS=${STEPS:-8}
+mkdir -p "$OUT"
+exec > >(tee "$OUT/gpu_check.log") 2>&1
+
+echo "== $(date -u +%FT%TZ) gpu_check on $(hostname)"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.csv"
+"$PY" -c "import torch, sys; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'python', sys.version.split()[0]); sys.exit(0 if torch.cuda.is_available() else 1)" \
+  || { echo "error: $PY has no torch with CUDA here"; exit 1; }
+
+missing=$("$PY" - <<'PY'
+import importlib.util
+print(" ".join(m for m in ("tqdm", "pytest", "matplotlib", "numpy") if importlib.util.find_spec(m) is None))
+PY
+)
+if [ -n "$missing" ]; then
+  if [ -n "${WHEELS:-}" ]; then
+    "$PY" -m pip install --no-index --find-links "$WHEELS" $missing || { echo "error: could not install $missing from $WHEELS"; exit 1; }
+  else
+    echo "error: $PY lacks: $missing (set WHEELS=folder of wheels; see make gpu-wheels)"; exit 1
+  fi
+fi
+
+echo "== 1. CUDA tests"
+timeout 90 "$PY" -m pytest -m cuda -p no:cacheprovider -q -rs tests/test_model.py | tee "$OUT/cuda_tests.txt"
+tests_rc=${PIPESTATUS[0]}
+
+echo "== 2. sweep: eight variants x n_layer $LAYERS, eager"
+timeout 240 "$PY" profile_train.py --config configs/profile-gpu.toml --out "$OUT/eager" \
+  --variants naive,inplace,sdpa,sdpa-math,sdpa-flash,sdpa-efficient,sdpa-cudnn,flex \
+  --layers "$LAYERS" --steps "$STEPS" --compile off --trace-layers 2
+eager_rc=$?
+
+echo "== 3. sweep: naive, sdpa, flex compiled and not"
+timeout 150 "$PY" profile_train.py --config configs/profile-gpu.toml --out "$OUT/compiled" \
+  --variants naive,sdpa,flex --layers "$LAYERS" --steps "$STEPS" --compile both --no-traces
+compiled_rc=$?
+
+echo "== done: tests rc=$tests_rc, eager sweep rc=$eager_rc, compiled sweep rc=$compiled_rc"
+[ "$tests_rc" -eq 0 ] && [ "$eager_rc" -eq 0 ] && [ "$compiled_rc" -eq 0 ]

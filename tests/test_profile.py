@@ -1,0 +1,188 @@
+"""profile_train.py: the measurements a user reads, on sweeps small enough for seconds."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import profile_train
+from model import attention
+from profiling.analysis import fit_line, fits_by_label, op_diff, savings
+
+TINY = [
+    "--model.vocab_size=128", "--model.block_size=32", "--model.n_embd=32", "--model.n_head=2",
+    "--train.batch_size=2", "--train.device=cpu", "--train.dtype=float32",
+]
+
+
+def sweep(tmp_path: Path, *args: str, name: str = "sweep") -> tuple[int, dict]:
+    out = tmp_path / name
+    rc = profile_train.main(["--config", "configs/profile.toml", "--out", str(out), "--steps", "2",
+                             "--warmup", "1", "--peak-seconds", "0.02", *TINY, *args])
+    results = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else {}
+    return rc, results
+
+
+@pytest.fixture(scope="module")
+def naive_vs_inplace(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    rc, results = sweep(tmp_path_factory.mktemp("p"), "--variants", "naive,inplace,sdpa-math",
+                        "--layers", "1,2,3")
+    assert rc == 0
+    return results
+
+
+def test_hidden_copy_through_the_profiler(naive_vs_inplace: dict) -> None:
+    """naive minus inplace = exactly n_layer aten::clone per step, in the forward region."""
+    rows = {(r["variant"], r["n_layer"]): r for r in naive_vs_inplace["rows"]}
+    for n_layer in (1, 2, 3):
+        naive, inplace = rows[("naive", n_layer)], rows[("inplace", n_layer)]
+        for region in ("forward", "backward", "optimizer"):
+            extra = (naive["ops_per_step"][region].get("aten::clone", 0)
+                     - inplace["ops_per_step"][region].get("aten::clone", 0))
+            assert extra == (n_layer if region == "forward" else 0), (region, n_layer)
+    diff = op_diff(naive_vs_inplace["rows"], "inplace", "naive")
+    assert {"region": "forward", "name": "aten::clone", "per_layer": -1.0} in diff
+    assert {"region": "forward", "name": "aten::copy_", "per_layer": -1.0} in diff
+    report = (Path(naive_vs_inplace["meta"]["out"]) / "report.md").read_text()
+    assert "1 aten::clone fewer (forward)" in report
+
+
+def test_results_json_contract(naive_vs_inplace: dict) -> None:
+    meta = naive_vs_inplace["meta"]
+    for key in ("device", "device_name", "torch_version", "dtype", "config", "peak_flops", "started_at"):
+        assert key in meta, key
+    assert meta["peak_flops"] > 1e8
+    rows = naive_vs_inplace["rows"]
+    assert len(rows) == 9
+    for row in rows:
+        assert row["status"] == "ok", row["reason"]
+        for key in ("variant", "n_layer", "compile", "status", "reason", "tokens_per_s", "mfu",
+                    "peak_mem_bytes", "compile_s", "ops_per_step", "kernels_per_step"):
+            assert key in row, key
+        assert set(row["step_ms"]) == {"median", "p10", "p90", "n"} and row["step_ms"]["n"] == 2
+        assert row["step_ms"]["p10"] <= row["step_ms"]["median"] <= row["step_ms"]["p90"]
+        assert set(row["ops_per_step"]) == {"forward", "backward", "optimizer"}
+        assert row["kernels_per_step"] is None  # CPU
+        assert 0 < row["mfu"] < 1 and row["peak_mem_bytes"] > 0
+    fits = naive_vs_inplace["fits"]
+    assert {"slope", "intercept", "r2"} <= set(fits["naive"]["step_ms"])
+    # Ops grow exactly linearly with depth: one fit explains them fully.
+    assert fits["naive"]["ops_per_step.forward"]["r2"] == pytest.approx(1.0)
+    out = Path(meta["out"])
+    for name in ("results.csv", "report.md", "summary.txt", "step_time_vs_layers.png",
+                 "memory_vs_layers.png"):
+        assert (out / name).stat().st_size > 0, name
+    assert len(list((out / "traces").glob("*.json.gz"))) == 9
+
+
+def test_pinned_backend_is_verified(naive_vs_inplace: dict) -> None:
+    math_rows = [r for r in naive_vs_inplace["rows"] if r["variant"] == "sdpa-math"]
+    assert all(r["backend"] == "MATH" for r in math_rows)
+
+
+def test_backend_mismatch_fails_the_cell(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A variant that claims FLASH but runs MATH is caught from the trace, not trusted."""
+    liar = attention.Variant("sdpa-flash", attention.VARIANTS["sdpa-math"].fn, "liar",
+                             backend=attention.SDPBackend.FLASH_ATTENTION)
+    monkeypatch.setitem(attention.VARIANTS, "sdpa-flash", liar)
+    rc, results = sweep(tmp_path, "--variants", "sdpa-flash", "--layers", "1")
+    assert rc == 0
+    [row] = results["rows"]
+    assert row["status"] == "failed"
+    assert "FLASH_ATTENTION" in row["reason"] and "_scaled_dot_product_attention_math" in row["reason"]
+
+
+def test_failing_cells_do_not_stop_the_sweep(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(q, k, v, mask, dropout_p):
+        if q.size(0) > 1:  # the availability probe uses B=1 and passes; the sweep does not
+            raise RuntimeError("kernel exploded")
+        return attention.naive(q, k, v, mask, dropout_p)
+
+    monkeypatch.setitem(attention.VARIANTS, "inplace", attention.Variant("inplace", broken, "broken"))
+    rc, results = sweep(tmp_path, "--variants", "naive,inplace,sdpa-efficient", "--layers", "1,2")
+    assert rc == 0
+    status = {(r["variant"], r["n_layer"]): (r["status"], r["reason"]) for r in results["rows"]}
+    assert status[("naive", 1)][0] == status[("naive", 2)][0] == "ok"
+    assert status[("inplace", 2)] == ("failed", "RuntimeError: kernel exploded")
+    assert status[("sdpa-efficient", 1)][0] == "unsupported"
+    assert "only for CUDA" in status[("sdpa-efficient", 1)][1]
+    assert "did not run" in (tmp_path / "sweep" / "report.md").read_text()
+
+
+def test_interrupted_sweep_keeps_what_it_measured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_time = profile_train.Sweep._time
+
+    def time_then_interrupt(self, cells, bar):
+        if cells[0].n_layer == 2:
+            raise KeyboardInterrupt
+        return real_time(self, cells, bar)
+
+    monkeypatch.setattr(profile_train.Sweep, "_time", time_then_interrupt)
+    rc, results = sweep(tmp_path, "--variants", "naive", "--layers", "1,2")
+    assert rc == 130
+    assert [(r["variant"], r["n_layer"], r["status"]) for r in results["rows"]] == [("naive", 1, "ok")]
+
+
+def test_fits_recover_known_slopes() -> None:
+    fit = fit_line([1, 2, 4, 8], [3 + 2 * x for x in (1, 2, 4, 8)])
+    assert fit["slope"] == pytest.approx(2) and fit["intercept"] == pytest.approx(3)
+    assert fit["r2"] == pytest.approx(1) and fit["slope_se"] == pytest.approx(0, abs=1e-12)
+    noisy = fit_line([1, 2, 3, 4], [1.1, 1.9, 3.2, 3.8])
+    assert 0.9 < noisy["r2"] < 1 and noisy["slope_se"] > 0
+    assert math.isnan(fit_line([1, 2], [1, 2])["slope_se"])
+    assert fit_line([4, 4], [1, 2]) is None
+
+    def row(variant: str, n: int, ms: float) -> dict:
+        return {"variant": variant, "compile": False, "n_layer": n, "status": "ok",
+                "step_ms": {"median": ms}, "peak_mem_bytes": None, "ops_per_step": None}
+
+    rows = [row("naive", n, 10 + 5 * n) for n in (1, 2, 4)] + [row("sdpa", n, 10 + 3 * n) for n in (1, 2, 4)]
+    fits = fits_by_label(rows)
+    assert fits["sdpa"]["step_ms"]["slope"] == pytest.approx(3)
+    saved = savings(fits)["sdpa"]
+    assert saved["per_layer"] == pytest.approx(2)
+    assert saved["projected"]["48"]["saving"] == pytest.approx(96)
+    assert saved["projected"]["12"]["percent"] == pytest.approx(100 * 24 / 70)
+
+
+def test_bad_arguments_name_the_problem(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    rc, _ = sweep(tmp_path, "--variants", "naive,flash9")
+    assert rc == 2 and "flash9" in capsys.readouterr().err
+    rc, _ = sweep(tmp_path, "--layers", "0,2")
+    assert rc == 2 and "--layers" in capsys.readouterr().err
+    rc, _ = sweep(tmp_path, "--model.n_heads=3")
+    assert rc == 2 and "model.n_heads" in capsys.readouterr().err
+
+
+def test_earlier_sweep_is_not_overwritten(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert sweep(tmp_path, "--variants", "naive", "--layers", "1", "--no-traces")[0] == 0
+    before = (tmp_path / "sweep" / "results.json").read_bytes()
+    rc, _ = sweep(tmp_path, "--variants", "inplace", "--layers", "1")
+    assert rc == 2 and "earlier sweep" in capsys.readouterr().err
+    assert (tmp_path / "sweep" / "results.json").read_bytes() == before
+
+
+def test_report_rerender_and_diff(naive_vs_inplace: dict, capsys: pytest.CaptureFixture) -> None:
+    out = naive_vs_inplace["meta"]["out"]
+    assert profile_train.main(["--report", out, "--diff", "inplace,naive"]) == 0
+    assert "1 aten::clone fewer (forward)" in capsys.readouterr().out
+    assert profile_train.main(["--report", out]) == 0
+
+
+@pytest.mark.cuda
+def test_cuda_sweep_counts_kernels(tmp_path: Path) -> None:
+    rc, results = sweep(tmp_path, "--variants", "naive,inplace,sdpa-flash", "--layers", "1,2",
+                        "--train.device=cuda", "--train.dtype=bfloat16")
+    assert rc == 0
+    rows = {(r["variant"], r["n_layer"]): r for r in results["rows"]}
+    for row in rows.values():
+        assert row["status"] == "ok", row["reason"]
+        assert sum(row["kernels_per_step"]["forward"].values()) > 0
+    for n in (1, 2):  # the hidden copy is one more device copy per layer in the forward
+        k = lambda v: sum(rows[(v, n)]["kernels_per_step"]["forward"].values())
+        assert k("naive") - k("inplace") == n
+    assert torch.cuda.is_available()
