@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import tomllib
+import torch
 
 from model import GPTConfig
+
+DTYPES = ("auto", "float32", "bfloat16")  # auto: bf16 autocast on CUDA, fp32 elsewhere
 
 
 @dataclass
@@ -46,6 +49,37 @@ class TrainConfig:
     log_interval: int = 10  # steps between metrics.jsonl lines
     sample_tokens: int = 200  # tokens sampled at the end of `make train`; 0 disables
     sample_prompt: str = "def "  # prompt for that sample
+
+    def __post_init__(self) -> None:
+        at_least = {
+            "batch_size": 1,
+            "grad_accum": 1,
+            "max_steps": 1,
+            "eval_batches": 1,
+            "log_interval": 1,
+            "warmup_steps": 0,
+            "eval_interval": 0,
+            "sample_tokens": 0,
+        }
+        for name, low in at_least.items():
+            value = getattr(self, name)
+            if isinstance(value, int) and not isinstance(value, bool) and value < low:
+                raise ValueError(f"train.{name}={value}: must be >= {low}")
+        for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"train.{name}={getattr(self, name)}: must be >= 0")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"train.{name}={getattr(self, name)}: must be in [0, 1)")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"train.dtype={self.dtype!r}: valid choices: {', '.join(DTYPES)}")
+        if self.device != "auto":
+            try:
+                torch.device(self.device)
+            except RuntimeError:
+                raise ValueError(
+                    f"train.device={self.device!r}: not a device; use auto, cpu, cuda, cuda:N or mps"
+                ) from None
 
 
 @dataclass
@@ -126,9 +160,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     built = {}
     for section, values in raw.items():
         if section not in sections:
-            raise ConfigError(
-                f"unknown section [{section}]; valid sections: {', '.join(sections)}"
-            )
+            raise ConfigError(f"unknown section [{section}]; valid sections: {', '.join(sections)}")
         if not isinstance(values, dict):
             raise ConfigError(f"{section}: expected a [{section}] table, got {values!r}")
         built[section] = _build(hints[section], values, section)
@@ -148,7 +180,7 @@ def dump_toml(config: Config) -> str:
             if isinstance(value, bool):
                 text = "true" if value else "false"
             elif isinstance(value, str):
-                text = json.dumps(value)  # JSON string escapes are valid TOML
+                text = json.dumps(value, ensure_ascii=False)  # JSON's escapes are TOML's
             else:
                 text = repr(value)
             lines.append(f"{key} = {text}")

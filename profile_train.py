@@ -80,7 +80,11 @@ class Cell:
 
     def fail(self, status: str, error: BaseException | str) -> None:
         self.status = status
-        self.reason = error if isinstance(error, str) else f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        self.reason = (
+            error
+            if isinstance(error, str)
+            else f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        )
         self.step = self.model = self.optimizer = None
 
 
@@ -108,23 +112,39 @@ class Sweep:
         meta = load_meta(self.config.data.root, self.args.data)
         if meta["vocab_size"] > mc.vocab_size:
             raise TrainError(f"corpus '{self.args.data}' needs vocab_size >= {meta['vocab_size']}")
-        source = TokenBatches(Path(self.config.data.root) / self.args.data / "train.bin",
-                              mc.block_size, tc.batch_size, tc.seed, self.device)
+        source = TokenBatches(
+            Path(self.config.data.root) / self.args.data / "train.bin",
+            mc.block_size,
+            tc.batch_size,
+            tc.seed,
+            self.device,
+        )
         return [[source.next() for _ in range(tc.grad_accum)] for _ in range(BATCH_POOL)]
 
     def _meta(self) -> dict[str, Any]:
-        device_name = (torch.cuda.get_device_name(self.device) if self.device.type == "cuda"
-                       else platform.processor() or platform.machine())
+        device_name = (
+            torch.cuda.get_device_name(self.device)
+            if self.device.type == "cuda"
+            else platform.processor() or platform.machine()
+        )
         meta = {
-            "device": str(self.device), "device_name": device_name,
-            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch_version": torch.__version__, "python": platform.python_version(),
-            "platform": platform.platform(), "dtype": str(self.dtype).removeprefix("torch."),
+            "device": str(self.device),
+            "device_name": device_name,
+            "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "torch_version": torch.__version__,
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "dtype": str(self.dtype).removeprefix("torch."),
             "autocast": self.amp_dtype is not None,
-            "config": config_to_dict(self.config), "config_file": str(self.args.config),
-            "data": self.args.data, "steps": self.args.steps, "warmup": self.args.warmup,
+            "config": config_to_dict(self.config),
+            "config_file": str(self.args.config),
+            "data": self.args.data,
+            "steps": self.args.steps,
+            "warmup": self.args.warmup,
             "profile_steps": self.args.profile_steps,
-            "command": "python " + shlex.join(sys.argv), "out": str(self.out),
+            "command": "python " + shlex.join(sys.argv),
+            "out": str(self.out),
             "started_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         }
         if self.device.type == "cuda":
@@ -157,8 +177,13 @@ class Sweep:
 
     def run(self, variants: list[str], layers: list[int], compile_modes: list[bool]) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
-        print(f"measuring the {self.dtype} matmul peak of {self.meta['device_name']} ...", file=sys.stderr)
-        self.meta["peak_flops_start"] = measure_peak_flops(self.device, self.dtype, self.args.peak_seconds)
+        print(
+            f"measuring the {self.dtype} matmul peak of {self.meta['device_name']} ...",
+            file=sys.stderr,
+        )
+        self.meta["peak_flops_start"] = measure_peak_flops(
+            self.device, self.dtype, self.args.peak_seconds
+        )
         self.meta["peak_flops"] = self.meta["peak_flops_start"]
         total = len(variants) * len(layers) * len(compile_modes)
         bar = tqdm(total=total, desc="cells", unit="cell", dynamic_ncols=True)
@@ -179,7 +204,11 @@ class Sweep:
         self.meta["peak_flops"] = max(self.meta["peak_flops_start"], end_peak)
         for row in self.rows:
             if row["status"] == "ok" and row["flops_per_step"]:
-                row["mfu"] = row["flops_per_step"] / (row["step_ms"]["median"] / 1e3) / self.meta["peak_flops"]
+                row["mfu"] = (
+                    row["flops_per_step"]
+                    / (row["step_ms"]["median"] / 1e3)
+                    / self.meta["peak_flops"]
+                )
         self._write()
 
     def _model_flops(self, n_layer: int) -> int:
@@ -228,11 +257,22 @@ class Sweep:
 
     def _profile_and_record(self, cell: Cell, flops: int) -> None:
         row: dict[str, Any] = {
-            "variant": cell.variant, "n_layer": cell.n_layer, "compile": cell.compiled,
-            "label": label(cell.variant, cell.compiled), "status": cell.status, "reason": cell.reason,
-            "step_ms": None, "tokens_per_s": None, "flops_per_step": flops or None, "mfu": None,
-            "peak_mem_bytes": None, "compile_s": None, "backend": None,
-            "ops_per_step": None, "kernels_per_step": None, "trace": None,
+            "variant": cell.variant,
+            "n_layer": cell.n_layer,
+            "compile": cell.compiled,
+            "label": label(cell.variant, cell.compiled),
+            "status": cell.status,
+            "reason": cell.reason,
+            "step_ms": None,
+            "tokens_per_s": None,
+            "flops_per_step": flops or None,
+            "mfu": None,
+            "peak_mem_bytes": None,
+            "compile_s": None,
+            "backend": None,
+            "ops_per_step": None,
+            "kernels_per_step": None,
+            "trace": None,
         }
         if cell.step is not None:
             with self._guard(cell):
@@ -250,7 +290,10 @@ class Sweep:
         tc, mc = self.config.train, self.config.model
         stats = summarize_ms(cell.times)
         tokens = tc.batch_size * tc.grad_accum * mc.block_size
-        fields: dict[str, Any] = {"step_ms": stats, "tokens_per_s": tokens / (stats["median"] / 1e3)}
+        fields: dict[str, Any] = {
+            "step_ms": stats,
+            "tokens_per_s": tokens / (stats["median"] / 1e3),
+        }
         if flops:
             fields["mfu"] = flops / (stats["median"] / 1e3) / self.meta["peak_flops"]
         if cell.compiled and cell.first_step_s is not None:
@@ -259,19 +302,25 @@ class Sweep:
 
     def _profile(self, cell: Cell) -> dict[str, Any]:
         active = self.args.profile_steps
-        trace = self.out / "traces" / f"{label(cell.variant, cell.compiled)}_L{cell.n_layer}.json.gz"
+        trace = (
+            self.out / "traces" / f"{label(cell.variant, cell.compiled)}_L{cell.n_layer}.json.gz"
+        )
         wanted = self.args.traces and (
-            not self.args.trace_layers or cell.n_layer in _csv_list(self.args.trace_layers, int))
-        with profiled_steps(self.device, active, trace if wanted else None,
-                            self.args.trace_stacks) as (advance, results):
+            not self.args.trace_layers or cell.n_layer in _csv_list(self.args.trace_layers, int)
+        )
+        with profiled_steps(
+            self.device, active, trace if wanted else None, self.args.trace_stacks
+        ) as (advance, results):
             for _ in range(2 + active):  # wait, warmup, active
                 cell.step()
                 synchronize(self.device)
                 advance()
         seen = results[0]
         if seen.trace_bytes > 50 * 2**20:
-            tqdm.write(f"warning: trace {seen.trace} is {seen.trace_bytes / 2**20:.0f} MB; "
-                       f"lower --profile-steps or the model size")
+            tqdm.write(
+                f"warning: trace {seen.trace} is {seen.trace_bytes / 2**20:.0f} MB; "
+                f"lower --profile-steps or the model size"
+            )
         counts = seen.per_step(active)
         fields: dict[str, Any] = {
             "ops_per_step": counts["ops"],
@@ -321,9 +370,24 @@ def write_results(out: Path, meta: dict[str, Any], rows: list[dict[str, Any]]) -
 
 
 def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
-    columns = ["variant", "n_layer", "compile", "status", "step_ms_median", "step_ms_p10",
-               "step_ms_p90", "n", "tokens_per_s", "mfu", "peak_mem_bytes", "compile_s",
-               "ops_per_step", "kernels_per_step", "backend", "reason"]
+    columns = [
+        "variant",
+        "n_layer",
+        "compile",
+        "status",
+        "step_ms_median",
+        "step_ms_p10",
+        "step_ms_p90",
+        "n",
+        "tokens_per_s",
+        "mfu",
+        "peak_mem_bytes",
+        "compile_s",
+        "ops_per_step",
+        "kernels_per_step",
+        "backend",
+        "reason",
+    ]
     tmp = path.with_suffix(".csv.tmp")
     with open(tmp, "w", newline="") as f:
         writer = csv.writer(f)
@@ -331,10 +395,26 @@ def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
         for r in rows:
             t = r["step_ms"] or {}
             total = lambda counts: sum(sum(c.values()) for c in counts.values()) if counts else None
-            writer.writerow([r["variant"], r["n_layer"], r["compile"], r["status"], t.get("median"),
-                             t.get("p10"), t.get("p90"), t.get("n"), r["tokens_per_s"], r["mfu"],
-                             r["peak_mem_bytes"], r["compile_s"], total(r["ops_per_step"]),
-                             total(r["kernels_per_step"]), r["backend"], r["reason"]])
+            writer.writerow(
+                [
+                    r["variant"],
+                    r["n_layer"],
+                    r["compile"],
+                    r["status"],
+                    t.get("median"),
+                    t.get("p10"),
+                    t.get("p90"),
+                    t.get("n"),
+                    r["tokens_per_s"],
+                    r["mfu"],
+                    r["peak_mem_bytes"],
+                    r["compile_s"],
+                    total(r["ops_per_step"]),
+                    total(r["kernels_per_step"]),
+                    r["backend"],
+                    r["reason"],
+                ]
+            )
     os.replace(tmp, path)
 
 
@@ -343,24 +423,43 @@ def _csv_list(text: str, kind: type = str) -> list:
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--config", type=Path, default=Path("configs/profile.toml"))
     p.add_argument("--variants", help="comma-separated (default: every variant that runs here)")
     p.add_argument("--layers", default="1,2,4,8", help="comma-separated n_layer values")
     p.add_argument("--compile", choices=["off", "on", "both"], default="off")
     p.add_argument("--steps", type=int, default=10, help="timed steps per cell")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per cell before timing")
-    p.add_argument("--profile-steps", type=int, default=1, help="active steps in the profiled window")
+    p.add_argument(
+        "--profile-steps", type=int, default=1, help="active steps in the profiled window"
+    )
     p.add_argument("--data", default="synthetic", help="'synthetic' or a prepared corpus name")
-    p.add_argument("--out", type=Path,
-                   help="output folder, new or empty (default: profiles/<config name>/<timestamp>)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="output folder, new or empty (default: profiles/<config name>/<timestamp>)",
+    )
     p.add_argument("--no-traces", dest="traces", action="store_false", help="write no trace files")
-    p.add_argument("--trace-layers", help="write traces only for these n_layer values (default: all)")
-    p.add_argument("--trace-stacks", action="store_true", help="record Python stacks in traces (large)")
-    p.add_argument("--peak-seconds", type=float, default=0.5,
-                   help="seconds per matmul size when measuring the peak FLOP rate")
-    p.add_argument("--report", type=Path, metavar="DIR", help="re-render the report of an existing sweep")
-    p.add_argument("--diff", metavar="A,B", help="with --report: print the op/kernel diff of A minus B")
+    p.add_argument(
+        "--trace-layers", help="write traces only for these n_layer values (default: all)"
+    )
+    p.add_argument(
+        "--trace-stacks", action="store_true", help="record Python stacks in traces (large)"
+    )
+    p.add_argument(
+        "--peak-seconds",
+        type=float,
+        default=0.5,
+        help="seconds per matmul size when measuring the peak FLOP rate",
+    )
+    p.add_argument(
+        "--report", type=Path, metavar="DIR", help="re-render the report of an existing sweep"
+    )
+    p.add_argument(
+        "--diff", metavar="A,B", help="with --report: print the op/kernel diff of A minus B"
+    )
     return p.parse_known_args(argv)
 
 
@@ -384,9 +483,13 @@ def main(argv: list[str] | None = None) -> int:
             variants = _csv_list(args.variants)
             unknown = [v for v in variants if v not in VARIANTS]
             if unknown:
-                raise ConfigError(f"--variants: unknown {', '.join(unknown)}; valid: {', '.join(VARIANTS)}")
+                raise ConfigError(
+                    f"--variants: unknown {', '.join(unknown)}; valid: {', '.join(VARIANTS)}"
+                )
         else:
-            variants = available_variants(device, dtype, config.model.head_size, config.model.dropout)
+            variants = available_variants(
+                device, dtype, config.model.head_size, config.model.dropout
+            )
         compile_modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
         sweep = Sweep(config, args)
         sweep.run(variants, layers, compile_modes)

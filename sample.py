@@ -46,23 +46,36 @@ def sample_run(
         raise TrainError("the prompt is empty; give at least one character")
     generator = torch.Generator(device=dev).manual_seed(seed)
     idx = torch.tensor([ids], dtype=torch.long, device=dev)
-    out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator)
+    out = model.generate(
+        idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator
+    )
     return tokenizer.decode(out[0].tolist(), skip_special_tokens=False)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--run", type=Path, required=True, help="run directory written by train.py")
     parser.add_argument("--prompt", default="\n")
     parser.add_argument("--tokens", type=int, default=200, help="tokens to generate")
     parser.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
-    parser.add_argument("--top-k", type=int, default=50, help="sample from the k likeliest; 0 = all")
+    parser.add_argument(
+        "--top-k", type=int, default=50, help="sample from the k likeliest; 0 = all"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto")
     args = parser.parse_args(argv)
     try:
-        text = sample_run(args.run, args.prompt, args.tokens, args.temperature,
-                          args.top_k or None, args.seed, args.device)
+        text = sample_run(
+            args.run,
+            args.prompt,
+            args.tokens,
+            args.temperature,
+            args.top_k or None,
+            args.seed,
+            args.device,
+        )
     except (TrainError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -61,15 +61,13 @@ def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
     """The autocast dtype, or None for plain fp32. Parameters and optimizer state stay fp32."""
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else None
-    choices = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if dtype not in choices:
-        raise TrainError(f"train.dtype={dtype!r}: valid choices: auto, {', '.join(choices)}")
-    if choices[dtype] == torch.float16:
-        raise TrainError("train.dtype='float16' needs loss scaling, which this trainer omits; use bfloat16")
-    return choices[dtype]
+    # No float16: it needs loss scaling, which this trainer omits; bfloat16 does not.
+    return {"float32": None, "bfloat16": torch.bfloat16}[dtype]
 
 
-def autocast(device: torch.device, amp_dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+def autocast(
+    device: torch.device, amp_dtype: torch.dtype | None
+) -> contextlib.AbstractContextManager:
     if amp_dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=amp_dtype)
@@ -142,7 +140,9 @@ class TokenBatches:
 # --- optimizer and schedule ---------------------------------------------------------------------
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(
+    model: torch.nn.Module, cfg: TrainConfig, device: torch.device
+) -> torch.optim.AdamW:
     """AdamW with decay on matrices (embeddings, Linear weights) only, fused where supported."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
@@ -152,7 +152,11 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devi
     # One fused kernel per step for all parameters instead of a loop of small ops per tensor.
     fused = device.type in ("cuda", "cpu")
     return torch.optim.AdamW(
-        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused, foreach=None if fused else True
+        groups,
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        fused=fused,
+        foreach=None if fused else True,
     )
 
 
@@ -195,7 +199,11 @@ def train_step(
     total = torch.zeros((), device=device)
     for i, (x, y) in enumerate(micro_batches):
         # Under DDP, all-reduce gradients only after the last micro-batch.
-        sync = contextlib.nullcontext() if i == n - 1 or not isinstance(model, DDP) else model.no_sync()
+        sync = (
+            contextlib.nullcontext()
+            if i == n - 1 or not isinstance(model, DDP)
+            else model.no_sync()
+        )
         with sync:
             with record_function("forward"), autocast(device, amp_dtype):
                 _, loss = model(x, y)
@@ -257,11 +265,19 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         raise TrainError(f"checkpoint {path} is unreadable (truncated or corrupt?): {e}") from None
 
 
-def check_compatible(ckpt: dict[str, Any], config: Config, tokenizer_sha256: str, path: Path) -> None:
+def check_compatible(
+    ckpt: dict[str, Any], config: Config, tokenizer_sha256: str, path: Path
+) -> None:
     saved, current = ckpt["config"]["model"], asdict(config.model)
-    diff = [f"{k}: {saved.get(k)!r} in checkpoint, {v!r} now" for k, v in current.items() if saved.get(k) != v]
+    diff = [
+        f"{k}: {saved.get(k)!r} in checkpoint, {v!r} now"
+        for k, v in current.items()
+        if saved.get(k) != v
+    ]
     if diff:
-        raise TrainError(f"checkpoint {path} was made with another model config: " + "; ".join(diff))
+        raise TrainError(
+            f"checkpoint {path} was made with another model config: " + "; ".join(diff)
+        )
     if ckpt["tokenizer_sha256"] != tokenizer_sha256:
         raise TrainError(
             f"checkpoint {path} was made with another tokenizer (sha256 "
@@ -288,21 +304,44 @@ def init_distributed(train_cfg: TrainConfig) -> tuple[int, int, torch.device]:
 
 
 class StopSignal:
-    """SIGINT/SIGTERM set a flag; the loop finishes the step it is in, saves, and exits."""
+    """While active, SIGINT/SIGTERM set a flag; the loop finishes its step, saves and exits.
+
+    The previous handlers come back on exit, so a caller's Ctrl-C works again afterwards.
+    """
 
     def __init__(self) -> None:
         self.received: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignal:
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self._handle)
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.received = signal.Signals(signum).name
 
 
+def start_metrics(path: Path, resume_step: int | None) -> None:
+    """A fresh run starts a fresh metrics.jsonl; a resumed one drops the lines logged after
+    its checkpoint (a crash between checkpoints), since those steps run again."""
+    if resume_step is None or not path.exists():
+        path.write_text("")
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(ln for ln in lines if json.loads(ln)["step"] <= resume_step))
+
+
 # --- the loop ---------------------------------------------------------------------------------------
 
 
-def train(config: Config, out_dir: Path, resume: bool = False, stop_after: int | None = None) -> Path:
+def train(
+    config: Config, out_dir: Path, resume: bool = False, stop_after: int | None = None
+) -> Path:
     """Run (or resume) training; returns the run directory. Raises TrainError on bad input."""
     tc = config.train
     rank, world_size, device = init_distributed(tc)
@@ -316,14 +355,21 @@ def train(config: Config, out_dir: Path, resume: bool = False, stop_after: int |
             f"'{config.data.name}' ({meta['vocab_size']} tokens)"
         )
     try:
-        check_variant(config.model.attention, device, amp_dtype or torch.float32,
-                      config.model.head_size, config.model.dropout)
+        check_variant(
+            config.model.attention,
+            device,
+            amp_dtype or torch.float32,
+            config.model.head_size,
+            config.model.dropout,
+        )
     except VariantUnavailable as e:
         raise TrainError(str(e)) from None
 
     ckpt_path = out_dir / CHECKPOINT
     if ckpt_path.exists() and not resume:
-        raise TrainError(f"{out_dir} already holds a checkpoint; pass --resume to continue it or --out for a new run")
+        raise TrainError(
+            f"{out_dir} already holds a checkpoint; pass --resume to continue it or --out for a new run"
+        )
     ckpt = load_checkpoint(ckpt_path) if resume else None
     if ckpt is not None:
         check_compatible(ckpt, config, meta["tokenizer_sha256"], ckpt_path)
@@ -331,10 +377,24 @@ def train(config: Config, out_dir: Path, resume: bool = False, stop_after: int |
     torch.manual_seed(tc.seed)
     raw_model = GPT(config.model).to(device)
     optimizer = build_optimizer(raw_model, tc, device)
-    train_batches = TokenBatches(data_dir / "train.bin", config.model.block_size, tc.batch_size,
-                                 tc.seed, device, rank, world_size)
-    val_batches = TokenBatches(data_dir / "val.bin", config.model.block_size, tc.batch_size,
-                               tc.seed + 1, device, rank, world_size)
+    train_batches = TokenBatches(
+        data_dir / "train.bin",
+        config.model.block_size,
+        tc.batch_size,
+        tc.seed,
+        device,
+        rank,
+        world_size,
+    )
+    val_batches = TokenBatches(
+        data_dir / "val.bin",
+        config.model.block_size,
+        tc.batch_size,
+        tc.seed + 1,
+        device,
+        rank,
+        world_size,
+    )
     step = 0
     if ckpt is not None:
         raw_model.load_state_dict(ckpt["model"])
@@ -353,6 +413,7 @@ def train(config: Config, out_dir: Path, resume: bool = False, stop_after: int |
     if master:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.toml").write_text(dump_toml(config))
+        start_metrics(out_dir / "metrics.jsonl", step if ckpt is not None else None)
         shutil.copyfile(data_dir / "tokenizer.json", out_dir / "tokenizer.json")
     bpb_factor = meta["splits"]["val"]["tokens"] / meta["splits"]["val"]["bytes"] / math.log(2)
     tokens_per_step = tc.batch_size * tc.grad_accum * world_size * config.model.block_size
@@ -362,9 +423,14 @@ def train(config: Config, out_dir: Path, resume: bool = False, stop_after: int |
         if device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(device)
         return {
-            "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-            "rng": rng, "data": train_batches.state_dict(), "config": asdict(config),
-            "tokenizer_sha256": meta["tokenizer_sha256"], "val_loss": val_loss,
+            "model": raw_model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "step": step,
+            "rng": rng,
+            "data": train_batches.state_dict(),
+            "config": asdict(config),
+            "tokenizer_sha256": meta["tokenizer_sha256"],
+            "val_loss": val_loss,
         }
 
     def log(record: dict[str, Any]) -> None:
@@ -376,64 +442,93 @@ def train(config: Config, out_dir: Path, resume: bool = False, stop_after: int |
         if master:
             log({"step": step, "val_loss": val_loss, "val_bpb": val_loss * bpb_factor})
             save_checkpoint(ckpt_path, snapshot(val_loss))
-            bar.write(f"step {step}: val loss {val_loss:.4f}, {val_loss * bpb_factor:.3f} bits/byte; saved {ckpt_path}")
+            bar.write(
+                f"step {step}: val loss {val_loss:.4f}, {val_loss * bpb_factor:.3f} bits/byte; saved {ckpt_path}"
+            )
         return val_loss
 
-    stop = StopSignal()
     last_step = tc.max_steps if stop_after is None else min(tc.max_steps, step + stop_after)
-    bar = tqdm(total=tc.max_steps, initial=step, disable=not master, desc=config.model.attention,
-               dynamic_ncols=True, mininterval=1.0)
-    model.train()
-    t0 = time.perf_counter()
-    while step < last_step:
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, tc)
-        micro = [train_batches.next() for _ in range(tc.grad_accum)]
-        loss = train_step(model, optimizer, micro, tc.grad_clip, amp_dtype)
-        step += 1
-        # One small all-reduce carries both the mean loss and "anyone asked to stop", so
-        # every rank stops at the same step and none waits forever on a collective.
-        flags = torch.stack([loss.float(), torch.tensor(float(stop.received is not None), device=device)])
-        if world_size > 1:
-            dist.all_reduce(flags)
-            flags[0] /= world_size
-        loss_value, stop_requested = flags[0].item(), flags[1].item() > 0
-        if not math.isfinite(loss_value):
-            raise TrainError(
-                f"loss is {loss_value} at step {step}; stopped without saving "
-                f"(the last good checkpoint, if any, is {ckpt_path})"
-            )
-        dt = time.perf_counter() - t0
+    bar = tqdm(
+        total=tc.max_steps,
+        initial=step,
+        disable=not master,
+        desc=config.model.attention,
+        dynamic_ncols=True,
+        mininterval=1.0,
+    )
+    with StopSignal() as stop:
+        model.train()
         t0 = time.perf_counter()
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", ms=f"{dt * 1e3:.0f}")
-        if master and (step % tc.log_interval == 0 or step == last_step):
-            log({"step": step, "loss": loss_value, "lr": lr_at(step - 1, tc),
-                 "ms_per_step": dt * 1e3, "tokens_per_s": tokens_per_step / dt})
-        if stop_requested:
-            eval_and_save()
-            bar.close()
-            if master:
-                print(f"stopped by {stop.received or 'another rank'} after step {step}; "
-                      f"resume with --resume", file=sys.stderr)
-            return out_dir
-        if tc.eval_interval and step % tc.eval_interval == 0 and step != last_step:
-            eval_and_save()
-    eval_and_save()
-    bar.close()
-    return out_dir
+        while step < last_step:
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step, tc)
+            micro = [train_batches.next() for _ in range(tc.grad_accum)]
+            loss = train_step(model, optimizer, micro, tc.grad_clip, amp_dtype)
+            step += 1
+            # One small all-reduce carries both the mean loss and "anyone asked to stop", so
+            # every rank stops at the same step and none waits forever on a collective.
+            flags = torch.stack(
+                [loss.float(), torch.tensor(float(stop.received is not None), device=device)]
+            )
+            if world_size > 1:
+                dist.all_reduce(flags)
+                flags[0] /= world_size
+            loss_value, stop_requested = flags[0].item(), flags[1].item() > 0
+            if not math.isfinite(loss_value):
+                raise TrainError(
+                    f"loss is {loss_value} at step {step}; stopped without saving "
+                    f"(the last good checkpoint, if any, is {ckpt_path})"
+                )
+            dt = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            bar.update(1)
+            bar.set_postfix(
+                loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", ms=f"{dt * 1e3:.0f}"
+            )
+            if master and (step % tc.log_interval == 0 or step == last_step):
+                log(
+                    {
+                        "step": step,
+                        "loss": loss_value,
+                        "lr": lr_at(step - 1, tc),
+                        "ms_per_step": dt * 1e3,
+                        "tokens_per_s": tokens_per_step / dt,
+                    }
+                )
+            if stop_requested:
+                eval_and_save()
+                bar.close()
+                if master:
+                    print(
+                        f"stopped by {stop.received or 'another rank'} after step {step}; "
+                        f"resume with --resume",
+                        file=sys.stderr,
+                    )
+                return out_dir
+            if tc.eval_interval and step % tc.eval_interval == 0 and step != last_step:
+                eval_and_save()
+        eval_and_save()
+        bar.close()
+        return out_dir
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Any config field can be overridden: --model.attention=sdpa --train.max_steps=200",
     )
     parser.add_argument("--config", type=Path, help="TOML file with [model], [data], [train]")
     parser.add_argument("--out", type=Path, help="run directory (default: runs/<config name>)")
-    parser.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
-    parser.add_argument("--stop-after", type=int, metavar="N",
-                        help="stop (and save) after N more steps, e.g. to split a run across sessions")
+    parser.add_argument(
+        "--resume", action="store_true", help="continue the run in --out from its checkpoint"
+    )
+    parser.add_argument(
+        "--stop-after",
+        type=int,
+        metavar="N",
+        help="stop (and save) after N more steps, e.g. to split a run across sessions",
+    )
     args, overrides = parser.parse_known_args(argv)
     try:
         config = load_config(args.config, overrides)

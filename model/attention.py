@@ -109,6 +109,10 @@ def _causal_block_mask(T: int, device: torch.device):  # -> BlockMask
 def flex(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dropout_p: float) -> Tensor:
     """flex_attention with a causal block mask, compiled. No dropout: flex has none."""
     block_mask = _causal_block_mask(q.size(-2), q.device)
+    if torch.compiler.is_compiling():  # inside a compiled block: let that graph hold it
+        from torch.nn.attention.flex_attention import flex_attention
+
+        return flex_attention(q, k, v, block_mask=block_mask)
     return _compiled_flex_attention()(q, k, v, block_mask=block_mask)
 
 
@@ -128,20 +132,39 @@ VARIANTS: dict[str, Variant] = {
         Variant("naive", naive, "matmul, scale, masked_fill (out of place), softmax, matmul"),
         Variant("inplace", inplace, "naive with masked_fill_: no hidden copy"),
         Variant("sdpa", sdpa, "F.scaled_dot_product_attention, backend chosen by PyTorch"),
-        Variant("sdpa-math", _pinned(SDPBackend.MATH), "SDPA pinned to the math backend",
-                backend=SDPBackend.MATH),
-        Variant("sdpa-flash", _pinned(SDPBackend.FLASH_ATTENTION),
-                "SDPA pinned to the flash backend", backend=SDPBackend.FLASH_ATTENTION),
-        Variant("sdpa-efficient", _pinned(SDPBackend.EFFICIENT_ATTENTION),
-                "SDPA pinned to the memory-efficient backend",
-                backend=SDPBackend.EFFICIENT_ATTENTION,
-                cuda_only="the memory-efficient SDPA kernel exists only for CUDA"),
-        Variant("sdpa-cudnn", _pinned(SDPBackend.CUDNN_ATTENTION),
-                "SDPA pinned to the cuDNN backend", backend=SDPBackend.CUDNN_ATTENTION,
-                cuda_only="the cuDNN SDPA kernel exists only for CUDA"),
-        Variant("flex", flex, "flex_attention with a causal block mask, compiled",
-                supports_dropout=False,
-                cuda_only="PyTorch has no flex_attention backward (nor compiled kernel) off CUDA"),
+        Variant(
+            "sdpa-math",
+            _pinned(SDPBackend.MATH),
+            "SDPA pinned to the math backend",
+            backend=SDPBackend.MATH,
+        ),
+        Variant(
+            "sdpa-flash",
+            _pinned(SDPBackend.FLASH_ATTENTION),
+            "SDPA pinned to the flash backend",
+            backend=SDPBackend.FLASH_ATTENTION,
+        ),
+        Variant(
+            "sdpa-efficient",
+            _pinned(SDPBackend.EFFICIENT_ATTENTION),
+            "SDPA pinned to the memory-efficient backend",
+            backend=SDPBackend.EFFICIENT_ATTENTION,
+            cuda_only="the memory-efficient SDPA kernel exists only for CUDA",
+        ),
+        Variant(
+            "sdpa-cudnn",
+            _pinned(SDPBackend.CUDNN_ATTENTION),
+            "SDPA pinned to the cuDNN backend",
+            backend=SDPBackend.CUDNN_ATTENTION,
+            cuda_only="the cuDNN SDPA kernel exists only for CUDA",
+        ),
+        Variant(
+            "flex",
+            flex,
+            "flex_attention with a causal block mask, compiled",
+            supports_dropout=False,
+            cuda_only="PyTorch has no flex_attention backward (nor compiled kernel) off CUDA",
+        ),
     )
 }
 
@@ -222,4 +245,6 @@ def available_variants(
     dropout_p: float = 0.0,
 ) -> list[str]:
     """The variant names that can train on this device and dtype, in registry order."""
-    return [n for n in VARIANTS if unavailable_reason(n, device, dtype, head_size, dropout_p) is None]
+    return [
+        n for n in VARIANTS if unavailable_reason(n, device, dtype, head_size, dropout_p) is None
+    ]

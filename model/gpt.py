@@ -107,11 +107,9 @@ class GPT(nn.Module):
 
         Targets equal to -1 are ignored by the loss.
         """
-        B, T = idx.shape
+        _, T = idx.shape
         if self.config.block_size < T:
-            raise ValueError(
-                f"sequence length {T} exceeds block_size {self.config.block_size}"
-            )
+            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
         pos = torch.arange(T, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
         for block in self.blocks:

@@ -72,8 +72,9 @@ def fits_by_label(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, f
     return fits
 
 
-def savings(fits: dict[str, dict[str, dict[str, float]]], baseline: str = "naive",
-            metric: str = "step_ms") -> dict[str, dict[str, Any]]:
+def savings(
+    fits: dict[str, dict[str, dict[str, float]]], baseline: str = "naive", metric: str = "step_ms"
+) -> dict[str, dict[str, Any]]:
     """Per-layer saving of each label against baseline (slope difference +- its std error),
     and the saving the two fitted lines project at 12, 24 and 48 layers."""
     base = fits.get(baseline, {}).get(metric)
@@ -95,8 +96,9 @@ def savings(fits: dict[str, dict[str, dict[str, float]]], baseline: str = "naive
     return out
 
 
-def op_slopes(rows: list[dict[str, Any]], name: str, kind: str = "ops_per_step"
-              ) -> dict[tuple[str, str], float]:
+def op_slopes(
+    rows: list[dict[str, Any]], name: str, kind: str = "ops_per_step"
+) -> dict[tuple[str, str], float]:
     """For one label: (region, op) -> slope of its per-step count against n_layer."""
     series: dict[tuple[str, str], dict[int, float]] = defaultdict(dict)
     layers = set()
@@ -116,8 +118,9 @@ def op_slopes(rows: list[dict[str, Any]], name: str, kind: str = "ops_per_step"
     return out
 
 
-def op_diff(rows: list[dict[str, Any]], a: str, b: str, kind: str = "ops_per_step",
-            threshold: float = 0.25) -> list[dict[str, Any]]:
+def op_diff(
+    rows: list[dict[str, Any]], a: str, b: str, kind: str = "ops_per_step", threshold: float = 0.25
+) -> list[dict[str, Any]]:
     """Ops whose per-layer per-step count differs between labels a and b (a minus b).
 
     With a single depth measured, the difference of counts divided by n_layer stands in
@@ -131,11 +134,14 @@ def op_diff(rows: list[dict[str, Any]], a: str, b: str, kind: str = "ops_per_ste
         delta = sa.get(key, 0.0) - sb.get(key, 0.0)
         if abs(delta) >= threshold:
             diffs.append({"region": key[0], "name": key[1], "per_layer": round(delta, 2)})
-    return sorted(diffs, key=lambda d: (REGIONS.index(d["region"]), -abs(d["per_layer"]), d["name"]))
+    return sorted(
+        diffs, key=lambda d: (REGIONS.index(d["region"]), -abs(d["per_layer"]), d["name"])
+    )
 
 
-def _single_depth_diff(rows: list[dict[str, Any]], a: str, b: str, kind: str,
-                       threshold: float) -> list[dict[str, Any]]:
+def _single_depth_diff(
+    rows: list[dict[str, Any]], a: str, b: str, kind: str, threshold: float
+) -> list[dict[str, Any]]:
     by = {label(r["variant"], r["compile"]): r for r in ok_rows(rows) if r.get(kind)}
     if a not in by or b not in by or by[a]["n_layer"] != by[b]["n_layer"]:
         return []
@@ -161,5 +167,9 @@ def describe_diff(a: str, b: str, diffs: list[dict[str, Any]], unit: str = "op")
         amount = f"{n:g}" if n != int(n) else str(int(n))
         more = "more" if d["per_layer"] > 0 else "fewer"
         parts.append(f"{amount} {d['name']} {more} ({d['region']})")
-    more = f"; and {len(diffs) - shown} more (profile_train.py --report DIR --diff {a},{b})" if len(diffs) > shown else ""
+    more = (
+        f"; and {len(diffs) - shown} more (profile_train.py --report DIR --diff {a},{b})"
+        if len(diffs) > shown
+        else ""
+    )
     return f"{a} vs {b}, per layer per step: " + "; ".join(parts) + more + "."

@@ -74,17 +74,21 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype, seconds: float 
     Square matmuls of a few sizes; the fastest sustained rate over ~`seconds` per size wins.
     """
     sizes = (1024, 2048) if device.type == "cpu" else (4096, 8192)
-    best = 0.0
-    for n in sizes:
-        a = torch.randn(n, n, device=device, dtype=dtype)
-        b = torch.randn(n, n, device=device, dtype=dtype)
-        c = torch.empty(n, n, device=device, dtype=dtype)
-        torch.mm(a, b, out=c)  # warm-up: thread pool, kernel selection
-        reps = max(1, int(seconds / max(timed(lambda: torch.mm(a, b, out=c), device), 1e-6)))
-        for _ in range(3):
-            dt = timed(lambda: [torch.mm(a, b, out=c) for _ in range(reps)], device)
-            best = max(best, 2 * n**3 * reps / dt)
-    return best
+    return max(_matmul_rate(n, device, dtype, seconds) for n in sizes)
+
+
+def _matmul_rate(n: int, device: torch.device, dtype: torch.dtype, seconds: float) -> float:
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    c = torch.empty(n, n, device=device, dtype=dtype)
+
+    def run(reps: int) -> None:
+        for _ in range(reps):
+            torch.mm(a, b, out=c)
+
+    run(1)  # warm-up: thread pool, kernel selection
+    reps = max(1, int(seconds / max(timed(lambda: run(1), device), 1e-6)))
+    return max(2 * n**3 * reps / timed(lambda: run(reps), device) for _ in range(3))
 
 
 def count_flops(step: Callable[[], object]) -> int:
@@ -158,8 +162,8 @@ def parse_events(events: list, device: torch.device) -> StepProfile:
     result.peak_transient_bytes = peak
     if device.type == "cuda":
         for e in events:
-            if e.device_type() != DeviceType.CUDA or e.is_user_annotation():
-                continue
+            if e.device_type() != DeviceType.CUDA or e.is_user_annotation() or "Sync" in e.name():
+                continue  # annotations and synchronisation records are not work
             launched = launches.get(e.correlation_id())
             region = _region_of(launched, regions) if launched is not None else None
             if region:
@@ -209,8 +213,12 @@ def _export_trace(prof: profile, path: Path) -> tuple[Path, int]:
     return path, path.stat().st_size
 
 
-def verify_backend(backend: str, ops: dict[str, dict[str, float]],
-                   kernels: dict[str, dict[str, float]], device: torch.device) -> str | None:
+def verify_backend(
+    backend: str,
+    ops: dict[str, dict[str, float]],
+    kernels: dict[str, dict[str, float]],
+    device: torch.device,
+) -> str | None:
     """None if the trace shows the pinned SDPA backend ran; otherwise what was missing."""
     seen_ops = {name for region in ops.values() for name in region}
     wanted = BACKEND_OPS[backend]

@@ -44,41 +44,61 @@ def headline_table(results: dict[str, Any]) -> list[str]:
     layers = sorted({r["n_layer"] for r in rows})
     saved = savings(fits)
     by = {(label(r["variant"], r["compile"]), r["n_layer"]): r for r in rows}
-    head = ["variant"] + [f"ms @L{n}" for n in layers] + [
-        "ms/layer (±se)", "saving/layer vs naive", f"saving @L{PROJECT_AT[-1]}",
-        f"MFU @L{layers[-1]}", "ops/layer", f"peak MiB @L{layers[-1]}"]
+    head = (
+        ["variant"]
+        + [f"ms @L{n}" for n in layers]
+        + [
+            "ms/layer (±se)",
+            "saving/layer vs naive",
+            f"saving @L{PROJECT_AT[-1]}",
+            f"MFU @L{layers[-1]}",
+            "ops/layer",
+            f"peak MiB @L{layers[-1]}",
+        ]
+    )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name in _labels(rows):
         cells = [name]
         for n in layers:
             r = by.get((name, n))
-            cells.append(_fmt(r["step_ms"]["median"]) if r and r["step_ms"] else (r or {}).get("status", "–"))
+            cells.append(
+                _fmt(r["step_ms"]["median"]) if r and r["step_ms"] else (r or {}).get("status", "–")
+            )
         step_fit = fits.get(name, {}).get("step_ms")
         cells.append(f"{step_fit['slope']:.2f} ± {step_fit['slope_se']:.2f}" if step_fit else "–")
         s = saved.get(name)
         cells.append(f"{s['per_layer']:+.2f} ± {s['per_layer_se']:.2f} ms" if s else "–")
         cells.append(f"{s['projected'][str(PROJECT_AT[-1])]['percent']:+.1f}%" if s else "–")
         last = by.get((name, layers[-1]))
-        cells.append(_fmt(last["mfu"] * 100 if last and last["mfu"] else None, ".1f") + ("%" if last and last["mfu"] else ""))
+        cells.append(
+            _fmt(last["mfu"] * 100 if last and last["mfu"] else None, ".1f")
+            + ("%" if last and last["mfu"] else "")
+        )
         ops_fit = fits.get(name, {}).get("ops_per_step.total")
         cells.append(_fmt(ops_fit["slope"] if ops_fit else None, ".0f"))
-        cells.append(_fmt(last["peak_mem_bytes"] / MiB if last and last["peak_mem_bytes"] else None))
+        cells.append(
+            _fmt(last["peak_mem_bytes"] / MiB if last and last["peak_mem_bytes"] else None)
+        )
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
 def _setup_line(meta: dict[str, Any]) -> str:
     m, t = meta["config"]["model"], meta["config"]["train"]
-    return (f"B={t['batch_size']}x{t['grad_accum']} T={m['block_size']} C={m['n_embd']} "
-            f"H={m['n_head']} V={m['vocab_size']} {meta['dtype']}"
-            f"{' autocast' if meta.get('autocast') else ''}, data: {meta['data']}")
+    return (
+        f"B={t['batch_size']}x{t['grad_accum']} T={m['block_size']} C={m['n_embd']} "
+        f"H={m['n_head']} V={m['vocab_size']} {meta['dtype']}"
+        f"{' autocast' if meta.get('autocast') else ''}, data: {meta['data']}"
+    )
 
 
 def _machine_line(meta: dict[str, Any]) -> str:
     extra = f", CUDA {meta['cuda']}" if meta.get("cuda") else ""
-    return (f"{meta['device']} ({meta['device_name']}), {meta['cpu_count']} CPU cores, "
-            f"{meta['torch_threads']} torch threads, torch {meta['torch_version']}{extra}, "
-            f"Python {meta['python']}, {meta['platform']}")
+    return (
+        f"{meta['device']} ({meta['device_name']}), {meta['cpu_count']} CPU cores, "
+        f"{meta['torch_threads']} torch threads, torch {meta['torch_version']}{extra}, "
+        f"Python {meta['python']}, {meta['platform']}"
+    )
 
 
 def findings(rows: list[dict[str, Any]]) -> list[str]:
@@ -91,7 +111,9 @@ def findings(rows: list[dict[str, Any]]) -> list[str]:
         lines.append("- " + describe_diff(name, "naive", op_diff(rows, name, "naive")))
         kernels = op_diff(rows, name, "naive", kind="kernels_per_step")
         if kernels:
-            lines.append("  - CUDA kernels: " + describe_diff(name, "naive", kernels, unit="kernel"))
+            lines.append(
+                "  - CUDA kernels: " + describe_diff(name, "naive", kernels, unit="kernel")
+            )
     return lines
 
 
@@ -122,107 +144,145 @@ def write_report(out: Path, results: dict[str, Any]) -> None:
 
 
 def _cell_table(rows: list[dict[str, Any]]) -> list[str]:
-    head = ["variant", "L", "status", "ms median [p10, p90] (n)", "tokens/s", "MFU", "peak MiB",
-            "compile s", "SDPA backend", "ops/step fwd·bwd·opt", "kernels/step fwd·bwd·opt"]
+    head = [
+        "variant",
+        "L",
+        "status",
+        "ms median [p10, p90] (n)",
+        "tokens/s",
+        "MFU",
+        "peak MiB",
+        "compile s",
+        "SDPA backend",
+        "ops/step fwd·bwd·opt",
+        "kernels/step fwd·bwd·opt",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         t = r["step_ms"]
         regions = lambda c: "·".join(_fmt(_total(c, g), ".0f") for g in REGIONS) if c else "–"
-        lines.append("| " + " | ".join([
-            label(r["variant"], r["compile"]), str(r["n_layer"]), r["status"],
-            f"{t['median']:.2f} [{t['p10']:.2f}, {t['p90']:.2f}] ({t['n']})" if t else "–",
-            _fmt(r["tokens_per_s"], ",.0f"), _fmt(r["mfu"] * 100 if r["mfu"] else None) + "%" * bool(r["mfu"]),
-            _fmt(r["peak_mem_bytes"] / MiB if r["peak_mem_bytes"] else None),
-            _fmt(r["compile_s"]), r["backend"] or "–",
-            regions(r["ops_per_step"]), regions(r["kernels_per_step"]),
-        ]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    label(r["variant"], r["compile"]),
+                    str(r["n_layer"]),
+                    r["status"],
+                    f"{t['median']:.2f} [{t['p10']:.2f}, {t['p90']:.2f}] ({t['n']})" if t else "–",
+                    _fmt(r["tokens_per_s"], ",.0f"),
+                    _fmt(r["mfu"] * 100 if r["mfu"] else None) + "%" * bool(r["mfu"]),
+                    _fmt(r["peak_mem_bytes"] / MiB if r["peak_mem_bytes"] else None),
+                    _fmt(r["compile_s"]),
+                    r["backend"] or "–",
+                    regions(r["ops_per_step"]),
+                    regions(r["kernels_per_step"]),
+                ]
+            )
+            + " |"
+        )
     return lines
 
 
 def _fits_table(fits: dict[str, dict[str, dict[str, float]]]) -> list[str]:
-    lines = ["| variant | metric | slope (per layer) | ± se | intercept | r² |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| variant | metric | slope (per layer) | ± se | intercept | r² |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, by_metric in fits.items():
         for metric, f in sorted(by_metric.items()):
-            lines.append(f"| {name} | {metric} | {f['slope']:.4g} | {f['slope_se']:.2g} | "
-                         f"{f['intercept']:.4g} | {f['r2']:.4f} |")
+            lines.append(
+                f"| {name} | {metric} | {f['slope']:.4g} | {f['slope_se']:.2g} | "
+                f"{f['intercept']:.4g} | {f['r2']:.4f} |"
+            )
     return lines
 
 
 def _report_md(results: dict[str, Any]) -> str:
     meta, rows, fits = results["meta"], results["rows"], results["fits"]
     saved = savings(fits)
-    projected = [f"| {name} | " + " | ".join(
-        f"{s['projected'][str(n)]['saving']:+.1f} ms ({s['projected'][str(n)]['percent']:+.1f}%)" for n in PROJECT_AT)
-        + " |" for name, s in saved.items()]
-    problems = [f"- **{label(r['variant'], r['compile'])} L{r['n_layer']}**: {r['status']}: {r['reason']}"
-                for r in rows if r["status"] != "ok"]
-    return "\n".join([
-        "# Training-step profile by attention variant and depth",
-        "",
-        f"- **Machine**: {_machine_line(meta)}",
-        f"- **Setup**: {_setup_line(meta)}; {meta['steps']} timed steps per cell after {meta['warmup']} warm-up steps",
-        f"- **Matmul peak** ({meta['dtype']}, measured at start and end of the sweep, higher used): "
-        f"{meta.get('peak_flops_start', 0) / 1e9:.1f} / {meta.get('peak_flops_end', meta['peak_flops']) / 1e9:.1f} GFLOP/s",
-        f"- **Command**: `{meta['command']}` (config `{meta['config_file']}`), started {meta['started_at']}",
-        "",
-        "## Headline",
-        "",
-        *headline_table(results),
-        "",
-        "![step time vs layers](step_time_vs_layers.png)",
-        "![peak memory vs layers](memory_vs_layers.png)",
-        "",
-        "## Findings: what each variant changes, per layer per step",
-        "",
-        *(findings(rows) or ["- (needs `naive` and at least one other variant in the sweep)"]),
-        "",
-        "## Projected savings against naive (from the fitted lines)",
-        "",
-        "| variant | " + " | ".join(f"at {n} layers" for n in PROJECT_AT) + " |",
-        "|---|" + "---|" * len(PROJECT_AT),
-        *projected,
-        "",
-        "## Every cell",
-        "",
-        *_cell_table(rows),
-        "",
-        *(["## Cells that did not run", "", *problems, ""] if problems else []),
-        "## Fits: metric = intercept + slope × n_layer",
-        "",
-        *_fits_table(fits),
-        "",
-        "## How this was measured",
-        "",
-        "- **Step**: `train.train_step`, imported from train.py: forward, backward, gradient clipping "
-        "and a fused AdamW step over one global batch. Batches are drawn before timing and cycled.",
-        "- **Step time**: no profiler attached; warm-up steps excluded; the device synchronised before "
-        "and after each step; the variants of one depth run interleaved round by round (A B C A B C …) "
-        "so machine drift hits all alike. Median with 10th/90th percentiles over the timed steps.",
-        "- **Compile time**: for `+compile` cells, the first step's time minus the median step.",
-        "- **Ops and kernels**: separate steps under torch.profiler with a wait=1/warmup=1/active schedule; "
-        "ATen ops counted (nested calls included, so `aten::masked_fill` and the `aten::clone` it makes both "
-        "count) by the `record_function` region their start falls in; CUDA kernels (and memcpy/memset) by "
-        "the region of the runtime call that launched them, matched by correlation id.",
-        "- **Peak memory**: parameters and optimizer state resident before the step, plus the step's own "
-        "peak above that: on CUDA from the caching allocator (`max_memory_allocated`) over one more step, "
-        "on CPU from the profiler's allocation events in the profiled step.",
-        "- **FLOPs and MFU**: `torch.utils.flop_counter` over one eager `naive` step at each depth "
-        "(matmul-class ops; attention counted over the full T×T, not halved for causality). All "
-        "variants compute the same function, so they share that count. MFU = FLOPs / median step time / "
-        "matmul peak, the peak measured on the spot with square matmuls in the run's dtype.",
-        "- **Backend check**: every pinned SDPA cell's trace must contain its backend's ATen op "
-        "(and, on CUDA, a kernel whose name matches it); otherwise the cell is marked failed.",
-        "- **Fits**: least squares of each metric against n_layer; the slope is the per-layer cost, "
-        "± its standard error. Savings are the difference of slopes against naive.",
-        "",
-        "## How to read it",
-        "",
-        "The slope column is what one more layer costs per training step. A variant's saving per layer, "
-        "multiplied by depth and by steps, is what the change buys over a training run. Ops per layer count "
-        "dispatcher calls (a rough proxy for launch overhead on GPUs); the op diff above says which ops a "
-        "variant adds or removes. Open a trace from `traces/` in https://ui.perfetto.dev or chrome://tracing.",
-        "",
-    ])
+    projected = [
+        f"| {name} | "
+        + " | ".join(
+            f"{s['projected'][str(n)]['saving']:+.1f} ms ({s['projected'][str(n)]['percent']:+.1f}%)"
+            for n in PROJECT_AT
+        )
+        + " |"
+        for name, s in saved.items()
+    ]
+    problems = [
+        f"- **{label(r['variant'], r['compile'])} L{r['n_layer']}**: {r['status']}: {r['reason']}"
+        for r in rows
+        if r["status"] != "ok"
+    ]
+    return "\n".join(
+        [
+            "# Training-step profile by attention variant and depth",
+            "",
+            f"- **Machine**: {_machine_line(meta)}",
+            f"- **Setup**: {_setup_line(meta)}; {meta['steps']} timed steps per cell after {meta['warmup']} warm-up steps",
+            f"- **Matmul peak** ({meta['dtype']}, measured at start and end of the sweep, higher used): "
+            f"{meta.get('peak_flops_start', 0) / 1e9:.1f} / {meta.get('peak_flops_end', meta['peak_flops']) / 1e9:.1f} GFLOP/s",
+            f"- **Command**: `{meta['command']}` (config `{meta['config_file']}`), started {meta['started_at']}",
+            "",
+            "## Headline",
+            "",
+            *headline_table(results),
+            "",
+            "![step time vs layers](step_time_vs_layers.png)",
+            "![peak memory vs layers](memory_vs_layers.png)",
+            "",
+            "## Findings: what each variant changes, per layer per step",
+            "",
+            *(findings(rows) or ["- (needs `naive` and at least one other variant in the sweep)"]),
+            "",
+            "## Projected savings against naive (from the fitted lines)",
+            "",
+            "| variant | " + " | ".join(f"at {n} layers" for n in PROJECT_AT) + " |",
+            "|---|" + "---|" * len(PROJECT_AT),
+            *projected,
+            "",
+            "## Every cell",
+            "",
+            *_cell_table(rows),
+            "",
+            *(["## Cells that did not run", "", *problems, ""] if problems else []),
+            "## Fits: metric = intercept + slope × n_layer",
+            "",
+            *_fits_table(fits),
+            "",
+            "## How this was measured",
+            "",
+            "- **Step**: `train.train_step`, imported from train.py: forward, backward, gradient clipping "
+            "and a fused AdamW step over one global batch. Batches are drawn before timing and cycled.",
+            "- **Step time**: no profiler attached; warm-up steps excluded; the device synchronised before "
+            "and after each step; the variants of one depth run interleaved round by round (A B C A B C …) "
+            "so machine drift hits all alike. Median with 10th/90th percentiles over the timed steps.",
+            "- **Compile time**: for `+compile` cells, the first step's time minus the median step.",
+            "- **Ops and kernels**: separate steps under torch.profiler with a wait=1/warmup=1/active schedule; "
+            "ATen ops counted (nested calls included, so `aten::masked_fill` and the `aten::clone` it makes both "
+            "count) by the `record_function` region their start falls in; CUDA kernels (and memcpy/memset) by "
+            "the region of the runtime call that launched them, matched by correlation id.",
+            "- **Peak memory**: parameters and optimizer state resident before the step, plus the step's own "
+            "peak above that: on CUDA from the caching allocator (`max_memory_allocated`) over one more step, "
+            "on CPU from the profiler's allocation events in the profiled step.",
+            "- **FLOPs and MFU**: `torch.utils.flop_counter` over one eager `naive` step at each depth "
+            "(matmul-class ops; attention counted over the full T×T, not halved for causality). All "
+            "variants compute the same function, so they share that count. MFU = FLOPs / median step time / "
+            "matmul peak, the peak measured on the spot with square matmuls in the run's dtype.",
+            "- **Backend check**: every pinned SDPA cell's trace must contain its backend's ATen op "
+            "(and, on CUDA, a kernel whose name matches it); otherwise the cell is marked failed.",
+            "- **Fits**: least squares of each metric against n_layer; the slope is the per-layer cost, "
+            "± its standard error. Savings are the difference of slopes against naive.",
+            "",
+            "## How to read it",
+            "",
+            "The slope column is what one more layer costs per training step. A variant's saving per layer, "
+            "multiplied by depth and by steps, is what the change buys over a training run. Ops per layer count "
+            "dispatcher calls (a rough proxy for launch overhead on GPUs); the op diff above says which ops a "
+            "variant adds or removes. Open a trace from `traces/` in https://ui.perfetto.dev or chrome://tracing.",
+            "",
+        ]
+    )
 
 
 def _plots(out: Path, results: dict[str, Any]) -> None:
@@ -234,15 +294,27 @@ def _plots(out: Path, results: dict[str, Any]) -> None:
     rows, fits = ok_rows(results["rows"]), results["fits"]
     setup = _setup_line(results["meta"])
     specs = [
-        ("step_time_vs_layers.png", "step_ms", "median step time (ms)",
-         lambda r: (r["step_ms"]["median"], r["step_ms"]["p10"], r["step_ms"]["p90"]), 1.0),
-        ("memory_vs_layers.png", "peak_mem_bytes", "peak memory per step (MiB)",
-         lambda r: (r["peak_mem_bytes"],) * 3 if r["peak_mem_bytes"] else None, 1 / MiB),
+        (
+            "step_time_vs_layers.png",
+            "step_ms",
+            "median step time (ms)",
+            lambda r: (r["step_ms"]["median"], r["step_ms"]["p10"], r["step_ms"]["p90"]),
+            1.0,
+        ),
+        (
+            "memory_vs_layers.png",
+            "peak_mem_bytes",
+            "peak memory per step (MiB)",
+            lambda r: (r["peak_mem_bytes"],) * 3 if r["peak_mem_bytes"] else None,
+            1 / MiB,
+        ),
     ]
     for filename, metric, ylabel, values, scale in specs:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for i, name in enumerate(_labels(rows)):
-            pts = sorted((r["n_layer"], values(r)) for r in rows if label(r["variant"], r["compile"]) == name)
+            pts = sorted(
+                (r["n_layer"], values(r)) for r in rows if label(r["variant"], r["compile"]) == name
+            )
             pts = [(x, v) for x, v in pts if v is not None]
             if not pts:
                 continue
@@ -254,11 +326,18 @@ def _plots(out: Path, results: dict[str, Any]) -> None:
             fit = fits.get(name, {}).get(metric)
             if fit:
                 line_x = [min(xs), max(xs)]
-                ax.plot(line_x, [(fit["intercept"] + fit["slope"] * x) * scale for x in line_x],
-                        "--", color=color, linewidth=1)
+                ax.plot(
+                    line_x,
+                    [(fit["intercept"] + fit["slope"] * x) * scale for x in line_x],
+                    "--",
+                    color=color,
+                    linewidth=1,
+                )
         ax.set_xlabel("n_layer")
         ax.set_ylabel(ylabel)
-        ax.set_title(f"{ylabel.split(' (')[0]} vs depth ({results['meta']['device']})\n{setup}", fontsize=9)
+        ax.set_title(
+            f"{ylabel.split(' (')[0]} vs depth ({results['meta']['device']})\n{setup}", fontsize=9
+        )
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)

@@ -16,9 +16,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from config import TrainConfig  # noqa: E402
-from model import GPT, VARIANTS, GPTConfig, unavailable_reason  # noqa: E402
-from train import autocast_dtype, build_optimizer, pick_device, train_step  # noqa: E402
+from config import TrainConfig
+from model import GPT, VARIANTS, GPTConfig, unavailable_reason
+from train import autocast_dtype, build_optimizer, pick_device, train_step
 
 
 def main() -> int:
@@ -40,7 +40,9 @@ def main() -> int:
         optimizer = build_optimizer(model, TrainConfig(), device)
         t0 = time.perf_counter()
         loss = train_step(model, optimizer, [(batch[:, :-1], batch[:, 1:])], 1.0, amp).item()
-        print(f"  {name:15s} loss {loss:.4f}  {1e3 * (time.perf_counter() - t0):7.1f} ms  ({variant.summary})")
+        print(
+            f"  {name:15s} loss {loss:.4f}  {1e3 * (time.perf_counter() - t0):7.1f} ms  ({variant.summary})"
+        )
     return 0
 
 

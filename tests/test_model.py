@@ -39,7 +39,13 @@ def test_cpu_runs_what_it_should() -> None:
     # If this changes, a torch upgrade changed what CPU can do: the docs must follow.
     assert CPU_F32 == ["naive", "inplace", "sdpa", "sdpa-math", "sdpa-flash"]
     assert set(VARIANTS) == {
-        "naive", "inplace", "sdpa", "sdpa-math", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn",
+        "naive",
+        "inplace",
+        "sdpa",
+        "sdpa-math",
+        "sdpa-flash",
+        "sdpa-efficient",
+        "sdpa-cudnn",
         "flex",
     }
 
@@ -59,7 +65,7 @@ def test_variant_matches_naive_float64(variant: str, shape: tuple[int, int]) -> 
     torch.testing.assert_close(loss, loss_ref, **tol)
     grads_ref = dict(reference.named_parameters())
     for name, p in other.named_parameters():
-        torch.testing.assert_close(p.grad, grads_ref[name].grad, **tol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p.grad, grads_ref[name].grad, **tol, msg=name)
 
 
 @pytest.mark.parametrize("variant", CPU_F64)
@@ -115,7 +121,9 @@ def clones_in_one_training_step(variant: str, n_layer: int, device: str = "cpu")
 @pytest.mark.parametrize("n_layer", [1, 2, 4])
 def test_hidden_copy_in_a_training_step(n_layer: int) -> None:
     """The blog's finding, inside forward + backward + AdamW: one aten::clone per layer."""
-    extra = clones_in_one_training_step("naive", n_layer) - clones_in_one_training_step("inplace", n_layer)
+    extra = clones_in_one_training_step("naive", n_layer) - clones_in_one_training_step(
+        "inplace", n_layer
+    )
     assert extra == n_layer
 
 

@@ -14,23 +14,45 @@ from model import attention
 from profiling.analysis import fit_line, fits_by_label, op_diff, savings
 
 TINY = [
-    "--model.vocab_size=128", "--model.block_size=32", "--model.n_embd=32", "--model.n_head=2",
-    "--train.batch_size=2", "--train.device=cpu", "--train.dtype=float32",
+    "--model.vocab_size=128",
+    "--model.block_size=32",
+    "--model.n_embd=32",
+    "--model.n_head=2",
+    "--train.batch_size=2",
+    "--train.device=cpu",
+    "--train.dtype=float32",
 ]
 
 
 def sweep(tmp_path: Path, *args: str, name: str = "sweep") -> tuple[int, dict]:
     out = tmp_path / name
-    rc = profile_train.main(["--config", "configs/profile.toml", "--out", str(out), "--steps", "2",
-                             "--warmup", "1", "--peak-seconds", "0.02", *TINY, *args])
-    results = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else {}
+    rc = profile_train.main(
+        [
+            "--config",
+            "configs/profile.toml",
+            "--out",
+            str(out),
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--peak-seconds",
+            "0.02",
+            *TINY,
+            *args,
+        ]
+    )
+    results = (
+        json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else {}
+    )
     return rc, results
 
 
 @pytest.fixture(scope="module")
 def naive_vs_inplace(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    rc, results = sweep(tmp_path_factory.mktemp("p"), "--variants", "naive,inplace,sdpa-math",
-                        "--layers", "1,2,3")
+    rc, results = sweep(
+        tmp_path_factory.mktemp("p"), "--variants", "naive,inplace,sdpa-math", "--layers", "1,2,3"
+    )
     assert rc == 0
     return results
 
@@ -41,8 +63,9 @@ def test_hidden_copy_through_the_profiler(naive_vs_inplace: dict) -> None:
     for n_layer in (1, 2, 3):
         naive, inplace = rows[("naive", n_layer)], rows[("inplace", n_layer)]
         for region in ("forward", "backward", "optimizer"):
-            extra = (naive["ops_per_step"][region].get("aten::clone", 0)
-                     - inplace["ops_per_step"][region].get("aten::clone", 0))
+            extra = naive["ops_per_step"][region].get("aten::clone", 0) - inplace["ops_per_step"][
+                region
+            ].get("aten::clone", 0)
             assert extra == (n_layer if region == "forward" else 0), (region, n_layer)
     diff = op_diff(naive_vs_inplace["rows"], "inplace", "naive")
     assert {"region": "forward", "name": "aten::clone", "per_layer": -1.0} in diff
@@ -53,15 +76,34 @@ def test_hidden_copy_through_the_profiler(naive_vs_inplace: dict) -> None:
 
 def test_results_json_contract(naive_vs_inplace: dict) -> None:
     meta = naive_vs_inplace["meta"]
-    for key in ("device", "device_name", "torch_version", "dtype", "config", "peak_flops", "started_at"):
+    for key in (
+        "device",
+        "device_name",
+        "torch_version",
+        "dtype",
+        "config",
+        "peak_flops",
+        "started_at",
+    ):
         assert key in meta, key
     assert meta["peak_flops"] > 1e8
     rows = naive_vs_inplace["rows"]
     assert len(rows) == 9
     for row in rows:
         assert row["status"] == "ok", row["reason"]
-        for key in ("variant", "n_layer", "compile", "status", "reason", "tokens_per_s", "mfu",
-                    "peak_mem_bytes", "compile_s", "ops_per_step", "kernels_per_step"):
+        for key in (
+            "variant",
+            "n_layer",
+            "compile",
+            "status",
+            "reason",
+            "tokens_per_s",
+            "mfu",
+            "peak_mem_bytes",
+            "compile_s",
+            "ops_per_step",
+            "kernels_per_step",
+        ):
             assert key in row, key
         assert set(row["step_ms"]) == {"median", "p10", "p90", "n"} and row["step_ms"]["n"] == 2
         assert row["step_ms"]["p10"] <= row["step_ms"]["median"] <= row["step_ms"]["p90"]
@@ -73,8 +115,13 @@ def test_results_json_contract(naive_vs_inplace: dict) -> None:
     # Ops grow exactly linearly with depth: one fit explains them fully.
     assert fits["naive"]["ops_per_step.forward"]["r2"] == pytest.approx(1.0)
     out = Path(meta["out"])
-    for name in ("results.csv", "report.md", "summary.txt", "step_time_vs_layers.png",
-                 "memory_vs_layers.png"):
+    for name in (
+        "results.csv",
+        "report.md",
+        "summary.txt",
+        "step_time_vs_layers.png",
+        "memory_vs_layers.png",
+    ):
         assert (out / name).stat().st_size > 0, name
     assert len(list((out / "traces").glob("*.json.gz"))) == 9
 
@@ -86,23 +133,33 @@ def test_pinned_backend_is_verified(naive_vs_inplace: dict) -> None:
 
 def test_backend_mismatch_fails_the_cell(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A variant that claims FLASH but runs MATH is caught from the trace, not trusted."""
-    liar = attention.Variant("sdpa-flash", attention.VARIANTS["sdpa-math"].fn, "liar",
-                             backend=attention.SDPBackend.FLASH_ATTENTION)
+    liar = attention.Variant(
+        "sdpa-flash",
+        attention.VARIANTS["sdpa-math"].fn,
+        "liar",
+        backend=attention.SDPBackend.FLASH_ATTENTION,
+    )
     monkeypatch.setitem(attention.VARIANTS, "sdpa-flash", liar)
     rc, results = sweep(tmp_path, "--variants", "sdpa-flash", "--layers", "1")
     assert rc == 0
     [row] = results["rows"]
     assert row["status"] == "failed"
-    assert "FLASH_ATTENTION" in row["reason"] and "_scaled_dot_product_attention_math" in row["reason"]
+    assert (
+        "FLASH_ATTENTION" in row["reason"] and "_scaled_dot_product_attention_math" in row["reason"]
+    )
 
 
-def test_failing_cells_do_not_stop_the_sweep(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failing_cells_do_not_stop_the_sweep(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def broken(q, k, v, mask, dropout_p):
         if q.size(0) > 1:  # the availability probe uses B=1 and passes; the sweep does not
             raise RuntimeError("kernel exploded")
         return attention.naive(q, k, v, mask, dropout_p)
 
-    monkeypatch.setitem(attention.VARIANTS, "inplace", attention.Variant("inplace", broken, "broken"))
+    monkeypatch.setitem(
+        attention.VARIANTS, "inplace", attention.Variant("inplace", broken, "broken")
+    )
     rc, results = sweep(tmp_path, "--variants", "naive,inplace,sdpa-efficient", "--layers", "1,2")
     assert rc == 0
     status = {(r["variant"], r["n_layer"]): (r["status"], r["reason"]) for r in results["rows"]}
@@ -113,7 +170,9 @@ def test_failing_cells_do_not_stop_the_sweep(tmp_path: Path, monkeypatch: pytest
     assert "did not run" in (tmp_path / "sweep" / "report.md").read_text()
 
 
-def test_interrupted_sweep_keeps_what_it_measured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_interrupted_sweep_keeps_what_it_measured(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     real_time = profile_train.Sweep._time
 
     def time_then_interrupt(self, cells, bar):
@@ -124,7 +183,9 @@ def test_interrupted_sweep_keeps_what_it_measured(tmp_path: Path, monkeypatch: p
     monkeypatch.setattr(profile_train.Sweep, "_time", time_then_interrupt)
     rc, results = sweep(tmp_path, "--variants", "naive", "--layers", "1,2")
     assert rc == 130
-    assert [(r["variant"], r["n_layer"], r["status"]) for r in results["rows"]] == [("naive", 1, "ok")]
+    assert [(r["variant"], r["n_layer"], r["status"]) for r in results["rows"]] == [
+        ("naive", 1, "ok")
+    ]
 
 
 def test_fits_recover_known_slopes() -> None:
@@ -137,10 +198,19 @@ def test_fits_recover_known_slopes() -> None:
     assert fit_line([4, 4], [1, 2]) is None
 
     def row(variant: str, n: int, ms: float) -> dict:
-        return {"variant": variant, "compile": False, "n_layer": n, "status": "ok",
-                "step_ms": {"median": ms}, "peak_mem_bytes": None, "ops_per_step": None}
+        return {
+            "variant": variant,
+            "compile": False,
+            "n_layer": n,
+            "status": "ok",
+            "step_ms": {"median": ms},
+            "peak_mem_bytes": None,
+            "ops_per_step": None,
+        }
 
-    rows = [row("naive", n, 10 + 5 * n) for n in (1, 2, 4)] + [row("sdpa", n, 10 + 3 * n) for n in (1, 2, 4)]
+    rows = [row("naive", n, 10 + 5 * n) for n in (1, 2, 4)] + [
+        row("sdpa", n, 10 + 3 * n) for n in (1, 2, 4)
+    ]
     fits = fits_by_label(rows)
     assert fits["sdpa"]["step_ms"]["slope"] == pytest.approx(3)
     saved = savings(fits)["sdpa"]
@@ -175,14 +245,24 @@ def test_report_rerender_and_diff(naive_vs_inplace: dict, capsys: pytest.Capture
 
 @pytest.mark.cuda
 def test_cuda_sweep_counts_kernels(tmp_path: Path) -> None:
-    rc, results = sweep(tmp_path, "--variants", "naive,inplace,sdpa-flash", "--layers", "1,2",
-                        "--train.device=cuda", "--train.dtype=bfloat16")
+    rc, results = sweep(
+        tmp_path,
+        "--variants",
+        "naive,inplace,sdpa-flash",
+        "--layers",
+        "1,2",
+        "--train.device=cuda",
+        "--train.dtype=bfloat16",
+    )
     assert rc == 0
     rows = {(r["variant"], r["n_layer"]): r for r in results["rows"]}
     for row in rows.values():
         assert row["status"] == "ok", row["reason"]
         assert sum(row["kernels_per_step"]["forward"].values()) > 0
+
+    def forward_kernels(variant: str, n: int) -> float:
+        return sum(rows[(variant, n)]["kernels_per_step"]["forward"].values())
+
     for n in (1, 2):  # the hidden copy is one more device copy per layer in the forward
-        k = lambda v: sum(rows[(v, n)]["kernels_per_step"]["forward"].values())
-        assert k("naive") - k("inplace") == n
+        assert forward_kernels("naive", n) - forward_kernels("inplace", n) == n
     assert torch.cuda.is_available()
