@@ -1,0 +1,203 @@
+"""Config loading: every shipped file parses; CLI > file > defaults; bad input names its key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import train
+from config import Config, ConfigError, TrainConfig, dump_toml, load_config, parse_override
+from model import GPTConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = sorted((ROOT / "configs").glob("*.toml"))
+TINY = ROOT / "configs" / "tiny.toml"
+
+
+def write(tmp_path: Path, text: str, name: str = "run.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+# --- shipped configs ----------------------------------------------------------------------------
+
+
+def test_configs_folder_ships_configs() -> None:
+    # If the glob were empty, the parametrized test below would silently test nothing.
+    assert {p.name for p in SHIPPED} >= {"tiny.toml", "default.toml", "gpt2-small.toml"}
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_shipped_config_parses_and_round_trips(tmp_path: Path, path: Path) -> None:
+    config = load_config(path)
+    assert isinstance(config, Config)
+    assert config != Config(), f"{path.name} changes nothing from the defaults"
+    assert load_config(write(tmp_path, dump_toml(config))) == config
+
+
+# --- precedence and value forms -----------------------------------------------------------------
+
+
+def test_no_file_and_no_overrides_gives_the_defaults() -> None:
+    assert load_config(None) == Config()
+
+
+def test_cli_beats_file_beats_defaults(tmp_path: Path) -> None:
+    path = write(tmp_path, "[train]\nmax_steps = 20\nlr = 0.5\n[model]\nn_layer = 3\n")
+    config = load_config(path, ["--train.lr=0.25", "--model.n_embd=64"])
+    assert config.train.lr == 0.25  # CLI over file
+    assert config.model.n_embd == 64  # CLI over default
+    assert config.train.max_steps == 20  # file over default
+    assert config.model.n_layer == 3
+    assert config.train.batch_size == TrainConfig().batch_size  # untouched: default
+    assert config.model.n_head == GPTConfig().n_head
+
+
+def test_later_override_of_the_same_key_wins() -> None:
+    assert load_config(None, ["--train.seed=1", "--train.seed=2"]).train.seed == 2
+
+
+@pytest.mark.parametrize(
+    ("arg", "expected"),
+    [
+        ("--model.attention=sdpa", ("model", "attention", "sdpa")),  # bare word: a string
+        ('--model.attention="sdpa-math"', ("model", "attention", "sdpa-math")),  # TOML string
+        ("--model.attention=sdpa-math", ("model", "attention", "sdpa-math")),
+        ("--train.lr=3e-4", ("train", "lr", 3e-4)),
+        ("--train.max_steps=200", ("train", "max_steps", 200)),
+        ("--train.compile=true", ("train", "compile", True)),
+        ("--data.root=/tmp/some dir/corpora", ("data", "root", "/tmp/some dir/corpora")),
+    ],
+)
+def test_parse_override(arg: str, expected: tuple) -> None:
+    assert parse_override(arg) == expected
+
+
+def test_overrides_reach_the_config() -> None:
+    config = load_config(TINY, ["--model.attention=sdpa", "--train.lr=3e-4"])
+    assert config.model.attention == "sdpa"
+    assert config.train.lr == 3e-4
+    assert isinstance(config.train.lr, float)
+
+
+@pytest.mark.parametrize("source", ["cli", "file"])
+def test_int_is_accepted_for_a_float_field(tmp_path: Path, source: str) -> None:
+    if source == "cli":
+        config = load_config(None, ["--train.lr=1"])
+    else:
+        config = load_config(write(tmp_path, "[train]\nlr = 1\n"))
+    assert config.train.lr == 1.0
+    assert type(config.train.lr) is float
+
+
+# --- errors name the key --------------------------------------------------------------------------
+
+# (config file text or None, overrides, text the message must contain)
+BAD = {
+    "unknown-section": (None, ["--optim.lr=1"], ["optim", "valid sections"]),
+    "unknown-section-file": ("[optim]\nlr = 1\n", [], ["optim"]),
+    "unknown-key": (None, ["--train.learning_rate=1"], ["train.learning_rate", "lr"]),
+    "unknown-key-file": ("[model]\nn_layers = 3\n", [], ["model.n_layers"]),
+    "str-for-int": (None, ["--train.max_steps=abc"], ["train.max_steps", "int"]),
+    "float-for-int": (None, ["--train.max_steps=1.5"], ["train.max_steps"]),
+    "bool-for-int": (None, ["--train.batch_size=true"], ["train.batch_size"]),
+    "str-for-float-file": ('[train]\nlr = "fast"\n', [], ["train.lr"]),
+    "str-for-int-file": ('[train]\nbatch_size = "x"\n', [], ["train.batch_size"]),
+    "section-not-a-table": ("train = 3\n", [], ["train"]),
+    "not-an-override": (None, ["--train.lr"], ["--train.lr", "--section.field=value"]),
+    "n_head-not-dividing": (None, ["--model.n_head=3"], ["model.n_embd", "n_head"]),
+    "unknown-variant": (
+        None,
+        ["--model.attention=bogus"],
+        ["model.attention", "bogus", "naive"],
+    ),
+    "negative-size": (None, ["--model.n_layer=0"], ["model.n_layer"]),
+    "dropout-out-of-range": (None, ["--model.dropout=1.5"], ["model.dropout"]),
+    "zero-log-interval": (None, ["--train.log_interval=0"], ["train.log_interval"]),
+    "zero-grad-accum-file": ("[train]\ngrad_accum = 0\n", [], ["train.grad_accum"]),
+    "float16": (None, ["--train.dtype=float16"], ["train.dtype", "bfloat16"]),
+    "bogus-device": (None, ["--train.device=bogus"], ["train.device"]),
+    "beta-of-one": (None, ["--train.beta2=1.0"], ["train.beta2"]),
+}
+
+
+def load_bad(tmp_path: Path, text: str | None, overrides: list[str]) -> Config:
+    return load_config(write(tmp_path, text) if text is not None else None, overrides)
+
+
+@pytest.mark.parametrize(("text", "overrides", "named"), BAD.values(), ids=BAD.keys())
+def test_bad_config_raises_config_error_naming_the_key(
+    tmp_path: Path, text: str | None, overrides: list[str], named: list[str]
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_bad(tmp_path, text, overrides)
+    for part in named:
+        assert part in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "case", ["unknown-section", "unknown-key", "str-for-int", "str-for-int-file", "unknown-variant"]
+)
+def test_train_main_exits_2_on_a_bad_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str
+) -> None:
+    text, overrides, named = BAD[case]
+    argv = ["--out", str(tmp_path / "run"), *overrides]
+    if text is not None:
+        argv += ["--config", str(write(tmp_path, text))]
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ")
+    for part in named:
+        assert part in err
+    assert not (tmp_path / "run").exists(), "a config error must fail before writing anything"
+
+
+def test_missing_config_file_is_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "nope.toml"
+    with pytest.raises(ConfigError, match="does not exist") as info:
+        load_config(missing)
+    assert str(missing) in str(info.value)
+    assert train.main(["--config", str(missing), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and str(missing) in err and "Traceback" not in err
+
+
+def test_malformed_toml_names_the_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "[train\nlr = 1\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(path) in str(info.value)
+
+
+# --- dump_toml ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["--model.attention=sdpa", "--train.lr=3e-4", "--train.compile=true", "--model.bias=false"],
+        ["--train.lr=1e-12", "--train.min_lr=0", "--train.grad_clip=1e300"],
+        ['--train.sample_prompt="quote \\" back\\\\slash\\nnewline\\ttab é ü"'],
+        ['--data.root="C:\\\\data\\\\corpora"'],
+    ],
+    ids=["tiny", "overrides", "extreme-floats", "escapes", "windows-path"],
+)
+def test_dump_toml_round_trips(tmp_path: Path, overrides: list[str]) -> None:
+    config = load_config(TINY, overrides)
+    assert load_config(write(tmp_path, dump_toml(config))) == config
+
+
+def test_dump_toml_round_trips_the_defaults(tmp_path: Path) -> None:
+    assert load_config(write(tmp_path, dump_toml(Config()))) == Config()
+
+
+def test_dump_toml_round_trips_characters_outside_the_bmp(tmp_path: Path) -> None:
+    config = load_config(TINY)
+    config.train.sample_prompt = "# 🐍 def "
+    assert load_config(write(tmp_path, dump_toml(config))) == config

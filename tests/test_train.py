@@ -1,0 +1,610 @@
+"""The trainer end to end on a tiny corpus built by the real pipeline (data/prepare.py).
+
+Runs go through `train.main` in-process; only SIGTERM and torchrun need a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import sample
+import train
+from config import load_config
+from data.prepare import prepare, split_indices
+from model import GPT, VARIANTS, available_variants, unavailable_reason
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.toml"
+STEPS = 30  # of the shared run: enough for the loss to fall clearly
+HEAD_SIZE = 16  # tiny.toml: n_embd 32 / n_head 2
+CPU_VARIANTS = available_variants("cpu", torch.float32, head_size=HEAD_SIZE)
+CUDA_ONLY = [name for name in VARIANTS if name not in CPU_VARIANTS]
+TRAIN_KEYS = {"step", "loss", "lr", "ms_per_step", "tokens_per_s"}
+EVAL_KEYS = {"step", "val_loss", "val_bpb"}
+
+
+# --- corpora and runs -----------------------------------------------------------------------------
+
+
+def stdlib_documents(folder: Path, count: int = 40) -> list[str]:
+    """Copies of `count` mid-sized stdlib modules: real Python text, ~300 KB in all."""
+    source = Path(sysconfig.get_paths()["stdlib"])
+    picked = sorted(p for p in source.glob("*.py") if 2_000 < p.stat().st_size < 20_000)[:count]
+    assert len(picked) >= 2
+    folder.mkdir(parents=True)
+    for path in picked:
+        shutil.copyfile(path, folder / path.name)
+    return [str(folder / "*.py")]
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """<root>/tiny: the main corpus (vocab 512); <root>/other: same text, another tokenizer."""
+    tmp = tmp_path_factory.mktemp("corpora")
+    files = stdlib_documents(tmp / "docs")
+    prepare("tiny", files=files, vocab_size=512, out_root=tmp / "root")
+    prepare("other", files=files, vocab_size=400, out_root=tmp / "root")
+    return tmp / "root"
+
+
+def meta(data_root: Path, name: str = "tiny") -> dict[str, Any]:
+    return json.loads((data_root / name / "meta.json").read_text())
+
+
+def run_argv(data_root: Path, out: Path, *overrides: str) -> list[str]:
+    return ["--config", str(TINY), f"--data.root={data_root}", "--out", str(out), *overrides]
+
+
+def run(data_root: Path, out: Path, *overrides: str) -> int:
+    return train.main(run_argv(data_root, out, *overrides))
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_lines(run_dir: Path) -> list[dict[str, Any]]:
+    return [r for r in read_metrics(run_dir) if "loss" in r]
+
+
+def eval_lines(run_dir: Path) -> list[dict[str, Any]]:
+    return [r for r in read_metrics(run_dir) if "val_loss" in r]
+
+
+def error_of(err: str) -> str:
+    """The `error: ...` message train.py printed (a progress bar may precede it on stderr)."""
+    assert "error: " in err, err
+    assert "Traceback" not in err, err
+    return err.split("error: ", 1)[1]
+
+
+def load_ckpt(run_dir: Path) -> dict[str, Any]:
+    return torch.load(run_dir / train.CHECKPOINT, map_location="cpu", weights_only=True)
+
+
+def copy_run(run_dir: Path, to: Path) -> Path:
+    """Tests that poke at a run work on a copy, so a bug cannot spoil the shared run."""
+    return Path(shutil.copytree(run_dir, to))
+
+
+SHARED_OVERRIDES = (f"--train.max_steps={STEPS}",)
+
+
+@pytest.fixture(scope="module")
+def base_run(data_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One uninterrupted tiny run (log_interval 1, eval every 10 steps); read-only for tests."""
+    out = tmp_path_factory.mktemp("runs") / "base"
+    assert run(data_root, out, *SHARED_OVERRIDES) == 0
+    return out
+
+
+# --- a run end to end -----------------------------------------------------------------------------
+
+
+def test_run_writes_checkpoint_config_tokenizer_and_metrics(
+    base_run: Path, data_root: Path
+) -> None:
+    for name in ("ckpt.pt", "config.toml", "tokenizer.json", "metrics.jsonl"):
+        assert (base_run / name).is_file(), name
+    assert (base_run / "tokenizer.json").read_bytes() == (
+        data_root / "tiny" / "tokenizer.json"
+    ).read_bytes()
+
+
+def test_config_toml_is_the_effective_config(base_run: Path, data_root: Path) -> None:
+    expected = load_config(TINY, [f"--data.root={data_root}", *SHARED_OVERRIDES])
+    saved = load_config(base_run / "config.toml")
+    assert saved == expected
+    assert saved.train.max_steps == STEPS  # the CLI override, not tiny.toml's value
+
+
+def test_metrics_log_every_step_and_every_eval(base_run: Path, data_root: Path) -> None:
+    lines = train_lines(base_run)
+    assert [r["step"] for r in lines] == list(range(1, STEPS + 1))
+    for r in lines:
+        assert set(r) == TRAIN_KEYS
+        assert all(math.isfinite(r[k]) for k in TRAIN_KEYS)
+        assert r["ms_per_step"] > 0 and r["tokens_per_s"] > 0 and r["lr"] > 0
+    assert lines[0]["lr"] < lines[4]["lr"]  # warmup
+    evals = eval_lines(base_run)
+    assert [r["step"] for r in evals] == [10, 20, 30]
+    splits = meta(data_root)["splits"]["val"]
+    for r in evals:
+        assert set(r) == EVAL_KEYS
+        bits_per_byte = r["val_loss"] * splits["tokens"] / splits["bytes"] / math.log(2)
+        assert r["val_bpb"] == pytest.approx(bits_per_byte)
+    assert len(read_metrics(base_run)) == len(lines) + len(evals)  # nothing else in the file
+
+
+def test_loss_falls(base_run: Path) -> None:
+    losses = [r["loss"] for r in train_lines(base_run)]
+    assert losses[0] == pytest.approx(math.log(512), abs=0.5)  # an untrained model guesses
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.2
+    evals = [r["val_loss"] for r in eval_lines(base_run)]
+    assert evals == sorted(evals, reverse=True)
+
+
+def test_checkpoint_holds_the_run_state_and_loads_weights_only(
+    base_run: Path, data_root: Path
+) -> None:
+    ckpt = load_ckpt(base_run)
+    assert {"model", "optimizer", "step", "rng", "data", "config", "tokenizer_sha256"} <= set(ckpt)
+    assert ckpt["step"] == STEPS
+    assert ckpt["tokenizer_sha256"] == meta(data_root)["tokenizer_sha256"]
+    config = load_config(base_run / "config.toml")
+    assert ckpt["config"] == asdict(config)
+    model = GPT(config.model)
+    model.load_state_dict(ckpt["model"])  # strict: every parameter, nothing extra
+    assert all(torch.isfinite(p).all() for p in ckpt["model"].values())
+    assert ckpt["optimizer"]["state"], "the optimizer's moments are saved"
+    assert isinstance(ckpt["rng"]["torch"], torch.Tensor)
+    assert isinstance(ckpt["data"]["generator"], torch.Tensor)
+
+
+# --- resume -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dropout", ["0.0", "0.1"])  # with dropout, the torch RNG state matters
+def test_resume_reproduces_the_uninterrupted_run_exactly(
+    base_run: Path, data_root: Path, tmp_path: Path, dropout: str
+) -> None:
+    overrides = (*SHARED_OVERRIDES, f"--model.dropout={dropout}")
+    whole = base_run
+    if dropout != "0.0":
+        whole = tmp_path / "whole"
+        assert run(data_root, whole, *overrides) == 0
+    split = tmp_path / "split"
+    assert run(data_root, split, *overrides, "--stop-after", "7") == 0
+    assert load_ckpt(split)["step"] == 7
+    assert run(data_root, split, *overrides, "--resume", "--stop-after", "6") == 0
+    assert load_ckpt(split)["step"] == 13
+    assert run(data_root, split, *overrides, "--resume") == 0
+
+    a_lines, b_lines = train_lines(whole), train_lines(split)
+    assert [r["step"] for r in b_lines] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in b_lines] == [r["loss"] for r in a_lines]  # exactly, not approx
+    assert [r["lr"] for r in b_lines] == [r["lr"] for r in a_lines]
+    a, b = load_ckpt(whole), load_ckpt(split)
+    assert b["step"] == a["step"] == STEPS
+    assert a["model"].keys() == b["model"].keys()
+    for name, tensor in a["model"].items():
+        assert torch.equal(tensor, b["model"][name]), name
+    split_evals = {r["step"]: r["val_loss"] for r in eval_lines(split)}
+    for r in eval_lines(whole):
+        assert split_evals[r["step"]] == r["val_loss"]
+
+
+def test_existing_checkpoint_without_resume_is_refused(
+    base_run: Path, data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = copy_run(base_run, tmp_path / "run")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert run(data_root, out, *SHARED_OVERRIDES) == 2
+    err = error_of(capsys.readouterr().err)
+    assert str(out) in err and "--resume" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "empty"])
+def test_unreadable_checkpoint_on_resume_is_an_error(
+    base_run: Path, data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: str
+) -> None:
+    out = copy_run(base_run, tmp_path / "run")
+    ckpt = out / train.CHECKPOINT
+    whole = ckpt.read_bytes()
+    broken = {
+        "truncated": whole[: len(whole) // 2],
+        "garbage": b"not a checkpoint" * 64,
+        "empty": b"",
+    }
+    ckpt.write_bytes(broken[damage])
+    assert run(data_root, out, *SHARED_OVERRIDES, "--resume") == 2
+    err = error_of(capsys.readouterr().err)
+    assert str(ckpt) in err and "unreadable" in err
+    assert ckpt.read_bytes() == broken[damage]
+
+
+def test_resume_without_checkpoint_is_an_error(
+    data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run(data_root, tmp_path / "fresh", "--resume") == 2
+    assert str(tmp_path / "fresh" / train.CHECKPOINT) in capsys.readouterr().err
+
+
+def test_resume_with_another_model_config_names_the_field(
+    base_run: Path, data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = copy_run(base_run, tmp_path / "run")
+    before = (out / train.CHECKPOINT).read_bytes(), (out / "config.toml").read_text()
+    assert run(data_root, out, *SHARED_OVERRIDES, "--resume", "--model.n_layer=3") == 2
+    err = error_of(capsys.readouterr().err)
+    assert "n_layer" in err and "model config" in err
+    assert "n_embd" not in err, "only the fields that differ are named"
+    assert ((out / train.CHECKPOINT).read_bytes(), (out / "config.toml").read_text()) == before
+
+
+def test_resume_with_another_tokenizer_is_an_error(
+    base_run: Path, data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert meta(data_root, "other")["tokenizer_sha256"] != meta(data_root)["tokenizer_sha256"]
+    out = copy_run(base_run, tmp_path / "run")
+    assert run(data_root, out, *SHARED_OVERRIDES, "--resume", "--data.name=other") == 2
+    err = error_of(capsys.readouterr().err)
+    assert "tokenizer" in err
+
+
+# --- failures while training ------------------------------------------------------------------------
+
+
+def test_interrupted_save_leaves_the_previous_checkpoint_whole(
+    data_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "run"
+    ckpt = out / train.CHECKPOINT
+    real_save = torch.save
+    saves: list[bytes] = []
+
+    def save_that_dies_on_the_second_call(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        if saves:  # the second save: half a file, then the disk "fills up"
+            saves.append(ckpt.read_bytes())
+            f.write(b"PK\x03\x04 half a zip")
+            raise OSError(28, "No space left on device")
+        real_save(obj, f, *args, **kwargs)
+        saves.append(b"")
+
+    monkeypatch.setattr(torch, "save", save_that_dies_on_the_second_call)
+    with pytest.raises(OSError, match="No space left"):
+        run(data_root, out, "--train.max_steps=4", "--train.eval_interval=2")
+    monkeypatch.undo()
+
+    assert len(saves) == 2
+    assert ckpt.read_bytes() == saves[1], "the checkpoint changed during the failed save"
+    assert load_ckpt(out)["step"] == 2
+    # Resuming reads ckpt.pt, not the half-written temporary: it continues from step 2.
+    assert run(data_root, out, "--train.max_steps=4", "--train.eval_interval=2", "--resume") == 0
+    assert load_ckpt(out)["step"] == 4
+    assert [r["step"] for r in train_lines(out)] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_non_finite_loss_stops_the_run_without_saving(
+    data_root: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    bad: float,
+) -> None:
+    real_step = train.train_step
+    calls = []
+
+    def step_that_diverges_at_3(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(1)
+        loss = real_step(*args, **kwargs)
+        return torch.tensor(bad) if len(calls) == 3 else loss
+
+    monkeypatch.setattr(train, "train_step", step_that_diverges_at_3)
+    out = tmp_path / "run"
+    assert run(data_root, out, "--train.max_steps=6", "--train.eval_interval=2") == 2
+    err = error_of(capsys.readouterr().err)
+    assert "step 3" in err and str(bad) in err
+    assert len(calls) == 3, "the run went on after a non-finite loss"
+    ckpt = load_ckpt(out)
+    assert ckpt["step"] == 2
+    assert all(torch.isfinite(t).all() for t in ckpt["model"].values())
+    assert [r["step"] for r in train_lines(out)] == [1, 2]
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_the_run_resumes(data_root: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    overrides = ["--train.max_steps=100000", "--train.eval_interval=0", "--train.eval_batches=1"]
+    log = tmp_path / "stderr.txt"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    with open(log, "w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "train.py", *run_argv(data_root, out, *overrides)],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            env=env | {"OMP_NUM_THREADS": "1"},
+        )
+        try:
+            deadline = time.monotonic() + 60
+            metrics = out / "metrics.jsonl"
+            while not (metrics.is_file() and metrics.read_text().strip()):
+                assert proc.poll() is None, f"train.py exited early:\n{log.read_text()}"
+                assert time.monotonic() < deadline, "no step logged within 60 s"
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=60) == 0, log.read_text()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    err = log.read_text()
+    assert "stopped by SIGTERM" in err and "--resume" in err
+    stopped_at = load_ckpt(out)["step"]
+    assert stopped_at >= 1
+    assert train_lines(out)[-1]["step"] == stopped_at
+
+    assert run(data_root, out, *overrides, "--resume", "--stop-after", "2") == 0
+    assert load_ckpt(out)["step"] == stopped_at + 2
+    assert [r["step"] for r in train_lines(out)] == list(range(1, stopped_at + 3))
+
+
+# --- bad input ----------------------------------------------------------------------------------------
+
+
+def test_missing_corpus_hints_at_prepare(
+    data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run(data_root, tmp_path / "run", "--data.name=never-prepared") == 2
+    err = error_of(capsys.readouterr().err)
+    assert "never-prepared" in err and "data/prepare.py" in err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.fixture(scope="module")
+def short_val_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A corpus whose val split is one short document (< block_size + 1 tokens)."""
+    tmp = tmp_path_factory.mktemp("short")
+    docs = tmp / "docs"
+    docs.mkdir()
+    _, (val_index,) = split_indices(2, 0.1, seed=0)  # prepare's defaults choose this document
+    long_doc = "".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(200))
+    for index, name in enumerate(["a.py", "b.py"]):
+        (docs / name).write_text("x = 1\n" if index == val_index else long_doc)
+    prepare("short", files=[str(docs / "*.py")], vocab_size=300, out_root=tmp / "root")
+    return tmp / "root"
+
+
+def test_corpus_shorter_than_a_block_is_an_error(
+    short_val_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert meta(short_val_root, "short")["splits"]["val"]["tokens"] < 33
+    assert run(short_val_root, tmp_path / "run", "--data.name=short") == 2
+    err = error_of(capsys.readouterr().err)
+    assert "val.bin" in err and "block_size" in err
+
+
+def test_data_vocab_larger_than_the_model_is_an_error(
+    data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run(data_root, tmp_path / "run", "--model.vocab_size=300") == 2
+    err = error_of(capsys.readouterr().err)
+    assert "vocab_size" in err and "512" in err
+
+
+def test_cuda_only_variants_include_efficient_and_flex() -> None:
+    assert {"sdpa-efficient", "flex"} <= set(CUDA_ONLY)
+
+
+@pytest.mark.parametrize("variant", CUDA_ONLY)
+def test_variant_that_cannot_run_on_cpu_is_refused(
+    data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], variant: str
+) -> None:
+    assert (
+        run(data_root, tmp_path / "run", f"--model.attention={variant}", "--train.device=cpu") == 2
+    )
+    err = error_of(capsys.readouterr().err)
+    reason = unavailable_reason(variant, "cpu", torch.float32, HEAD_SIZE)
+    assert reason
+    assert f"'{variant}'" in err and "cpu" in err and reason in err
+    assert not (tmp_path / "run").exists(), "no silent fallback, and nothing written"
+
+
+@pytest.mark.parametrize("variant", CPU_VARIANTS)
+def test_every_cpu_variant_trains(data_root: Path, tmp_path: Path, variant: str) -> None:
+    out = tmp_path / "run"
+    overrides = ["--train.max_steps=3", "--train.eval_interval=0", "--train.eval_batches=1"]
+    assert run(data_root, out, f"--model.attention={variant}", *overrides) == 0
+    lines = train_lines(out)
+    assert [r["step"] for r in lines] == [1, 2, 3]
+    assert all(math.isfinite(r["loss"]) for r in lines)
+    assert math.isfinite(eval_lines(out)[-1]["val_loss"])
+    assert load_ckpt(out)["config"]["model"]["attention"] == variant
+
+
+# Each of these once crashed mid-run with a traceback (a modulo or division by zero, an empty
+# np.stack, torch.device's RuntimeError) or, for grad_accum=0, "trained" with loss 0 and no update.
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("--train.log_interval=0", "train.log_interval"),
+        ("--train.eval_batches=0", "train.eval_batches"),
+        ("--train.batch_size=0", "train.batch_size"),
+        ("--train.grad_accum=0", "train.grad_accum"),
+        ("--train.device=bogus", "train.device"),
+        ("--train.dtype=float16", "train.dtype"),
+    ],
+)
+def test_bad_train_values_are_config_errors(
+    data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], override: str, key: str
+) -> None:
+    out = tmp_path / "run"
+    argv = run_argv(data_root, out, "--train.max_steps=2", "--train.eval_interval=0", override)
+    assert train.main(argv) == 2
+    assert key in error_of(capsys.readouterr().err)
+    assert not out.exists(), "a config error must fail before writing anything"
+
+
+# --- metrics and signals stay clean across runs --------------------------------------------------------
+
+
+class Crash(Exception):
+    pass
+
+
+def test_resume_after_a_crash_logs_each_step_once(
+    data_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_step = train.train_step
+    calls = []
+
+    def step_that_crashes_at_7(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(1)
+        if len(calls) == 7:
+            raise Crash("stands in for a kill -9 or an OOM between checkpoints")
+        return real_step(*args, **kwargs)
+
+    out = tmp_path / "run"
+    overrides = ["--train.max_steps=8", "--train.eval_interval=5"]
+    monkeypatch.setattr(train, "train_step", step_that_crashes_at_7)
+    with pytest.raises(Crash):
+        run(data_root, out, *overrides)
+    monkeypatch.undo()
+    assert load_ckpt(out)["step"] == 5
+    assert run(data_root, out, *overrides, "--resume") == 0
+    assert [r["step"] for r in train_lines(out)] == list(range(1, 9))
+
+
+def test_fresh_run_starts_a_fresh_metrics_file(
+    data_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_step = train.train_step
+    calls = []
+
+    def step_that_diverges_at_2(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(1)
+        loss = real_step(*args, **kwargs)
+        return torch.tensor(math.nan) if len(calls) == 2 else loss
+
+    monkeypatch.setattr(train, "train_step", step_that_diverges_at_2)
+    out = tmp_path / "run"
+    overrides = ["--train.max_steps=3", "--train.eval_interval=0", "--train.eval_batches=1"]
+    assert run(data_root, out, *overrides) == 2  # step 1 logged, dies at step 2: no checkpoint
+    monkeypatch.undo()
+    assert [r["step"] for r in train_lines(out)] == [1]
+    assert not (out / train.CHECKPOINT).exists()
+    assert run(data_root, out, *overrides) == 0
+    assert [r["step"] for r in train_lines(out)] == [1, 2, 3]
+
+
+def test_train_restores_the_signal_handlers(data_root: Path, tmp_path: Path) -> None:
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    overrides = ["--train.max_steps=1", "--train.eval_interval=0", "--train.eval_batches=1"]
+    assert run(data_root, tmp_path / "run", *overrides) == 0
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+
+
+# --- sampling ---------------------------------------------------------------------------------------------
+
+
+def sample_text(capsys: pytest.CaptureFixture[str], run_dir: Path, *args: str) -> str:
+    capsys.readouterr()
+    assert sample.main(["--run", str(run_dir), "--prompt", "def ", "--tokens", "20", *args]) == 0
+    out = capsys.readouterr().out
+    assert out.endswith("\n")
+    return out[:-1]
+
+
+def test_sample_starts_with_the_prompt_and_is_seeded(
+    base_run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text = sample_text(capsys, base_run, "--seed", "0")
+    assert text.startswith("def ") and len(text) > len("def ")
+    assert sample_text(capsys, base_run, "--seed", "0") == text
+    assert sample_text(capsys, base_run, "--seed", "1") != text
+
+
+def test_sample_greedy_ignores_the_seed(base_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    greedy = sample_text(capsys, base_run, "--temperature", "0", "--seed", "0")
+    assert greedy.startswith("def ")
+    assert sample_text(capsys, base_run, "--temperature", "0", "--seed", "1") == greedy
+
+
+def test_sample_longer_than_the_context(base_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = sample_text(capsys, base_run, "--tokens", "50")  # block_size is 32
+    assert text.startswith("def ")
+
+
+def test_sample_from_a_dir_without_checkpoint_exits_2(
+    base_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    no_ckpt = tmp_path / "no-ckpt"
+    no_ckpt.mkdir()
+    for name in ("config.toml", "tokenizer.json"):
+        shutil.copyfile(base_run / name, no_ckpt / name)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for run_dir in (no_ckpt, empty):
+        capsys.readouterr()
+        assert sample.main(["--run", str(run_dir), "--prompt", "def "]) == 2
+        captured = capsys.readouterr()
+        assert captured.err.startswith("error: ") and str(run_dir) in captured.err
+        assert captured.out == ""
+
+
+# --- DDP ----------------------------------------------------------------------------------------------------
+
+
+def torchrun(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    """train.py on 2 CPU ranks under torchrun."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone"]
+    return subprocess.run(
+        [*launcher, "train.py", *argv],
+        cwd=ROOT,
+        env=env | {"OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_two_ranks_match_one_process_with_twice_the_batch(
+    data_root: Path, tmp_path: Path, grad_accum: int
+) -> None:
+    common = ["--train.max_steps=3", "--train.eval_interval=0", "--train.eval_batches=1"]
+    common.append(f"--train.grad_accum={grad_accum}")
+    ddp, single = tmp_path / "ddp", tmp_path / "single"
+    argv = run_argv(data_root, ddp, *common, "--train.batch_size=2")
+    done = torchrun(argv)
+    assert done.returncode == 0, done.stderr[:6000]
+    assert run(data_root, single, *common, "--train.batch_size=4") == 0
+
+    # Only rank 0 writes: one line per step and one for the final eval.
+    assert [r["step"] for r in read_metrics(ddp)] == [1, 2, 3, 3]
+    for a, b in zip(train_lines(ddp), train_lines(single), strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+        assert a["tokens_per_s"] > 0
+    a, b = load_ckpt(ddp), load_ckpt(single)
+    assert a["step"] == b["step"] == 3
+    for name, tensor in b["model"].items():
+        torch.testing.assert_close(a["model"][name], tensor, atol=1e-5, rtol=0, msg=name)
