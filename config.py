@@ -125,7 +125,7 @@ def _build(cls: type, values: dict[str, Any], section: str) -> Any:
     try:
         return cls(**kwargs)
     except ValueError as e:  # a dataclass's own validation, e.g. GPTConfig
-        raise ConfigError(f"[{section}] {e}") from None
+        raise ConfigError(str(e)) from None
 
 
 def parse_override(arg: str) -> tuple[str, str, Any]:

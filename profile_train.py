@@ -145,7 +145,7 @@ class Sweep:
             "profile_steps": self.args.profile_steps,
             "command": "python " + shlex.join(sys.argv),
             "out": str(self.out),
-            "started_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "started_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         }
         if self.device.type == "cuda":
             meta["cuda"] = torch.version.cuda
@@ -506,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _default_out(config_path: Path) -> Path:
     """profiles/<config>/<UTC timestamp>, with profiles/<config>/latest pointing at it."""
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
     out = Path("profiles") / config_path.stem / stamp
     out.mkdir(parents=True, exist_ok=True)
     latest = out.parent / "latest"

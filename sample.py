@@ -24,6 +24,8 @@ def load_run(run_dir: Path, device: torch.device) -> tuple[GPT, Tokenizer]:
     tokenizer_path = run_dir / "tokenizer.json"
     if not tokenizer_path.is_file():
         raise TrainError(f"{run_dir} has no tokenizer.json; is it a run directory?")
+    if not (run_dir / CHECKPOINT).is_file():
+        raise TrainError(f"{run_dir} has no {CHECKPOINT}; train first (python train.py ...)")
     ckpt = load_checkpoint(run_dir / CHECKPOINT)
     model = GPT(config.model)
     model.load_state_dict(ckpt["model"])

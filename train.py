@@ -248,11 +248,14 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
     A crash mid-write leaves the previous checkpoint whole; rename is atomic on POSIX.
     """
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
@@ -456,7 +459,7 @@ def train(
         dynamic_ncols=True,
         mininterval=1.0,
     )
-    with StopSignal() as stop:
+    with StopSignal() as stop, bar:  # the bar closes on errors too, before the message
         model.train()
         t0 = time.perf_counter()
         while step < last_step:
@@ -508,7 +511,6 @@ def train(
             if tc.eval_interval and step % tc.eval_interval == 0 and step != last_step:
                 eval_and_save()
         eval_and_save()
-        bar.close()
         return out_dir
 
 
@@ -549,4 +551,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        # Under torchrun, leave without interpreter teardown: gloo's worker threads outlive
+        # destroy_process_group once DDP has run (torch 2.13), and one freeing its last job
+        # during teardown can abort the process (SIGABRT), failing a finished run.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

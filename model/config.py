@@ -22,27 +22,27 @@ class GPTConfig:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"GPTConfig.{name}={value!r}: must be a positive integer")
+                raise ValueError(f"model.{name}={value!r}: must be a positive integer")
         if self.n_embd % self.n_head != 0:
             raise ValueError(
-                f"GPTConfig.n_embd={self.n_embd} is not divisible by n_head={self.n_head}: "
+                f"model.n_embd={self.n_embd} is not divisible by n_head={self.n_head}: "
                 f"each head gets n_embd // n_head channels"
             )
         if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)):
-            raise ValueError(f"GPTConfig.dropout={self.dropout!r}: must be a number in [0, 1)")
+            raise ValueError(f"model.dropout={self.dropout!r}: must be a number in [0, 1)")
         if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"GPTConfig.dropout={self.dropout!r}: must be in [0, 1)")
+            raise ValueError(f"model.dropout={self.dropout!r}: must be in [0, 1)")
         if not isinstance(self.bias, bool):
-            raise ValueError(f"GPTConfig.bias={self.bias!r}: must be true or false")
+            raise ValueError(f"model.bias={self.bias!r}: must be true or false")
         if self.attention not in VARIANTS:
             raise ValueError(
-                f"GPTConfig.attention={self.attention!r}: unknown attention variant; "
+                f"model.attention={self.attention!r}: unknown attention variant; "
                 f"valid choices: {', '.join(VARIANTS)}"
             )
         variant = VARIANTS[self.attention]
         if self.dropout > 0 and not variant.supports_dropout:
             raise ValueError(
-                f"GPTConfig.attention={self.attention!r} cannot apply attention dropout "
+                f"model.attention={self.attention!r} cannot apply attention dropout "
                 f"(dropout={self.dropout}); use dropout=0 or another variant"
             )
 
