@@ -272,6 +272,8 @@ class Sweep:
             "backend": None,
             "ops_per_step": None,
             "kernels_per_step": None,
+            "cpu_ms_per_step": None,
+            "device_ms_per_step": None,
             "trace": None,
         }
         if cell.step is not None:
@@ -325,6 +327,8 @@ class Sweep:
         fields: dict[str, Any] = {
             "ops_per_step": counts["ops"],
             "kernels_per_step": counts["kernels"] if self.device.type == "cuda" else None,
+            "cpu_ms_per_step": counts["cpu_ms"],
+            "device_ms_per_step": counts["device_ms"] if self.device.type == "cuda" else None,
             "backend": backend_that_ran(counts["ops"]),
             "trace": str(seen.trace.relative_to(self.out)) if seen.trace else None,
             "peak_mem_bytes": self._peak_memory(cell, seen.peak_transient_bytes),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections import defaultdict
 from typing import Any
 
@@ -173,3 +174,25 @@ def describe_diff(a: str, b: str, diffs: list[dict[str, Any]], unit: str = "op")
         else ""
     )
     return f"{a} vs {b}, per layer per step: " + "; ".join(parts) + more + "."
+
+
+_ATTENTION = re.compile(r"scaled_dot_product|flash|fmha|attention|sdpa", re.I)
+_MATMUL = re.compile(r"^aten::(mm|addmm|bmm|baddbmm|matmul|linear)$|gemm|xmma|cublas|cutlass", re.I)
+
+
+def time_category(name: str) -> str:
+    """'attention kernel', 'matmul' or 'other', from an ATen op or CUDA kernel name."""
+    if _ATTENTION.search(name):
+        return "attention kernel"
+    if _MATMUL.search(name):
+        return "matmul"
+    return "other"
+
+
+def time_split(times: dict[str, float]) -> dict[str, float]:
+    """Shares (0..1) of the listed time by category."""
+    total = sum(times.values()) or 1.0
+    split: dict[str, float] = defaultdict(float)
+    for name, ms in times.items():
+        split[time_category(name)] += ms / total
+    return dict(split)

@@ -24,6 +24,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 REGIONS = ("forward", "backward", "optimizer")
 TRACE_WARN_BYTES = 50 * 2**20
+TOP_TIMES = 12  # ops or kernels listed by name in "where the time goes"
 
 # The ATen op each pinned SDPA backend dispatches to (device-independent names first, then
 # CPU's own), and a pattern its CUDA kernels' names match.
@@ -114,6 +115,9 @@ class StepProfile:
     ops: dict[str, Counter] = field(default_factory=lambda: {r: Counter() for r in REGIONS})
     kernels: dict[str, Counter] = field(default_factory=lambda: {r: Counter() for r in REGIONS})
     peak_transient_bytes: int = 0  # CPU: from the profiler's allocation events
+    # Where the time goes: CPU self time of each ATen op, and CUDA time of each kernel (us).
+    cpu_self_us: Counter = field(default_factory=Counter)
+    device_us: Counter = field(default_factory=Counter)
     trace: Path | None = None
     trace_bytes: int = 0
 
@@ -121,7 +125,19 @@ class StepProfile:
         def scale(by_region: dict[str, Counter]) -> dict[str, dict[str, float]]:
             return {r: {n: c / steps for n, c in sorted(by_region[r].items())} for r in REGIONS}
 
-        return {"ops": scale(self.ops), "kernels": scale(self.kernels)}
+        def top_ms(times: Counter) -> dict[str, float]:
+            """The TOP_TIMES largest, in ms per step, and the rest summed as 'other'."""
+            ranked = times.most_common()
+            top = {n: us / 1e3 / steps for n, us in ranked[:TOP_TIMES]}
+            rest = sum(us for _, us in ranked[TOP_TIMES:])
+            return top | ({"other": rest / 1e3 / steps} if rest else {})
+
+        return {
+            "ops": scale(self.ops),
+            "kernels": scale(self.kernels),
+            "cpu_ms": top_ms(self.cpu_self_us),
+            "device_ms": top_ms(self.device_us),
+        }
 
 
 def _region_of(start_ns: int, regions: list[tuple[int, int, str]]) -> str | None:
@@ -168,7 +184,16 @@ def parse_events(events: list, device: torch.device) -> StepProfile:
             region = _region_of(launched, regions) if launched is not None else None
             if region:
                 result.kernels[region][e.name()] += 1
+                result.device_us[e.name()] += e.duration_ns() / 1e3
     return result
+
+
+def self_times(prof: profile) -> Counter:
+    """CPU self time (us) of each ATen op over the profiled window: time in the op itself,
+    not in the ops it calls, so the numbers add up to the time spent in ATen."""
+    return Counter(
+        {a.key: a.self_cpu_time_total for a in prof.key_averages() if a.key.startswith("aten::")}
+    )
 
 
 @contextlib.contextmanager
@@ -188,6 +213,7 @@ def profiled_steps(
 
     def on_ready(prof: profile) -> None:
         parsed = parse_events(prof.profiler.kineto_results.events(), device)
+        parsed.cpu_self_us = self_times(prof)
         if trace_path is not None:
             parsed.trace, parsed.trace_bytes = _export_trace(prof, trace_path)
         results.append(parsed)

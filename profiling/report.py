@@ -13,6 +13,7 @@ from profiling.analysis import (
     ok_rows,
     op_diff,
     savings,
+    time_split,
 )
 
 MiB = 2**20
@@ -114,6 +115,32 @@ def findings(rows: list[dict[str, Any]]) -> list[str]:
             lines.append(
                 "  - CUDA kernels: " + describe_diff(name, "naive", kernels, unit="kernel")
             )
+    return lines
+
+
+def where_time_goes(rows: list[dict[str, Any]]) -> list[str]:
+    """For each variant at its deepest measured depth: the ops (CPU) or kernels (CUDA) that
+    take the step's time, and the split between matmuls, the attention kernel and the rest."""
+    deepest: dict[str, dict[str, Any]] = {}
+    for r in ok_rows(rows):
+        name = label(r["variant"], r["compile"])
+        if r.get("cpu_ms_per_step") and r["n_layer"] >= deepest.get(name, {}).get("n_layer", 0):
+            deepest[name] = r
+    lines = []
+    for name, r in deepest.items():
+        times = r.get("device_ms_per_step") or r["cpu_ms_per_step"]
+        what = "CUDA kernel time" if r.get("device_ms_per_step") else "CPU self time of ATen ops"
+        total = sum(times.values())
+        split = time_split(times)
+        shares = ", ".join(
+            f"{k} {100 * v:.0f}%" for k, v in sorted(split.items(), key=lambda kv: -kv[1])
+        )
+        top = ", ".join(f"`{n}` {ms:.1f}" for n, ms in list(times.items())[:6])
+        mfu = f", MFU {100 * r['mfu']:.1f}%" if r.get("mfu") else ""
+        lines.append(
+            f"- **{name}** at L{r['n_layer']}{mfu}: {total:.1f} ms of {what} per "
+            f"profiled step; {shares}. Largest (ms): {top}."
+        )
     return lines
 
 
@@ -234,6 +261,13 @@ def _report_md(results: dict[str, Any]) -> str:
             "## Findings: what each variant changes, per layer per step",
             "",
             *(findings(rows) or ["- (needs `naive` and at least one other variant in the sweep)"]),
+            "",
+            "## Where the time goes",
+            "",
+            "Measured in the profiled step (profiler overhead included, so totals exceed the timed "
+            "medians). What is not a matmul is what keeps MFU below the matmul peak.",
+            "",
+            *where_time_goes(rows),
             "",
             "## Projected savings against naive (from the fitted lines)",
             "",
