@@ -157,23 +157,68 @@ def _single_depth_diff(
     return diffs
 
 
+# Ops that only make views or allocate: counted, but summed in words rather than named.
+BOOKKEEPING = frozenset(
+    "aten::" + n
+    for n in (
+        "as_strided",
+        "expand",
+        "view",
+        "reshape",
+        "_reshape_alias",
+        "_unsafe_view",
+        "transpose",
+        "t",
+        "permute",
+        "unsqueeze",
+        "squeeze",
+        "select",
+        "slice",
+        "split",
+        "split_with_sizes",
+        "narrow",
+        "detach",
+        "alias",
+        "resolve_conj",
+        "resolve_neg",
+        "empty",
+        "empty_like",
+        "empty_strided",
+        "new_empty_strided",
+        "lift_fresh",
+        "contiguous",
+        "to",
+        "_to_copy",
+        "zeros",
+        "zeros_like",
+        "ones_like",
+        "scalar_tensor",
+        "result_type",
+    )
+)
+
+
 def describe_diff(a: str, b: str, diffs: list[dict[str, Any]], unit: str = "op") -> str:
-    """'inplace vs naive: 1 aten::clone fewer per layer per step (forward), ...' in words."""
+    """'inplace vs naive, per layer per step: 1 aten::clone fewer (forward); ...' in words.
+
+    Ops that do work are named; views and allocations are summed at the end.
+    """
     if not diffs:
         return f"{a} vs {b}: the same {unit} counts per layer."
+    named = [d for d in diffs if d["name"] not in BOOKKEEPING]
+    shown = 12
     parts = []
-    shown = 10
-    for d in diffs[:shown]:
+    for d in named[:shown]:
         n = abs(d["per_layer"])
         amount = f"{n:g}" if n != int(n) else str(int(n))
         more = "more" if d["per_layer"] > 0 else "fewer"
         parts.append(f"{amount} {d['name']} {more} ({d['region']})")
-    more = (
-        f"; and {len(diffs) - shown} more (profile_train.py --report DIR --diff {a},{b})"
-        if len(diffs) > shown
-        else ""
-    )
-    return f"{a} vs {b}, per layer per step: " + "; ".join(parts) + more + "."
+    if len(named) > shown:
+        parts.append(f"{len(named) - shown} more (profile_train.py --report DIR --diff {a},{b})")
+    views = sum(d["per_layer"] for d in diffs if d["name"] in BOOKKEEPING)
+    if views:
+        parts.append(f"net {abs(views):g} view/allocation ops {'more' if views > 0 else 'fewer'}")
+    return f"{a} vs {b}, per layer per step: " + "; ".join(parts) + "."
 
 
 _ATTENTION = re.compile(r"scaled_dot_product|flash|fmha|attention|sdpa", re.I)

@@ -352,14 +352,17 @@ def _plots(out: Path, results: dict[str, Any]) -> None:
             pts = [(x, v) for x, v in pts if v is not None]
             if not pts:
                 continue
-            xs = [x for x, _ in pts]
+            # A small sideways shift per variant, so that equal values (sdpa and the backend
+            # it picked) stay visible; the fitted lines use the true n_layer.
+            shift = 0.06 * (i - (len(_labels(rows)) - 1) / 2)
+            xs = [x + shift for x, _ in pts]
             mid = [v[0] * scale for _, v in pts]
             err = [[(v[0] - v[1]) * scale for _, v in pts], [(v[2] - v[0]) * scale for _, v in pts]]
             color = f"C{i % 10}"
             ax.errorbar(xs, mid, yerr=err, fmt="o", color=color, label=name, capsize=3)
             fit = fits.get(name, {}).get(metric)
             if fit:
-                line_x = [min(xs), max(xs)]
+                line_x = [min(xs) - shift, max(xs) - shift]
                 ax.plot(
                     line_x,
                     [(fit["intercept"] + fit["slope"] * x) * scale for x in line_x],
