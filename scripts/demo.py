@@ -30,6 +30,7 @@ def main() -> int:
     config = GPTConfig(vocab_size=512, block_size=128, n_layer=2, n_head=4, n_embd=128)
     batch = torch.randint(0, config.vocab_size, (4, config.block_size + 1), device=device)
     print(f"one training step per variant on {device} ({dtype}), B=4 T={config.block_size}")
+    print("(first-step times include warm-up: not a benchmark; see make profile)")
     for name, variant in VARIANTS.items():
         reason = unavailable_reason(name, device, dtype, config.head_size)
         if reason is not None:
