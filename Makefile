@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt | cksum | cut -d' ' -f1)
 
-.PHONY: setup test demo train profile sample lint format gpu-check clean
+.PHONY: setup test demo train profile sample lint format gpu-check gpu-wheels clean
 
 setup: $(STAMP)
 
@@ -37,6 +37,14 @@ profile: setup
 # On a CUDA machine: CUDA tests + the GPU sweep, with whatever python3 has torch there.
 gpu-check:
 	bash scripts/gpu_check.sh $(or $(OUT),gpu-check)
+
+# Wheels of the pure-Python tools gpu_check.sh needs, for a GPU machine with no network:
+# carry .gpu-wheels there and run with WHEELS=.gpu-wheels. GPU_PY: that machine's Python.
+GPU_PY ?= 3.11
+gpu-wheels: setup
+	$(PY) -m pip download --quiet --only-binary=:all: --python-version $(GPU_PY) \
+		--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+		-d .gpu-wheels tqdm pytest matplotlib numpy
 
 lint: setup
 	$(PY) -m ruff check .
