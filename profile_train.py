@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import dataclasses
 import datetime as dt
 import itertools
@@ -35,8 +34,9 @@ from tqdm import tqdm
 
 from config import Config, ConfigError, config_to_dict, load_config
 from model import GPT, VARIANTS, available_variants, unavailable_reason
-from profiling.analysis import fits_by_label, label
+from profiling.analysis import label
 from profiling.measure import (
+    TRACE_WARN_BYTES,
     backend_that_ran,
     count_flops,
     measure_peak_flops,
@@ -47,7 +47,7 @@ from profiling.measure import (
     timed,
     verify_backend,
 )
-from profiling.report import diff_text, write_report
+from profiling.report import diff_text, write_results
 from train import (
     TokenBatches,
     TrainError,
@@ -81,12 +81,13 @@ class Cell:
 
     def fail(self, status: str, error: BaseException | str) -> None:
         self.status = status
-        self.reason = (
-            error
-            if isinstance(error, str)
-            else f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
-        )
+        self.reason = error if isinstance(error, str) else _one_line(error)
         self.step = self.model = self.optimizer = None
+
+
+def _one_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
 class Sweep:
@@ -276,6 +277,7 @@ class Sweep:
             "kernels_per_step": None,
             "cpu_ms_per_step": None,
             "device_ms_per_step": None,
+            "time_split": None,
             "trace": None,
         }
         if cell.step is not None:
@@ -320,7 +322,7 @@ class Sweep:
                 synchronize(self.device)
                 advance()
         seen = results[0]
-        if seen.trace_bytes > 50 * 2**20:
+        if seen.trace_bytes > TRACE_WARN_BYTES:
             tqdm.write(
                 f"warning: trace {seen.trace} is {seen.trace_bytes / 2**20:.0f} MB; "
                 f"lower --profile-steps or the model size"
@@ -330,6 +332,7 @@ class Sweep:
             "ops_per_step": counts["ops"],
             "kernels_per_step": counts["kernels"] if self.device.type == "cuda" else None,
             "cpu_ms_per_step": counts["cpu_ms"],
+            "time_split": counts["time_split"],
             "device_ms_per_step": counts["device_ms"] if self.device.type == "cuda" else None,
             "backend": backend_that_ran(counts["ops"]),
             "trace": str(seen.trace.relative_to(self.out)) if seen.trace else None,
@@ -364,64 +367,6 @@ class Sweep:
         """results.json, results.csv, and the report, after every cell: an interrupted sweep
         keeps what it measured."""
         write_results(self.out, self.meta, self.rows)
-
-
-def write_results(out: Path, meta: dict[str, Any], rows: list[dict[str, Any]]) -> None:
-    results = {"meta": meta, "rows": rows, "fits": fits_by_label(rows)}
-    tmp = out / "results.json.tmp"
-    tmp.write_text(json.dumps(results, indent=1))
-    os.replace(tmp, out / "results.json")
-    _write_csv(out / "results.csv", rows)
-    write_report(out, results)
-
-
-def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
-    columns = [
-        "variant",
-        "n_layer",
-        "compile",
-        "status",
-        "step_ms_median",
-        "step_ms_p10",
-        "step_ms_p90",
-        "n",
-        "tokens_per_s",
-        "mfu",
-        "peak_mem_bytes",
-        "compile_s",
-        "ops_per_step",
-        "kernels_per_step",
-        "backend",
-        "reason",
-    ]
-    tmp = path.with_suffix(".csv.tmp")
-    with open(tmp, "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(columns)
-        for r in rows:
-            t = r["step_ms"] or {}
-            total = lambda counts: sum(sum(c.values()) for c in counts.values()) if counts else None
-            writer.writerow(
-                [
-                    r["variant"],
-                    r["n_layer"],
-                    r["compile"],
-                    r["status"],
-                    t.get("median"),
-                    t.get("p10"),
-                    t.get("p90"),
-                    t.get("n"),
-                    r["tokens_per_s"],
-                    r["mfu"],
-                    r["peak_mem_bytes"],
-                    r["compile_s"],
-                    total(r["ops_per_step"]),
-                    total(r["kernels_per_step"]),
-                    r["backend"],
-                    r["reason"],
-                ]
-            )
-    os.replace(tmp, path)
 
 
 def _csv_list(text: str, kind: type = str) -> list:

@@ -254,6 +254,11 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        directory = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -308,6 +313,7 @@ def init_distributed(train_cfg: TrainConfig) -> tuple[int, int, torch.device]:
 
 class StopSignal:
     """While active, SIGINT/SIGTERM set a flag; the loop finishes its step, saves and exits.
+    A second signal does not wait: it raises KeyboardInterrupt (no save).
 
     The previous handlers come back on exit, so a caller's Ctrl-C works again afterwards.
     """
@@ -326,6 +332,9 @@ class StopSignal:
             signal.signal(sig, handler)
 
     def _handle(self, signum: int, frame: Any) -> None:
+        if self.received is not None:  # a second signal: the step may hang; stop now
+            self.__exit__()
+            raise KeyboardInterrupt
         self.received = signal.Signals(signum).name
 
 
@@ -411,7 +420,11 @@ def train(
     if tc.compile:
         compile_blocks(raw_model)
     if world_size > 1:
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        model = DDP(
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            broadcast_buffers=False,  # the only buffer is the constant causal mask
+        )
 
     if master:
         out_dir.mkdir(parents=True, exist_ok=True)

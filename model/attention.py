@@ -7,9 +7,11 @@ Every variant is a plain function
     fn(q, k, v, mask, dropout_p) -> y
 
     q, k, v    (B, H, T, D)
-    mask       (T, T) bool, True where a query may NOT attend (strictly above the diagonal).
-               Built once per layer and sliced, never rebuilt per call. Variants that know
-               causality natively (SDPA's is_causal, flex's block mask) ignore it.
+    mask       the causal mask in the variant's own form, made once per forward pass by the
+               model (outside any compiled block) and shared by every layer: for most, a
+               (T, T) bool tensor, True where a query may NOT attend, sliced from a buffer
+               built once; for flex, a BlockMask from `Variant.make_mask`. SDPA variants
+               ignore it and pass is_causal=True.
     dropout_p  probability of dropping an attention weight; 0.0 outside training.
     y          (B, H, T, D)
 
@@ -22,6 +24,7 @@ import functools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -98,22 +101,24 @@ def _compiled_flex_attention() -> Callable[..., Tensor]:
 
 
 @functools.cache
-def _causal_block_mask(T: int, device: torch.device):  # -> BlockMask
-    # One block mask per (T, device), reused by every layer and step: building it costs
-    # a pass over the (T/128)^2 blocks, which would otherwise repeat each call.
+def causal_block_mask(T: int, device: torch.device):  # -> BlockMask
+    """flex's causal mask for length T, built once per (T, device) and reused.
+
+    Called by the model in eager code: inside a compiled region Dynamo would trace through
+    the cache and rebuild the mask on every call.
+    """
     from torch.nn.attention.flex_attention import create_block_mask
 
     return create_block_mask(_causal, B=None, H=None, Q_LEN=T, KV_LEN=T, device=device)
 
 
-def flex(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dropout_p: float) -> Tensor:
-    """flex_attention with a causal block mask, compiled. No dropout: flex has none."""
-    block_mask = _causal_block_mask(q.size(-2), q.device)
-    if torch.compiler.is_compiling():  # inside a compiled block: let that graph hold it
+def flex(q: Tensor, k: Tensor, v: Tensor, mask, dropout_p: float) -> Tensor:
+    """flex_attention with the causal BlockMask in `mask`, compiled. No dropout: flex has none."""
+    if torch.compiler.is_compiling():  # inside a compiled block: that graph holds it
         from torch.nn.attention.flex_attention import flex_attention
 
-        return flex_attention(q, k, v, block_mask=block_mask)
-    return _compiled_flex_attention()(q, k, v, block_mask=block_mask)
+        return flex_attention(q, k, v, block_mask=mask)
+    return _compiled_flex_attention()(q, k, v, block_mask=mask)
 
 
 @dataclass(frozen=True)
@@ -124,6 +129,8 @@ class Variant:
     backend: SDPBackend | None = None  # the SDPA backend it is pinned to, if any
     supports_dropout: bool = True
     cuda_only: str | None = None  # why it cannot train off CUDA, if it cannot
+    # Builds the variant's own mask for (T, device); None: the model's boolean causal mask.
+    make_mask: Callable[[int, torch.device], Any] | None = None
 
 
 VARIANTS: dict[str, Variant] = {
@@ -164,6 +171,7 @@ VARIANTS: dict[str, Variant] = {
             "flex_attention with a causal block mask, compiled",
             supports_dropout=False,
             cuda_only="PyTorch has no flex_attention backward (nor compiled kernel) off CUDA",
+            make_mask=causal_block_mask,
         ),
     )
 }
@@ -208,7 +216,10 @@ def unavailable_reason(
         torch.randn(1, 2, T, head_size, device=device, dtype=dtype, requires_grad=True)
         for _ in range(3)
     )
-    mask = torch.ones(T, T, dtype=torch.bool, device=device).triu(1)
+    if variant.make_mask is not None:
+        mask = variant.make_mask(T, device)
+    else:
+        mask = torch.ones(T, T, dtype=torch.bool, device=device).triu(1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:

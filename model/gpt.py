@@ -6,6 +6,7 @@ Shape legend: B batch, T sequence length, C n_embd, H n_head, D head size (C // 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -25,19 +26,15 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
         self.attend = get_variant(config.attention).fn  # looked up once, here
-        # True above the diagonal: positions a query may not see. Built once for the longest
-        # context and sliced per call. Not persistent: it is derived, not learned.
-        mask = torch.ones(config.block_size, config.block_size, dtype=torch.bool).triu(1)
-        self.register_buffer("causal_mask", mask, persistent=False)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, mask: Any) -> Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, H, T, D)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, H, T, D)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, H, T, D)
         dropout_p = self.dropout if self.training else 0.0
-        y = self.attend(q, k, v, self.causal_mask[:T, :T], dropout_p)  # (B, H, T, D)
+        y = self.attend(q, k, v, mask, dropout_p)  # (B, H, T, D)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -64,8 +61,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: Tensor, mask: Any) -> Tensor:
+        x = x + self.attn(self.ln_1(x), mask)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -81,6 +78,11 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         # Tied: the same matrix embeds tokens and scores them; saves V*C parameters.
         self.lm_head.weight = self.wte.weight
+        self.variant = get_variant(config.attention)
+        # True above the diagonal: positions a query may not see. Built once for the longest
+        # context and sliced per forward. Not persistent: it is derived, not learned.
+        mask = torch.ones(config.block_size, config.block_size, dtype=torch.bool).triu(1)
+        self.register_buffer("causal_mask", mask, persistent=False)
         self.apply(self._init_weights)
         # GPT-2: each block adds two residual branches, so scale their output projections
         # by 1/sqrt(2 * n_layer) to keep the residual stream's variance flat with depth.
@@ -102,6 +104,12 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.wpe.weight.numel() if non_embedding else n
 
+    def attention_mask(self, T: int) -> Any:
+        """The causal mask for length T in the form this model's attention variant takes."""
+        if self.variant.make_mask is not None:
+            return self.variant.make_mask(T, self.causal_mask.device)
+        return self.causal_mask[:T, :T]
+
     def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """idx (B, T) token ids -> logits (B, T, V) and, given targets (B, T), the mean loss.
 
@@ -112,8 +120,9 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
         pos = torch.arange(T, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+        mask = self.attention_mask(T)  # once per forward, outside any compiled block
         for block in self.blocks:
-            x = block(x)
+            x = block(x, mask)
         logits = self.lm_head(self.ln_f(x))  # (B, T, V)
         loss = None
         if targets is not None:

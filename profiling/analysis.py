@@ -7,7 +7,7 @@ import re
 from collections import defaultdict
 from typing import Any
 
-REGIONS = ("forward", "backward", "optimizer")
+REGIONS = ("forward", "backward", "optimizer")  # the record_function names in train_step
 PROJECT_AT = (12, 24, 48)
 
 
@@ -128,7 +128,7 @@ def op_diff(
     for the difference of slopes.
     """
     sa, sb = op_slopes(rows, a, kind), op_slopes(rows, b, kind)
-    if not sa and not sb:
+    if not sa or not sb:  # a side measured at one depth only: compare counts at a shared depth
         return _single_depth_diff(rows, a, b, kind, threshold)
     diffs = []
     for key in sorted(set(sa) | set(sb)):
@@ -143,13 +143,18 @@ def op_diff(
 def _single_depth_diff(
     rows: list[dict[str, Any]], a: str, b: str, kind: str, threshold: float
 ) -> list[dict[str, Any]]:
-    by = {label(r["variant"], r["compile"]): r for r in ok_rows(rows) if r.get(kind)}
-    if a not in by or b not in by or by[a]["n_layer"] != by[b]["n_layer"]:
+    """Count differences divided by n_layer, at the deepest depth both labels reached."""
+    by = {
+        (label(r["variant"], r["compile"]), r["n_layer"]): r for r in ok_rows(rows) if r.get(kind)
+    }
+    shared = {n for (name, n) in by if name == a} & {n for (name, n) in by if name == b}
+    if not shared:
         return []
-    n_layer = by[a]["n_layer"]
+    n_layer = max(shared)
+    ra, rb = by[(a, n_layer)], by[(b, n_layer)]
     diffs = []
     for region in REGIONS:
-        ca, cb = by[a][kind].get(region, {}), by[b][kind].get(region, {})
+        ca, cb = ra[kind].get(region, {}), rb[kind].get(region, {})
         for op in sorted(set(ca) | set(cb)):
             delta = (ca.get(op, 0.0) - cb.get(op, 0.0)) / n_layer
             if abs(delta) >= threshold:
@@ -222,7 +227,9 @@ def describe_diff(a: str, b: str, diffs: list[dict[str, Any]], unit: str = "op")
 
 
 _ATTENTION = re.compile(r"scaled_dot_product|flash|fmha|attention|sdpa", re.I)
-_MATMUL = re.compile(r"^aten::(mm|addmm|bmm|baddbmm|matmul|linear)$|gemm|xmma|cublas|cutlass", re.I)
+_MATMUL = re.compile(
+    r"^aten::(mm|addmm|bmm|baddbmm|matmul|linear)$|gemm|gemv|xmma|nvjet|cublas|cutlass", re.I
+)
 
 
 def time_category(name: str) -> str:

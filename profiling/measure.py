@@ -22,7 +22,8 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, schedule
 from torch.utils.flop_counter import FlopCounterMode
 
-REGIONS = ("forward", "backward", "optimizer")
+from profiling.analysis import REGIONS, time_split
+
 TRACE_WARN_BYTES = 50 * 2**20
 TOP_TIMES = 12  # ops or kernels listed by name in "where the time goes"
 
@@ -37,10 +38,10 @@ BACKEND_OPS = {
     "EFFICIENT_ATTENTION": ("aten::_scaled_dot_product_efficient_attention",),
     "CUDNN_ATTENTION": ("aten::_scaled_dot_product_cudnn_attention",),
 }
-BACKEND_KERNELS = {
-    "FLASH_ATTENTION": re.compile(r"flash", re.I),
-    "EFFICIENT_ATTENTION": re.compile(r"fmha|efficient|cutlass", re.I),
-    "CUDNN_ATTENTION": re.compile(r"cudnn|sdpa|fmha|flash", re.I),
+BACKEND_KERNELS = {  # PyTorch's FA2 kernels; its cutlass "mem-efficient" kernels; cuDNN's
+    "FLASH_ATTENTION": re.compile(r"flash_(fwd|bwd)"),
+    "EFFICIENT_ATTENTION": re.compile(r"fmha_cutlass[FB]|AttentionKernel|AttentionBackwardKernel"),
+    "CUDNN_ATTENTION": re.compile(r"cudnn", re.I),
 }
 
 
@@ -137,6 +138,8 @@ class StepProfile:
             "kernels": scale(self.kernels),
             "cpu_ms": top_ms(self.cpu_self_us),
             "device_ms": top_ms(self.device_us),
+            # shares by category over every op or kernel, not only the listed ones
+            "time_split": time_split(self.device_us or self.cpu_self_us),
         }
 
 
@@ -255,7 +258,8 @@ def verify_backend(
     if device.type == "cuda" and pattern is not None:
         seen_kernels = {name for region in kernels.values() for name in region}
         if not any(pattern.search(k) for k in seen_kernels):
-            return f"no kernel name matches /{pattern.pattern}/ for {backend}"
+            longest = sorted(seen_kernels, key=len, reverse=True)[:3]  # templates: attention's
+            return f"no kernel name matches /{pattern.pattern}/ (e.g. {'; '.join(longest)[:600]})"
     return None
 
 

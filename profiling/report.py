@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import csv
+import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +12,7 @@ from profiling.analysis import (
     PROJECT_AT,
     REGIONS,
     describe_diff,
+    fits_by_label,
     label,
     ok_rows,
     op_diff,
@@ -131,7 +135,7 @@ def where_time_goes(rows: list[dict[str, Any]]) -> list[str]:
         times = r.get("device_ms_per_step") or r["cpu_ms_per_step"]
         what = "CUDA kernel time" if r.get("device_ms_per_step") else "CPU self time of ATen ops"
         total = sum(times.values())
-        split = time_split(times)
+        split = r.get("time_split") or time_split(times)
         shares = ", ".join(
             f"{k} {100 * v:.0f}%" for k, v in sorted(split.items(), key=lambda kv: -kv[1])
         )
@@ -381,3 +385,61 @@ def _plots(out: Path, results: dict[str, Any]) -> None:
         fig.tight_layout()
         fig.savefig(out / filename, dpi=110)
         plt.close(fig)
+
+
+def write_results(out: Path, meta: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    results = {"meta": meta, "rows": rows, "fits": fits_by_label(rows)}
+    tmp = out / "results.json.tmp"
+    tmp.write_text(json.dumps(results, indent=1))
+    os.replace(tmp, out / "results.json")
+    _write_csv(out / "results.csv", rows)
+    write_report(out, results)
+
+
+def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    columns = [
+        "variant",
+        "n_layer",
+        "compile",
+        "status",
+        "step_ms_median",
+        "step_ms_p10",
+        "step_ms_p90",
+        "n",
+        "tokens_per_s",
+        "mfu",
+        "peak_mem_bytes",
+        "compile_s",
+        "ops_per_step",
+        "kernels_per_step",
+        "backend",
+        "reason",
+    ]
+    tmp = path.with_suffix(".csv.tmp")
+    with open(tmp, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(columns)
+        for r in rows:
+            t = r["step_ms"] or {}
+            total = lambda counts: sum(sum(c.values()) for c in counts.values()) if counts else None
+            writer.writerow(
+                [
+                    r["variant"],
+                    r["n_layer"],
+                    r["compile"],
+                    r["status"],
+                    t.get("median"),
+                    t.get("p10"),
+                    t.get("p90"),
+                    t.get("n"),
+                    r["tokens_per_s"],
+                    r["mfu"],
+                    r["peak_mem_bytes"],
+                    r["compile_s"],
+                    total(r["ops_per_step"]),
+                    total(r["kernels_per_step"]),
+                    r["backend"],
+                    r["reason"],
+                ]
+            )
+    os.replace(tmp, path)

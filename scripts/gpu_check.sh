@@ -40,17 +40,18 @@ if [ -n "$missing" ]; then
 fi
 
 echo "== 1. CUDA tests"
-timeout 90 "$PY" -m pytest -m cuda -p no:cacheprovider -q -rs tests/test_model.py | tee "$OUT/cuda_tests.txt"
+timeout 150 "$PY" -m pytest -m cuda -p no:cacheprovider -q -rs tests/test_model.py tests/test_profile.py \
+  | tee "$OUT/cuda_tests.txt"
 tests_rc=${PIPESTATUS[0]}
 
 echo "== 2. sweep: eight variants x n_layer $LAYERS, eager"
-timeout 240 "$PY" profile_train.py --config configs/profile-gpu.toml --out "$OUT/eager" \
+timeout 210 "$PY" profile_train.py --config configs/profile-gpu.toml --out "$OUT/eager" \
   --variants naive,inplace,sdpa,sdpa-math,sdpa-flash,sdpa-efficient,sdpa-cudnn,flex \
   --layers "$LAYERS" --steps "$STEPS" --compile off --trace-layers 2
 eager_rc=$?
 
 echo "== 3. sweep: naive, sdpa, flex compiled and not"
-timeout 150 "$PY" profile_train.py --config configs/profile-gpu.toml --out "$OUT/compiled" \
+timeout 120 "$PY" profile_train.py --config configs/profile-gpu.toml --out "$OUT/compiled" \
   --variants naive,sdpa,flex --layers "$LAYERS" --steps "$STEPS" --compile both --no-traces
 compiled_rc=$?
 

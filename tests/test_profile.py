@@ -266,3 +266,22 @@ def test_cuda_sweep_counts_kernels(tmp_path: Path) -> None:
     for n in (1, 2):  # the hidden copy is one more device copy per layer in the forward
         assert forward_kernels("naive", n) - forward_kernels("inplace", n) == n
     assert torch.cuda.is_available()
+
+
+def test_op_diff_when_one_variant_has_a_single_depth() -> None:
+    """A sweep cut short leaves some variants at fewer depths: compare at a shared depth."""
+
+    def row(variant: str, n: int, clones: int, mm: int) -> dict:
+        ops = {"forward": {"aten::clone": clones, "aten::mm": mm}, "backward": {}, "optimizer": {}}
+        return {
+            "variant": variant,
+            "compile": False,
+            "n_layer": n,
+            "status": "ok",
+            "ops_per_step": ops,
+        }
+
+    rows = [row("naive", 1, 5, 4), row("naive", 2, 10, 8), row("sdpa", 2, 8, 8)]
+    assert op_diff(rows, "sdpa", "naive") == [
+        {"region": "forward", "name": "aten::clone", "per_layer": -1.0}
+    ]
