@@ -552,6 +552,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, TrainError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(
+            "interrupted twice: stopped without saving; the last checkpoint is as it was",
+            file=sys.stderr,
+        )
+        return 130
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
