@@ -167,14 +167,10 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     return Config(**built)
 
 
-def config_to_dict(config: Config) -> dict[str, dict[str, Any]]:
-    return dataclasses.asdict(config)
-
-
 def dump_toml(config: Config) -> str:
     """The effective config, as TOML that load_config reads back to the same Config."""
     lines = []
-    for section, values in config_to_dict(config).items():
+    for section, values in dataclasses.asdict(config).items():
         lines.append(f"[{section}]")
         for key, value in values.items():
             if isinstance(value, bool):

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from config import Config, ConfigError, config_to_dict, load_config
+from config import Config, ConfigError, load_config
 from model import GPT, VARIANTS, available_variants, unavailable_reason
 from profiling.analysis import label
 from profiling.measure import (
@@ -139,7 +139,7 @@ class Sweep:
             "platform": platform.platform(),
             "dtype": str(self.dtype).removeprefix("torch."),
             "autocast": self.amp_dtype is not None,
-            "config": config_to_dict(self.config),
+            "config": dataclasses.asdict(self.config),
             "config_file": str(self.args.config),
             "data": self.args.data,
             "steps": self.args.steps,
