@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from cpu_linear import CHOICES as CPU_LINEAR
 from model import GPTConfig
 
 DTYPES = ("auto", "float32", "bfloat16")  # auto: bf16 autocast on CUDA, fp32 elsewhere
@@ -33,6 +34,9 @@ class TrainConfig:
     device: str = "auto"  # auto picks cuda > mps > cpu; or name one: cuda, cuda:1, mps, cpu
     dtype: str = "auto"  # auto: bf16 autocast on CUDA, fp32 elsewhere; or float32 / bfloat16
     compile: bool = False  # torch.compile each block; pays off on GPUs, costs a compile up front
+    # fp32 nn.Linear on CPUs: auto takes oneDNN on x86 (up to 2x MKL's rate), torch keeps
+    # PyTorch's BLAS, onednn insists (cpu_linear.py). Ignored on other devices.
+    cpu_linear: str = "auto"
     seed: int = 1337  # one seed for init, dropout and batch sampling: runs are reproducible
     batch_size: int = 16  # sequences per micro-batch per process
     grad_accum: int = 1  # micro-batches per optimizer step; global batch = this x batch x ranks
@@ -71,6 +75,10 @@ class TrainConfig:
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"train.{name}={getattr(self, name)}: must be in [0, 1)")
+        if self.cpu_linear not in CPU_LINEAR:
+            raise ValueError(
+                f"train.cpu_linear={self.cpu_linear!r}: valid choices: {', '.join(CPU_LINEAR)}"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"train.dtype={self.dtype!r}: valid choices: {', '.join(DTYPES)}")
         if self.device != "auto":

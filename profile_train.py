@@ -23,6 +23,7 @@ import itertools
 import json
 import os
 import platform
+import resource
 import shlex
 import sys
 from collections.abc import Callable
@@ -33,13 +34,14 @@ import torch
 from tqdm import tqdm
 
 from config import Config, ConfigError, load_config
+from cpu_linear import use_onednn_linears, wants_onednn
 from model import GPT, VARIANTS, available_variants, unavailable_reason
 from profiling.analysis import label
 from profiling.measure import (
     TRACE_WARN_BYTES,
     backend_that_ran,
     count_flops,
-    measure_peak_flops,
+    matmul_peaks,
     profiled_steps,
     resident_bytes,
     summarize_ms,
@@ -54,6 +56,7 @@ from train import (
     autocast_dtype,
     build_optimizer,
     compile_blocks,
+    keep_freed_host_memory,
     load_meta,
     pick_device,
     train_step,
@@ -71,6 +74,7 @@ class Cell:
     model: torch.nn.Module | None = None
     optimizer: torch.optim.Optimizer | None = None
     times: list[float] = dataclasses.field(default_factory=list)
+    page_faults: int = 0  # minor page faults of this process during the timed steps
     first_step_s: float | None = None
     status: str = "ok"
     reason: str | None = None
@@ -85,6 +89,20 @@ class Cell:
         self.step = self.model = self.optimizer = None
 
 
+def _cpu_name() -> str:
+    """The CPU model ('AMD EPYC ...'): which matmul library is fast depends on it."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.partition(':')[2].strip()}, {platform.machine()}"
+    return platform.processor() or platform.machine()
+
+
+def _minor_faults() -> int:
+    """Minor page faults of this process so far: pages the OS had to map in and zero."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def _one_line(error: BaseException) -> str:
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0] if lines else ''}"
@@ -96,6 +114,15 @@ class Sweep:
         self.device = pick_device(config.train.device)
         self.amp_dtype = autocast_dtype(config.train.dtype, self.device)
         self.dtype = self.amp_dtype or torch.float32
+        try:
+            self.onednn = wants_onednn(
+                config.train.cpu_linear, self.device, self.amp_dtype is not None
+            )
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        self.host_memory = "default"
+        if args.host_memory == "keep" and self.device.type == "cpu" and keep_freed_host_memory():
+            self.host_memory = "keep"
         self.out = Path(args.out)
         self.rows: list[dict[str, Any]] = []
         self.batches = self._batches()
@@ -125,15 +152,15 @@ class Sweep:
 
     def _meta(self) -> dict[str, Any]:
         device_name = (
-            torch.cuda.get_device_name(self.device)
-            if self.device.type == "cuda"
-            else platform.processor() or platform.machine()
+            torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else _cpu_name()
         )
         meta = {
             "device": str(self.device),
             "device_name": device_name,
             "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
+            "host_memory": self.host_memory,
+            "linear": "oneDNN" if self.onednn else "torch",
             "torch_version": torch.__version__,
             "python": platform.python_version(),
             "platform": platform.platform(),
@@ -163,6 +190,8 @@ class Sweep:
         torch.manual_seed(tc.seed)
         model_cfg = dataclasses.replace(mc, attention=cell.variant, n_layer=cell.n_layer)
         raw = GPT(model_cfg).to(self.device)
+        if self.onednn:
+            use_onednn_linears(raw)
         cell.optimizer = build_optimizer(raw, tc, self.device)
         if cell.compiled:
             compile_blocks(raw)
@@ -183,10 +212,10 @@ class Sweep:
             f"measuring the {self.dtype} matmul peak of {self.meta['device_name']} ...",
             file=sys.stderr,
         )
-        self.meta["peak_flops_start"] = measure_peak_flops(
-            self.device, self.dtype, self.args.peak_seconds
-        )
+        start = matmul_peaks(self.device, self.dtype, self.args.peak_seconds)
+        self.meta["peak_flops_start"] = max(start.values())
         self.meta["peak_flops"] = self.meta["peak_flops_start"]
+        self.meta["peak_flops_by_path"] = start
         total = len(variants) * len(layers) * len(compile_modes)
         bar = tqdm(total=total, desc="cells", unit="cell", dynamic_ncols=True)
         for n_layer in layers:
@@ -201,9 +230,10 @@ class Sweep:
                 torch.cuda.empty_cache()
         bar.close()
         # A second reading of the peak: the MFU denominator is the higher of the two.
-        end_peak = measure_peak_flops(self.device, self.dtype, self.args.peak_seconds)
-        self.meta["peak_flops_end"] = end_peak
-        self.meta["peak_flops"] = max(self.meta["peak_flops_start"], end_peak)
+        end = matmul_peaks(self.device, self.dtype, self.args.peak_seconds)
+        self.meta["peak_flops_end"] = max(end.values())
+        self.meta["peak_flops"] = max(self.meta["peak_flops_start"], self.meta["peak_flops_end"])
+        self.meta["peak_flops_by_path"] = {k: max(v, end.get(k, 0.0)) for k, v in start.items()}
         for row in self.rows:
             if row["status"] == "ok" and row["flops_per_step"]:
                 row["mfu"] = (
@@ -242,7 +272,9 @@ class Sweep:
                 if cell.step is None:
                     continue
                 with self._guard(cell):
+                    faults = _minor_faults()
                     cell.times.append(timed(cell.step, self.device))
+                    cell.page_faults += _minor_faults() - faults
 
     @contextlib.contextmanager
     def _guard(self, cell: Cell):
@@ -275,6 +307,7 @@ class Sweep:
             "backend": None,
             "ops_per_step": None,
             "kernels_per_step": None,
+            "page_faults_per_step": None,
             "cpu_ms_per_step": None,
             "device_ms_per_step": None,
             "time_split": None,
@@ -299,6 +332,7 @@ class Sweep:
         fields: dict[str, Any] = {
             "step_ms": stats,
             "tokens_per_s": tokens / (stats["median"] / 1e3),
+            "page_faults_per_step": cell.page_faults / len(cell.times),
         }
         if flops:
             fields["mfu"] = flops / (stats["median"] / 1e3) / self.meta["peak_flops"]
@@ -404,6 +438,14 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         type=float,
         default=0.5,
         help="seconds per matmul size when measuring the peak FLOP rate",
+    )
+    p.add_argument(
+        "--host-memory",
+        choices=["keep", "default"],
+        default="keep",
+        help="CPU: keep freed tensor memory in the heap for the next step (keep), or leave "
+        "glibc's malloc as it is, returning it to the OS (default), to see what the page "
+        "faults cost",
     )
     p.add_argument(
         "--report", type=Path, metavar="DIR", help="re-render the report of an existing sweep"

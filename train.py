@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import json
 import math
 import os
@@ -32,6 +33,7 @@ from torch.profiler import record_function
 from tqdm import tqdm
 
 from config import Config, ConfigError, TrainConfig, dump_toml, load_config
+from cpu_linear import use_onednn_linears, wants_onednn
 from model import GPT, VariantUnavailable, check_variant
 
 CHECKPOINT = "ckpt.pt"
@@ -55,6 +57,25 @@ def pick_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise TrainError(f"train.device={name!r}: CUDA is not available on this machine")
     return device
+
+
+def keep_freed_host_memory() -> bool:
+    """Let freed tensor memory stay in the process's heap for the next step (glibc only).
+
+    glibc's malloc serves large blocks with mmap, unmaps them on free and trims the heap top,
+    so each CPU step faults in fresh zeroed pages for its activations: at the profile shape
+    about 13,000 page faults and a tenth of the step. Raising both thresholds keeps freed
+    blocks for reuse, as the caching allocator does on CUDA; the price is that the process
+    keeps its peak footprint. Returns False where this malloc cannot be tuned.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):  # not glibc (e.g. musl)
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(mallopt(m_mmap_threshold, 1 << 30)) and bool(mallopt(m_trim_threshold, 1 << 30))
 
 
 def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
@@ -357,6 +378,8 @@ def train(
     """Run (or resume) training; returns the run directory. Raises TrainError on bad input."""
     tc = config.train
     rank, world_size, device = init_distributed(tc)
+    if device.type == "cpu":
+        keep_freed_host_memory()
     master = rank == 0
     amp_dtype = autocast_dtype(tc.dtype, device)
     meta = load_meta(config.data.root, config.data.name)
@@ -376,6 +399,10 @@ def train(
         )
     except VariantUnavailable as e:
         raise TrainError(str(e)) from None
+    try:
+        onednn = wants_onednn(tc.cpu_linear, device, amp_dtype is not None)
+    except ValueError as e:
+        raise TrainError(str(e)) from None
 
     ckpt_path = out_dir / CHECKPOINT
     if ckpt_path.exists() and not resume:
@@ -388,6 +415,8 @@ def train(
 
     torch.manual_seed(tc.seed)
     raw_model = GPT(config.model).to(device)
+    if onednn:
+        use_onednn_linears(raw_model)
     optimizer = build_optimizer(raw_model, tc, device)
     train_batches = TokenBatches(
         data_dir / "train.bin",

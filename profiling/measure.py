@@ -27,6 +27,9 @@ from profiling.analysis import REGIONS, time_split
 TRACE_WARN_BYTES = 50 * 2**20
 TOP_TIMES = 12  # ops or kernels listed by name in "where the time goes"
 
+# Dispatcher ops counted and timed: ATen's, and the oneDNN linear of cpu_linear.py.
+OP_NAMESPACES = ("aten::", "mkldnn::", "cpu_linear::")
+
 # The ATen op each pinned SDPA backend dispatches to (device-independent names first, then
 # CPU's own), and a pattern its CUDA kernels' names match.
 BACKEND_OPS = {
@@ -70,23 +73,38 @@ def summarize_ms(seconds: list[float]) -> dict[str, float | int]:
     return {"median": statistics.median(ms), "p10": deciles[0], "p90": deciles[-1], "n": len(ms)}
 
 
-def measure_peak_flops(device: torch.device, dtype: torch.dtype, seconds: float = 0.5) -> float:
-    """The best matmul rate this device reaches in `dtype`, measured now: the MFU denominator.
+def matmul_peaks(
+    device: torch.device, dtype: torch.dtype, seconds: float = 0.5
+) -> dict[str, float]:
+    """The best matmul rate in `dtype` by each path PyTorch offers here, measured now (FLOP/s).
 
-    Square matmuls of a few sizes; the fastest sustained rate over ~`seconds` per size wins.
+    `torch.mm` goes to the BLAS (MKL or OpenBLAS on CPUs, cuBLAS on GPUs). On CPUs PyTorch also
+    ships oneDNN, whose matmul can be much faster: MKL runs AVX2 code on AMD processors, oneDNN
+    their AVX-512. The device's peak, the MFU denominator, is the highest of these.
     """
     sizes = (1024, 2048) if device.type == "cpu" else (4096, 8192)
-    return max(_matmul_rate(n, device, dtype, seconds) for n in sizes)
+    peaks = {"torch.mm": max(_matmul_rate(n, device, dtype, seconds) for n in sizes)}
+    if device.type == "cpu" and torch.backends.mkldnn.is_available():
+        with contextlib.suppress(RuntimeError, AttributeError):  # no oneDNN kernel for dtype
+            peaks["oneDNN"] = _matmul_rate(2048, device, dtype, seconds, onednn=True)
+    return peaks
 
 
-def _matmul_rate(n: int, device: torch.device, dtype: torch.dtype, seconds: float) -> float:
+def _matmul_rate(
+    n: int, device: torch.device, dtype: torch.dtype, seconds: float, onednn: bool = False
+) -> float:
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     c = torch.empty(n, n, device=device, dtype=dtype)
+    if onednn:  # a @ w.T, w packed once into oneDNN's layout: its kernel's best case
+        w = torch.ops.mkldnn._reorder_linear_weight(b, None)
+        matmul = lambda: torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], "")
+    else:
+        matmul = lambda: torch.mm(a, b, out=c)
 
     def run(reps: int) -> None:
         for _ in range(reps):
-            torch.mm(a, b, out=c)
+            matmul()
 
     run(1)  # warm-up: thread pool, kernel selection
     reps = max(1, int(seconds / max(timed(lambda: run(1), device), 1e-6)))
@@ -116,7 +134,7 @@ class StepProfile:
     ops: dict[str, Counter] = field(default_factory=lambda: {r: Counter() for r in REGIONS})
     kernels: dict[str, Counter] = field(default_factory=lambda: {r: Counter() for r in REGIONS})
     peak_transient_bytes: int = 0  # CPU: from the profiler's allocation events
-    # Where the time goes: CPU self time of each ATen op, and CUDA time of each kernel (us).
+    # Where the time goes: CPU self time of each op, and CUDA time of each kernel (us).
     cpu_self_us: Counter = field(default_factory=Counter)
     device_us: Counter = field(default_factory=Counter)
     trace: Path | None = None
@@ -169,7 +187,7 @@ def parse_events(events: list, device: torch.device) -> StepProfile:
     live = peak = 0
     for e in sorted(events, key=lambda e: e.start_ns()):
         name, kind = e.name(), e.device_type()
-        if kind == DeviceType.CPU and name.startswith("aten::"):
+        if kind == DeviceType.CPU and name.startswith(OP_NAMESPACES):
             region = _region_of(e.start_ns(), regions)
             if region:
                 result.ops[region][name] += 1
@@ -192,10 +210,14 @@ def parse_events(events: list, device: torch.device) -> StepProfile:
 
 
 def self_times(prof: profile) -> Counter:
-    """CPU self time (us) of each ATen op over the profiled window: time in the op itself,
-    not in the ops it calls, so the numbers add up to the time spent in ATen."""
+    """CPU self time (us) of each op over the profiled window: time in the op itself, not in
+    the ops it calls, so the numbers add up to the time spent in operators."""
     return Counter(
-        {a.key: a.self_cpu_time_total for a in prof.key_averages() if a.key.startswith("aten::")}
+        {
+            a.key: a.self_cpu_time_total
+            for a in prof.key_averages()
+            if a.key.startswith(OP_NAMESPACES)
+        }
     )
 
 

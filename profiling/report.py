@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +95,17 @@ def _setup_line(meta: dict[str, Any]) -> str:
         f"B={t['batch_size']}x{t['grad_accum']} T={m['block_size']} C={m['n_embd']} "
         f"H={m['n_head']} V={m['vocab_size']} {meta['dtype']}"
         f"{' autocast' if meta.get('autocast') else ''}, data: {meta['data']}"
+        f"{', nn.Linear through oneDNN' if meta.get('linear') == 'oneDNN' else ''}"
     )
+
+
+def _peak_paths(meta: dict[str, Any]) -> str:
+    """'; by path: torch.mm 205.1, oneDNN 460.3 GFLOP/s', where more than one path was timed."""
+    paths = meta.get("peak_flops_by_path") or {}
+    if len(paths) < 2:
+        return ""
+    rates = ", ".join(f"{name} {rate / 1e9:.1f}" for name, rate in paths.items())
+    return f"; best of each path: {rates} GFLOP/s"
 
 
 def _machine_line(meta: dict[str, Any]) -> str:
@@ -133,7 +144,7 @@ def where_time_goes(rows: list[dict[str, Any]]) -> list[str]:
     lines = []
     for name, r in deepest.items():
         times = r.get("device_ms_per_step") or r["cpu_ms_per_step"]
-        what = "CUDA kernel time" if r.get("device_ms_per_step") else "CPU self time of ATen ops"
+        what = "CUDA kernel time" if r.get("device_ms_per_step") else "CPU self time of ops"
         total = sum(times.values())
         split = r.get("time_split") or time_split(times)
         shares = ", ".join(
@@ -164,7 +175,8 @@ def write_report(out: Path, results: dict[str, Any]) -> None:
         "Full training steps (forward + backward + AdamW), median step time in ms",
         f"machine: {_machine_line(meta)}",
         f"setup:   {_setup_line(meta)}",
-        f"peak:    {meta['peak_flops'] / 1e9:.1f} GFLOP/s {meta['dtype']} matmul, measured on the spot",
+        f"peak:    {meta['peak_flops'] / 1e9:.1f} GFLOP/s {meta['dtype']} matmul, measured on the spot"
+        f"{_peak_paths(meta)}",
         f"command: {meta['command']}",
         "",
         *headline_table(results),
@@ -252,7 +264,8 @@ def _report_md(results: dict[str, Any]) -> str:
             f"- **Machine**: {_machine_line(meta)}",
             f"- **Setup**: {_setup_line(meta)}; {meta['steps']} timed steps per cell after {meta['warmup']} warm-up steps",
             f"- **Matmul peak** ({meta['dtype']}, measured at start and end of the sweep, higher used): "
-            f"{meta.get('peak_flops_start', 0) / 1e9:.1f} / {meta.get('peak_flops_end', meta['peak_flops']) / 1e9:.1f} GFLOP/s",
+            f"{meta.get('peak_flops_start', 0) / 1e9:.1f} / {meta.get('peak_flops_end', meta['peak_flops']) / 1e9:.1f} GFLOP/s"
+            f"{_peak_paths(meta)}",
             f"- **Command**: `{meta['command']}` (config `{meta['config_file']}`), started {meta['started_at']}",
             "",
             "## Headline",
@@ -296,8 +309,9 @@ def _report_md(results: dict[str, Any]) -> str:
             "and after each step; the variants of one depth run interleaved round by round (A B C A B C …) "
             "so machine drift hits all alike. Median with 10th/90th percentiles over the timed steps.",
             "- **Compile time**: for `+compile` cells, the first step's time minus the median step.",
+            *_host_memory_lines(meta, rows),
             "- **Ops and kernels**: separate steps under torch.profiler with a wait=1/warmup=1/active schedule; "
-            "ATen ops counted (nested calls included, so `aten::masked_fill` and the `aten::clone` it makes both "
+            "ATen ops (and the oneDNN linear's `cpu_linear::linear`/`mkldnn::_linear_pointwise`) counted (nested calls included, so `aten::masked_fill` and the `aten::clone` it makes both "
             "count) by the `record_function` region their start falls in; CUDA kernels (and memcpy/memset) by "
             "the region of the runtime call that launched them, matched by correlation id.",
             "- **Peak memory**: parameters and optimizer state resident before the step, plus the step's own "
@@ -321,6 +335,23 @@ def _report_md(results: dict[str, Any]) -> str:
             "",
         ]
     )
+
+
+def _host_memory_lines(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
+    """How freed host memory was handled, and the page faults the timed steps took."""
+    faults = [r["page_faults_per_step"] for r in rows if r.get("page_faults_per_step") is not None]
+    if not faults or "host_memory" not in meta:
+        return []
+    how = (
+        "kept in the heap for the next step (glibc's mmap and trim thresholds raised, as "
+        "`train.py` does on CPU)"
+        if meta["host_memory"] == "keep"
+        else "returned to the OS as glibc's malloc does by default (`--host-memory default`)"
+    )
+    return [
+        f"- **Host memory**: memory that tensors free was {how}; minor page faults per timed "
+        f"step: median {statistics.median(faults):,.0f}, at most {max(faults):,.0f} over the cells."
+    ]
 
 
 def _plots(out: Path, results: dict[str, Any]) -> None:
@@ -410,6 +441,7 @@ def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
         "mfu",
         "peak_mem_bytes",
         "compile_s",
+        "page_faults_per_step",
         "ops_per_step",
         "kernels_per_step",
         "backend",
@@ -436,6 +468,7 @@ def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
                     r["mfu"],
                     r["peak_mem_bytes"],
                     r["compile_s"],
+                    r.get("page_faults_per_step"),
                     total(r["ops_per_step"]),
                     total(r["kernels_per_step"]),
                     r["backend"],

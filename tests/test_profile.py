@@ -87,6 +87,9 @@ def test_results_json_contract(naive_vs_inplace: dict) -> None:
     ):
         assert key in meta, key
     assert meta["peak_flops"] > 1e8
+    # The MFU denominator is the fastest matmul path timed, and every path is reported.
+    assert meta["peak_flops"] == pytest.approx(max(meta["peak_flops_by_path"].values()))
+    assert meta["linear"] in ("oneDNN", "torch") and meta["host_memory"] in ("keep", "default")
     rows = naive_vs_inplace["rows"]
     assert len(rows) == 9
     for row in rows:
@@ -110,6 +113,7 @@ def test_results_json_contract(naive_vs_inplace: dict) -> None:
         assert set(row["ops_per_step"]) == {"forward", "backward", "optimizer"}
         assert row["kernels_per_step"] is None  # CPU
         assert 0 < row["mfu"] < 1 and row["peak_mem_bytes"] > 0
+        assert row["page_faults_per_step"] >= 0
     fits = naive_vs_inplace["fits"]
     assert {"slope", "intercept", "r2"} <= set(fits["naive"]["step_ms"])
     # Ops grow exactly linearly with depth: one fit explains them fully.
@@ -285,3 +289,15 @@ def test_op_diff_when_one_variant_has_a_single_depth() -> None:
     assert op_diff(rows, "sdpa", "naive") == [
         {"region": "forward", "name": "aten::clone", "per_layer": -1.0}
     ]
+
+
+def test_time_categories_cover_every_matmul_path() -> None:
+    """'Where the time goes' counts the oneDNN linear as matmul time, as it does BLAS and cuBLAS."""
+    from profiling.analysis import time_category
+
+    for name in ("aten::addmm", "aten::mm", "aten::bmm", "mkldnn::_linear_pointwise"):
+        assert time_category(name) == "matmul", name
+    assert time_category("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n") == "matmul"
+    assert time_category("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention kernel"
+    assert time_category("flash_fwd_kernel") == "attention kernel"
+    assert time_category("aten::gelu") == "other"

@@ -1,0 +1,141 @@
+"""cpu_linear.py: the oneDNN path computes what nn.Linear computes, and says when it cannot run."""
+
+from __future__ import annotations
+
+import resource
+
+import pytest
+import torch
+from torch import nn
+
+import cpu_linear
+import train
+from config import ConfigError, load_config
+from cpu_linear import OneDNNLinear, use_onednn_linears, wants_onednn
+from model import GPT, GPTConfig
+from profiling.measure import count_flops, matmul_peaks
+
+needs_onednn = pytest.mark.skipif(
+    cpu_linear.onednn_unavailable_reason() is not None,
+    reason=str(cpu_linear.onednn_unavailable_reason()),
+)
+CPU = torch.device("cpu")
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(2, 5, 32, 96), (7, 96, 32), (3, 4, 24, 24)])
+def test_onednn_linear_equals_nn_linear(shape: tuple[int, ...], bias: bool) -> None:
+    """Output and every gradient, for wide, narrow and square weights, 2-D and 3-D inputs."""
+    *lead, fan_in, fan_out = shape
+    torch.manual_seed(0)
+    ref = nn.Linear(fan_in, fan_out, bias=bias)
+    fast = nn.Linear(fan_in, fan_out, bias=bias)
+    fast.load_state_dict(ref.state_dict())
+    assert use_onednn_linears(fast) == 1 and isinstance(fast, OneDNNLinear)
+    x = torch.randn(*lead, fan_in)
+    xr, xf = x.clone().requires_grad_(), x.clone().requires_grad_()
+    yr, yf = ref(xr), fast(xf)
+    assert yf.shape == yr.shape
+    assert rel_err(yf, yr) < 1e-5
+    grad = torch.randn_like(yr)
+    yr.backward(grad)
+    yf.backward(grad)
+    assert rel_err(xf.grad, xr.grad) < 1e-5
+    for pr, pf in zip(ref.parameters(), fast.parameters(), strict=True):
+        assert rel_err(pf.grad, pr.grad) < 1e-5
+
+
+@needs_onednn
+def test_gpt_with_onednn_linears_trains_the_same() -> None:
+    """Same loss and gradients as the plain model; weights stay tied; checkpoints interchange."""
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=True)
+    torch.manual_seed(0)
+    plain = GPT(cfg)
+    fast = GPT(cfg)
+    fast.load_state_dict(plain.state_dict())
+    assert use_onednn_linears(fast) == 1 + 4 * cfg.n_layer  # lm_head, 4 per block
+    assert fast.lm_head.weight is fast.wte.weight
+    x, y = torch.randint(0, 64, (3, 16)), torch.randint(0, 64, (3, 16))
+    lp, lf = plain(x, y)[1], fast(x, y)[1]
+    assert lf.item() == pytest.approx(lp.item(), rel=1e-5)
+    lp.backward()
+    lf.backward()
+    for (name, pp), pf in zip(plain.named_parameters(), fast.parameters(), strict=True):
+        assert rel_err(pf.grad, pp.grad) < 1e-5, name
+    assert fast.state_dict().keys() == plain.state_dict().keys()
+    GPT(cfg).load_state_dict(fast.state_dict())
+
+
+@needs_onednn
+def test_flop_count_does_not_depend_on_the_path() -> None:
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    x, y = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    counts = []
+    for onednn in (False, True):
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        if onednn:
+            use_onednn_linears(model)
+        counts.append(count_flops(lambda m=model: m(x, y)[1].backward()))
+    assert counts[0] == counts[1] > 0
+
+
+@needs_onednn
+def test_onednn_linears_compile() -> None:
+    """Inside torch.compile'd blocks the oneDNN linear stays one opaque call, with gradients."""
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32)
+    torch.manual_seed(0)
+    plain = GPT(cfg)
+    fast = GPT(cfg)
+    fast.load_state_dict(plain.state_dict())
+    use_onednn_linears(fast)
+    train.compile_blocks(fast)
+    x, y = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    lp, lf = plain(x, y)[1], fast(x, y)[1]
+    lp.backward()
+    lf.backward()
+    assert lf.item() == pytest.approx(lp.item(), rel=1e-5)
+    assert rel_err(fast.blocks[0].mlp.c_fc.weight.grad, plain.blocks[0].mlp.c_fc.weight.grad) < 1e-5
+
+
+def test_choice_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not wants_onednn("torch", CPU, autocast=False)
+    assert not wants_onednn("onednn", torch.device("cuda"), autocast=True)  # CPU runs only
+    assert not wants_onednn("auto", CPU, autocast=True)  # bf16 autocast keeps torch's path
+    with pytest.raises(ValueError, match=r"train\.cpu_linear='onednn' runs fp32 only"):
+        wants_onednn("onednn", CPU, autocast=True)
+    monkeypatch.setattr(cpu_linear, "onednn_unavailable_reason", lambda: "no oneDNN here")
+    assert not wants_onednn("auto", CPU, autocast=False)
+    with pytest.raises(ValueError, match=r"train\.cpu_linear='onednn': no oneDNN here"):
+        wants_onednn("onednn", CPU, autocast=False)
+
+
+def test_bad_choice_names_the_field() -> None:
+    with pytest.raises(ConfigError, match=r"train\.cpu_linear='mkl'.*auto, onednn, torch"):
+        load_config(None, ["--train.cpu_linear=mkl"])
+
+
+def test_matmul_peaks_time_each_path() -> None:
+    peaks = matmul_peaks(CPU, torch.float32, seconds=0.02)
+    assert peaks["torch.mm"] > 1e8
+    if cpu_linear.onednn_unavailable_reason() is None:
+        assert peaks["oneDNN"] > 1e8
+
+
+@pytest.mark.skipif(not train.keep_freed_host_memory(), reason="malloc is not glibc's")
+def test_freed_host_memory_is_reused_without_page_faults() -> None:
+    """After keep_freed_host_memory, a freed 64 MiB block comes back without faulting in pages."""
+    n = 16 * 2**20  # float32 elements: 64 MiB, above glibc's default mmap threshold
+
+    def faults_of_one_step() -> int:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        torch.ones(n).sum()
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+    faults_of_one_step()  # the first time the pages are new
+    assert faults_of_one_step() < n * 4 // 4096 // 10  # a tenth of the block's pages, at most
