@@ -320,7 +320,8 @@ def _report_md(results: dict[str, Any]) -> str:
             "- **FLOPs and MFU**: `torch.utils.flop_counter` over one eager `naive` step at each depth "
             "(matmul-class ops; attention counted over the full T×T, not halved for causality). All "
             "variants compute the same function, so they share that count. MFU = FLOPs / median step time / "
-            "matmul peak, the peak measured on the spot with square matmuls in the run's dtype.",
+            "matmul peak, the peak measured on the spot with square matmuls in the run's dtype by every "
+            "path PyTorch offers here (`torch.mm`, i.e. the BLAS; on CPUs also oneDNN), the fastest taken.",
             "- **Backend check**: every pinned SDPA cell's trace must contain its backend's ATen op "
             "(and, on CUDA, a kernel whose name matches it); otherwise the cell is marked failed.",
             "- **Fits**: least squares of each metric against n_layer; the slope is the per-layer cost, "
