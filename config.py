@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from cpu_linear import CHOICES as CPU_LINEAR
 from model import GPTConfig
 
+CPU_LINEAR = ("auto", "onednn", "torch")  # see cpu_linear.py
 DTYPES = ("auto", "float32", "bfloat16")  # auto: bf16 autocast on CUDA, fp32 elsewhere
 
 

@@ -34,7 +34,7 @@ import torch
 from tqdm import tqdm
 
 from config import Config, ConfigError, load_config
-from cpu_linear import use_onednn_linears, wants_onednn
+from cpu_linear import cpu_field, use_onednn_linears, wants_onednn
 from model import GPT, VARIANTS, available_variants, unavailable_reason
 from profiling.analysis import label
 from profiling.measure import (
@@ -89,15 +89,6 @@ class Cell:
         self.step = self.model = self.optimizer = None
 
 
-def _cpu_name() -> str:
-    """The CPU model ('AMD EPYC ...'): which matmul library is fast depends on it."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.partition(':')[2].strip()}, {platform.machine()}"
-    return platform.processor() or platform.machine()
-
-
 def _minor_faults() -> int:
     """Minor page faults of this process so far: pages the OS had to map in and zero."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -120,7 +111,7 @@ class Sweep:
             )
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        self.host_memory = "default"
+        self.host_memory = "release"
         if args.host_memory == "keep" and self.device.type == "cpu" and keep_freed_host_memory():
             self.host_memory = "keep"
         self.out = Path(args.out)
@@ -152,7 +143,9 @@ class Sweep:
 
     def _meta(self) -> dict[str, Any]:
         device_name = (
-            torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else _cpu_name()
+            torch.cuda.get_device_name(self.device)
+            if self.device.type == "cuda"
+            else f"{cpu_field('model name') or platform.processor()}, {platform.machine()}"
         )
         meta = {
             "device": str(self.device),
@@ -233,7 +226,9 @@ class Sweep:
         end = matmul_peaks(self.device, self.dtype, self.args.peak_seconds)
         self.meta["peak_flops_end"] = max(end.values())
         self.meta["peak_flops"] = max(self.meta["peak_flops_start"], self.meta["peak_flops_end"])
-        self.meta["peak_flops_by_path"] = {k: max(v, end.get(k, 0.0)) for k, v in start.items()}
+        self.meta["peak_flops_by_path"] = {
+            path: max(start.get(path, 0.0), end.get(path, 0.0)) for path in start | end
+        }
         for row in self.rows:
             if row["status"] == "ok" and row["flops_per_step"]:
                 row["mfu"] = (
@@ -441,10 +436,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     )
     p.add_argument(
         "--host-memory",
-        choices=["keep", "default"],
+        choices=["keep", "release"],
         default="keep",
         help="CPU: keep freed tensor memory in the heap for the next step (keep), or leave "
-        "glibc's malloc as it is, returning it to the OS (default), to see what the page "
+        "glibc's malloc as it is, which returns it to the OS (release), to see what the page "
         "faults cost",
     )
     p.add_argument(

@@ -228,7 +228,7 @@ def describe_diff(a: str, b: str, diffs: list[dict[str, Any]], unit: str = "op")
 
 _ATTENTION = re.compile(r"scaled_dot_product|flash|fmha|attention|sdpa", re.I)
 _MATMUL = re.compile(
-    r"^aten::(mm|addmm|bmm|baddbmm|matmul|linear)$|^cpu_linear::linear$|_linear_pointwise"
+    r"^aten::(mm|addmm|bmm|baddbmm|matmul|linear)$|_linear_pointwise"
     r"|gemm|gemv|xmma|nvjet|cublas|cutlass",
     re.I,
 )

@@ -22,6 +22,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, schedule
 from torch.utils.flop_counter import FlopCounterMode
 
+from cpu_linear import onednn_unavailable_reason
 from profiling.analysis import REGIONS, time_split
 
 TRACE_WARN_BYTES = 50 * 2**20
@@ -84,9 +85,8 @@ def matmul_peaks(
     """
     sizes = (1024, 2048) if device.type == "cpu" else (4096, 8192)
     peaks = {"torch.mm": max(_matmul_rate(n, device, dtype, seconds) for n in sizes)}
-    if device.type == "cpu" and torch.backends.mkldnn.is_available():
-        with contextlib.suppress(RuntimeError, AttributeError):  # no oneDNN kernel for dtype
-            peaks["oneDNN"] = _matmul_rate(2048, device, dtype, seconds, onednn=True)
+    if device.type == "cpu" and onednn_unavailable_reason() is None:
+        peaks["oneDNN"] = _matmul_rate(2048, device, dtype, seconds, onednn=True)
     return peaks
 
 

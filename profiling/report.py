@@ -347,7 +347,7 @@ def _host_memory_lines(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list
         "kept in the heap for the next step (glibc's mmap and trim thresholds raised, as "
         "`train.py` does on CPU)"
         if meta["host_memory"] == "keep"
-        else "returned to the OS as glibc's malloc does by default (`--host-memory default`)"
+        else "returned to the OS as glibc's malloc does by default (`--host-memory release`)"
     )
     return [
         f"- **Host memory**: memory that tensors free was {how}; minor page faults per timed "
