@@ -341,7 +341,7 @@ def _report_md(results: dict[str, Any]) -> str:
 def _host_memory_lines(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
     """How freed host memory was handled, and the page faults the timed steps took."""
     faults = [r["page_faults_per_step"] for r in rows if r.get("page_faults_per_step") is not None]
-    if not faults or "host_memory" not in meta:
+    if not faults or meta["device"] != "cpu" or "host_memory" not in meta:
         return []
     how = (
         "kept in the heap for the next step (glibc's mmap and trim thresholds raised, as "
