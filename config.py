@@ -34,8 +34,8 @@ class TrainConfig:
     device: str = "auto"  # auto picks cuda > mps > cpu; or name one: cuda, cuda:1, mps, cpu
     dtype: str = "auto"  # auto: bf16 autocast on CUDA, fp32 elsewhere; or float32 / bfloat16
     compile: bool = False  # torch.compile each block; pays off on GPUs, costs a compile up front
-    # fp32 nn.Linear on CPUs: auto takes oneDNN on x86 (up to 2x MKL's rate), torch keeps
-    # PyTorch's BLAS, onednn insists (cpu_linear.py). Ignored on other devices.
+    # fp32 nn.Linear on CPUs (cpu_linear.py): auto takes oneDNN on AMD CPUs (about 2x MKL's
+    # rate there), torch keeps PyTorch's BLAS, onednn insists (an error off CPU or under autocast)
     cpu_linear: str = "auto"
     seed: int = 1337  # one seed for init, dropout and batch sampling: runs are reproducible
     batch_size: int = 16  # sequences per micro-batch per process

@@ -64,9 +64,9 @@ def keep_freed_host_memory() -> bool:
 
     glibc's malloc serves large blocks with mmap, unmaps them on free and trims the heap top,
     so each CPU step faults in fresh zeroed pages for its activations: at the profile shape
-    about 20,000 page faults per step for naive attention, a tenth of its step. Raising both thresholds keeps freed
-    blocks for reuse, as the caching allocator does on CUDA; the price is that the process
-    keeps its peak footprint. Returns False where this malloc cannot be tuned.
+    20,000-30,000 page faults per step for naive attention, a fifth of its step. Raising both
+    thresholds keeps freed blocks for reuse, as the caching allocator does on CUDA; the price
+    is that the process keeps its peak footprint. Returns False where this malloc cannot be tuned.
     """
     if not sys.platform.startswith("linux"):
         return False

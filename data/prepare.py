@@ -340,12 +340,7 @@ def _read_local(
                     "fix the file or pass --encoding-errors replace"
                 )
             replaced += count
-        if max_bytes is not None and total + len(raw) > max_bytes:
-            if not kept:
-                raise PrepareError(
-                    f"--max-bytes {max_bytes} is smaller than the first document, "
-                    f"{path} ({len(raw)} bytes)"
-                )
+        if not _fits(max_bytes, total, len(raw), first=not kept, what=str(path)):
             skipped["over_max_bytes"] = len(paths) - index
             break
         total += len(raw)
@@ -364,6 +359,20 @@ def _read_local(
         replaced_bytes=replaced,
         paths=kept,
     )
+
+
+def _fits(max_bytes: int | None, total: int, size: int, first: bool, what: str) -> bool:
+    """Whether a document of `size` bytes fits the --max-bytes budget after `total` bytes.
+
+    The first document must fit: a budget that admits nothing is an error, not an empty corpus.
+    """
+    if max_bytes is None or total + size <= max_bytes:
+        return True
+    if first:
+        raise PrepareError(
+            f"--max-bytes {max_bytes} is smaller than the first document, {what} ({size} bytes)"
+        )
+    return False
 
 
 def _invalid_utf8(raw: bytes) -> tuple[int, int] | None:
@@ -394,12 +403,7 @@ def _hub_corpus(
             skipped["empty_documents"] += 1
             continue
         raw = text.encode("utf-8")
-        if max_bytes is not None and total + len(raw) > max_bytes:
-            if not keep:
-                raise PrepareError(
-                    f"--max-bytes {max_bytes} is smaller than the first document, "
-                    f"row {index} ({len(raw)} bytes)"
-                )
+        if not _fits(max_bytes, total, len(raw), first=not keep, what=f"row {index}"):
             skipped["over_max_bytes"] = len(rows) - index
             break
         total += len(raw)
