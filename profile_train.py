@@ -37,6 +37,7 @@ from tqdm import tqdm
 
 from config import Config, ConfigError, load_config
 from cpu_linear import cpu_field, use_onednn_linears, wants_onednn
+from data.loader import TokenBatches, load_meta
 from model import GPT, VARIANTS, available_variants, unavailable_reason
 from profiling.analysis import label
 from profiling.measure import (
@@ -53,13 +54,12 @@ from profiling.measure import (
 )
 from profiling.report import diff_text, write_results
 from train import (
-    TokenBatches,
+    USER_ERRORS,
     TrainError,
     autocast_dtype,
     build_optimizer,
     compile_blocks,
     keep_freed_host_memory,
-    load_meta,
     pick_device,
     train_step,
 )
@@ -483,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         compile_modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
         sweep = Sweep(config, args)
         sweep.run(variants, layers, compile_modes)
-    except (ConfigError, TrainError) as e:
+    except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -14,16 +14,18 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from checkpoint import CHECKPOINT, load_checkpoint
 from config import load_config
 from model import GPT
-from train import CHECKPOINT, TrainError, load_checkpoint, pick_device
+from train import USER_ERRORS, TrainError, pick_device
 
 
 def load_run(run_dir: Path, device: torch.device) -> tuple[GPT, Tokenizer]:
+    for name in ("config.toml", "tokenizer.json"):
+        if not (run_dir / name).is_file():
+            raise TrainError(f"{run_dir} has no {name}; is it a run directory written by train.py?")
     config = load_config(run_dir / "config.toml")
     tokenizer_path = run_dir / "tokenizer.json"
-    if not tokenizer_path.is_file():
-        raise TrainError(f"{run_dir} has no tokenizer.json; is it a run directory?")
     if not (run_dir / CHECKPOINT).is_file():
         raise TrainError(f"{run_dir} has no {CHECKPOINT}; train first (python train.py ...)")
     ckpt = load_checkpoint(run_dir / CHECKPOINT)
@@ -78,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             args.seed,
             args.device,
         )
-    except (TrainError, ValueError) as e:
+    except (*USER_ERRORS, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(text)

@@ -24,7 +24,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -32,15 +31,25 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import record_function
 from tqdm import tqdm
 
+from checkpoint import (
+    CHECKPOINT,
+    CheckpointError,
+    check_compatible,
+    load_checkpoint,
+    save_checkpoint,
+)
 from config import Config, ConfigError, TrainConfig, dump_toml, load_config
 from cpu_linear import use_onednn_linears, wants_onednn
+from data.loader import DataError, TokenBatches, load_meta
 from model import GPT, VariantUnavailable, check_variant
-
-CHECKPOINT = "ckpt.pt"
 
 
 class TrainError(RuntimeError):
     """A run that cannot start or go on; the message says what and where."""
+
+
+# What a user can fix: printed as one "error: ..." line, exit status 2, nothing overwritten.
+USER_ERRORS = (ConfigError, TrainError, DataError, CheckpointError)
 
 
 # --- device and precision ---------------------------------------------------------------------
@@ -94,70 +103,6 @@ def autocast(
     if amp_dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=amp_dtype)
-
-
-# --- data -------------------------------------------------------------------------------------
-
-
-def load_meta(root: str | Path, name: str) -> dict[str, Any]:
-    path = Path(root) / name / "meta.json"
-    if not path.is_file():
-        raise TrainError(
-            f"no prepared corpus at {path.parent}/ (missing meta.json); prepare it first, e.g. "
-            f"python data/prepare.py --name {name} --stdlib"
-        )
-    return json.loads(path.read_text())
-
-
-class TokenBatches:
-    """Random windows of a uint16 token file, as (x, y) batches shifted by one token.
-
-    Every rank draws the same world_size x batch_size offsets from one seeded generator and
-    keeps its own rows: each rank reads its own share of every global batch, and a single
-    process with world_size x batch_size rows sees exactly what the ranks see together.
-    """
-
-    def __init__(
-        self,
-        path: Path,
-        block_size: int,
-        batch_size: int,
-        seed: int,
-        device: torch.device,
-        rank: int = 0,
-        world_size: int = 1,
-    ) -> None:
-        self.tokens = np.memmap(path, dtype=np.uint16, mode="r")
-        if len(self.tokens) < block_size + 1:
-            raise TrainError(
-                f"{path} holds {len(self.tokens)} tokens, fewer than block_size + 1 = "
-                f"{block_size + 1}: prepare a larger corpus or lower model.block_size"
-            )
-        self.block_size, self.batch_size = block_size, batch_size
-        self.rank, self.world_size, self.device = rank, world_size, device
-        self.seed = seed
-        self.generator = torch.Generator().manual_seed(seed)
-
-    def next(self) -> tuple[Tensor, Tensor]:
-        n = self.batch_size * self.world_size
-        starts = torch.randint(len(self.tokens) - self.block_size, (n,), generator=self.generator)
-        starts = starts[self.rank * self.batch_size : (self.rank + 1) * self.batch_size].tolist()
-        rows = np.stack([self.tokens[s : s + self.block_size + 1] for s in starts]).astype(np.int64)
-        xy = torch.from_numpy(rows)
-        if self.device.type == "cuda":
-            xy = xy.pin_memory().to(self.device, non_blocking=True)
-        else:
-            xy = xy.to(self.device)
-        return xy[:, :-1], xy[:, 1:]  # (B, T) each
-
-    def restart(self) -> None:
-        self.generator.manual_seed(self.seed)
-
-    def state_dict(self) -> dict[str, Tensor]:
-        return {"generator": self.generator.get_state()}
-
-    def load_state_dict(self, state: dict[str, Tensor]) -> None:
-        self.generator.set_state(state["generator"])
 
 
 # --- optimizer and schedule ---------------------------------------------------------------------
@@ -262,60 +207,6 @@ def evaluate(
     return total.item() / n_batches
 
 
-# --- checkpoints ----------------------------------------------------------------------------------
-
-
-def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
-    """Write to a temporary file, flush it to disk, then rename over the old checkpoint.
-
-    A crash mid-write leaves the previous checkpoint whole; rename is atomic on POSIX.
-    """
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        directory = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def load_checkpoint(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise TrainError(f"no checkpoint to resume at {path}")
-    try:
-        # weights_only: a checkpoint is data; never let loading it run code.
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated zip, wrong format, pickle error: all mean the same
-        raise TrainError(f"checkpoint {path} is unreadable (truncated or corrupt?): {e}") from None
-
-
-def check_compatible(
-    ckpt: dict[str, Any], config: Config, tokenizer_sha256: str, path: Path
-) -> None:
-    saved, current = ckpt["config"]["model"], asdict(config.model)
-    diff = [
-        f"{k}: {saved.get(k)!r} in checkpoint, {v!r} now"
-        for k, v in current.items()
-        if saved.get(k) != v
-    ]
-    if diff:
-        raise TrainError(
-            f"checkpoint {path} was made with another model config: " + "; ".join(diff)
-        )
-    if ckpt["tokenizer_sha256"] != tokenizer_sha256:
-        raise TrainError(
-            f"checkpoint {path} was made with another tokenizer (sha256 "
-            f"{ckpt['tokenizer_sha256'][:12]}, corpus '{config.data.name}' has {tokenizer_sha256[:12]})"
-        )
-
-
 # --- distributed ------------------------------------------------------------------------------------
 
 
@@ -377,7 +268,7 @@ def start_metrics(path: Path, resume_step: int | None) -> None:
 def train(
     config: Config, out_dir: Path, resume: bool = False, stop_after: int | None = None
 ) -> Path:
-    """Run (or resume) training; returns the run directory. Raises TrainError on bad input."""
+    """Run (or resume) training; returns the run directory. Raises one of USER_ERRORS on bad input."""
     tc = config.train
     rank, world_size, device = init_distributed(tc)
     kept_host_memory = device.type == "cpu" and keep_freed_host_memory()
@@ -410,6 +301,8 @@ def train(
         raise TrainError(
             f"{out_dir} already holds a checkpoint; pass --resume to continue it or --out for a new run"
         )
+    if resume and not ckpt_path.is_file():
+        raise TrainError(f"no checkpoint to resume at {ckpt_path}")
     ckpt = load_checkpoint(ckpt_path) if resume else None
     if ckpt is not None:
         check_compatible(ckpt, config, meta["tokenizer_sha256"], ckpt_path)
@@ -585,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config, overrides)
         out = args.out or Path("runs") / (args.config.stem if args.config else "default")
         run_dir = train(config, out, resume=args.resume, stop_after=args.stop_after)
-    except (ConfigError, TrainError) as e:
+    except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

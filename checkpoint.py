@@ -1,0 +1,76 @@
+"""Checkpoints of a training run: written atomically, loaded as data, checked before resuming.
+
+A checkpoint is one `ckpt.pt` in the run directory holding the model and optimizer state,
+the step, the RNG and data-sampler state, the full config and the tokenizer's sha256.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from config import Config
+
+CHECKPOINT = "ckpt.pt"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, unreadable or made for another model or tokenizer."""
+
+
+def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
+    """Write to a temporary file, flush it to disk, then rename over the old checkpoint.
+
+    A crash mid-write leaves the previous checkpoint whole; rename is atomic on POSIX.
+    """
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        directory = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise CheckpointError(f"no checkpoint at {path}")
+    try:
+        # weights_only: a checkpoint is data; never let loading it run code.
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated zip, wrong format, pickle error: all mean the same
+        raise CheckpointError(
+            f"checkpoint {path} is unreadable (truncated or corrupt?): {e}"
+        ) from None
+
+
+def check_compatible(
+    ckpt: dict[str, Any], config: Config, tokenizer_sha256: str, path: Path
+) -> None:
+    """Resuming needs the same model config and the same tokenizer as the checkpoint."""
+    saved, current = ckpt["config"]["model"], asdict(config.model)
+    diff = [
+        f"{k}: {saved.get(k)!r} in checkpoint, {v!r} now"
+        for k, v in current.items()
+        if saved.get(k) != v
+    ]
+    if diff:
+        raise CheckpointError(
+            f"checkpoint {path} was made with another model config: " + "; ".join(diff)
+        )
+    if ckpt["tokenizer_sha256"] != tokenizer_sha256:
+        raise CheckpointError(
+            f"checkpoint {path} was made with another tokenizer (sha256 "
+            f"{ckpt['tokenizer_sha256'][:12]}, corpus '{config.data.name}' has {tokenizer_sha256[:12]})"
+        )

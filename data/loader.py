@@ -1,0 +1,79 @@
+"""Batches for training: random windows of the token files that data/prepare.py writes.
+
+Imports only numpy and torch, so it runs where `datasets` and `tokenizers` are absent.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+
+class DataError(RuntimeError):
+    """A prepared corpus that is missing or too small for the run."""
+
+
+def load_meta(root: str | Path, name: str) -> dict[str, Any]:
+    path = Path(root) / name / "meta.json"
+    if not path.is_file():
+        raise DataError(
+            f"no prepared corpus at {path.parent}/ (missing meta.json); prepare it first, e.g. "
+            f"python data/prepare.py --name {name} --stdlib"
+        )
+    return json.loads(path.read_text())
+
+
+class TokenBatches:
+    """Random windows of a uint16 token file, as (x, y) batches shifted by one token.
+
+    Every rank draws the same world_size x batch_size offsets from one seeded generator and
+    keeps its own rows: each rank reads its own share of every global batch, and a single
+    process with world_size x batch_size rows sees exactly what the ranks see together.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        block_size: int,
+        batch_size: int,
+        seed: int,
+        device: torch.device,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        self.tokens = np.memmap(path, dtype=np.uint16, mode="r")
+        if len(self.tokens) < block_size + 1:
+            raise DataError(
+                f"{path} holds {len(self.tokens)} tokens, fewer than block_size + 1 = "
+                f"{block_size + 1}: prepare a larger corpus or lower model.block_size"
+            )
+        self.block_size, self.batch_size = block_size, batch_size
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.seed = seed
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def next(self) -> tuple[Tensor, Tensor]:
+        n = self.batch_size * self.world_size
+        starts = torch.randint(len(self.tokens) - self.block_size, (n,), generator=self.generator)
+        starts = starts[self.rank * self.batch_size : (self.rank + 1) * self.batch_size].tolist()
+        rows = np.stack([self.tokens[s : s + self.block_size + 1] for s in starts]).astype(np.int64)
+        xy = torch.from_numpy(rows)
+        if self.device.type == "cuda":
+            xy = xy.pin_memory().to(self.device, non_blocking=True)
+        else:
+            xy = xy.to(self.device)
+        return xy[:, :-1], xy[:, 1:]  # (B, T) each
+
+    def restart(self) -> None:
+        self.generator.manual_seed(self.seed)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        self.generator.set_state(state["generator"])
