@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
+from data import corpus as corpus_module
 from data import prepare as prepare_module
 from data.prepare import EOT, EOT_ID, PrepareError, prepare, split_indices
 
@@ -193,7 +194,7 @@ def test_stdlib_skips_non_utf8_and_empty_files(
         {"a.py": "x = 1\n", "b.py": b"s = '\xff'\n", "c.py": "", "d.py": "y = 2\n"},
     )
     paths = sorted(root.iterdir())
-    monkeypatch.setattr(prepare_module, "_stdlib_files", lambda: (root, paths))
+    monkeypatch.setattr(corpus_module, "_stdlib_files", lambda: (root, paths))
     meta = _meta(prepare("std", stdlib=True, vocab_size=300, out_root=tmp_path))
     assert meta["skipped"]["non_utf8_files"] == ["b.py"]
     assert meta["skipped"]["empty_documents"] == 1

@@ -1,0 +1,286 @@
+"""Choosing the documents of a corpus: this Python's stdlib, local files, or a `datasets` dataset.
+
+Each reader checks its input, applies --max-bytes, hashes the content it keeps and returns a
+`Corpus`; prepare.py then splits, tokenizes and writes it. `datasets` is imported only inside
+the functions that load through it. The rules (what is skipped, what is an error) are listed
+in prepare.py's docstring.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import platform
+import re
+import sysconfig
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+
+STDLIB_EXCLUDED_DIRS = frozenset(
+    {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
+)
+_ESCAPED_BYTE_RE = re.compile("[\udc80-\udcff]")  # how surrogateescape spells one bad byte
+
+
+class PrepareError(ValueError):
+    """Bad input or settings; the message names the file, flag or field at fault."""
+
+
+@dataclass
+class Corpus:
+    """The documents chosen for preparation, known before any tokenizing."""
+
+    source: dict[str, Any]  # meta.json "source"
+    digest: str  # sha256 over the input content
+    skipped: dict[str, int | list[str]] = field(default_factory=dict)
+    replaced_bytes: int = 0  # undecodable bytes turned into U+FFFD (--encoding-errors replace)
+    paths: list[Path] = field(default_factory=list)  # local files, loaded later
+    documents: Dataset | None = None  # hub rows, already loaded; column "text"
+
+
+# --- the readers ---------------------------------------------------------------
+
+
+def _stdlib_files() -> tuple[Path, list[Path]]:
+    """The standard library's .py files, sorted by relative path (see module docstring)."""
+    root = Path(sysconfig.get_paths()["stdlib"]).resolve()
+    paths = [
+        path
+        for path in root.rglob("*.py")
+        if not STDLIB_EXCLUDED_DIRS.intersection(path.relative_to(root).parts[:-1])
+    ]
+    return root, sorted(paths, key=lambda path: path.relative_to(root).as_posix())
+
+
+def stdlib_corpus(max_bytes: int | None) -> Corpus:
+    root, paths = _stdlib_files()
+    corpus = _read_local(paths, root, skip_bad=True, replace_bad=False, max_bytes=max_bytes)
+    corpus.source = {
+        "kind": "stdlib",
+        "python": platform.python_version(),
+        "root": str(root),
+        "excluded_dirs": sorted(STDLIB_EXCLUDED_DIRS),
+        **corpus.source,
+    }
+    return corpus
+
+
+def _expand_files(patterns: Sequence[str]) -> list[Path]:
+    """Paths and globs -> existing files, in argument order, each glob sorted, no repeats."""
+    found: dict[Path, None] = {}  # an ordered set
+    for pattern in patterns:
+        # An existing file is taken literally even if its name holds glob characters.
+        if not Path(pattern).is_file() and any(char in pattern for char in "*?["):
+            matches = sorted(
+                Path(p) for p in glob.glob(pattern, recursive=True) if Path(p).is_file()
+            )
+            if not matches:
+                raise PrepareError(f"glob {pattern!r} matched no files")
+        else:
+            path = Path(pattern)
+            if path.is_dir():
+                raise PrepareError(
+                    f"{pattern!r} is a directory; pass a glob like '{pattern}/*.txt'"
+                )
+            if not path.is_file():
+                raise PrepareError(f"file {pattern!r} does not exist")
+            matches = [path]
+        found.update(dict.fromkeys(match.resolve() for match in matches))
+    return list(found)
+
+
+def files_corpus(patterns: Sequence[str], encoding_errors: str, max_bytes: int | None) -> Corpus:
+    paths = _expand_files(patterns)
+    root = Path(os.path.commonpath([path.parent for path in paths]))
+    replace = encoding_errors == "replace"
+    corpus = _read_local(paths, root, skip_bad=False, replace_bad=replace, max_bytes=max_bytes)
+    corpus.source = {
+        "kind": "files",
+        "patterns": list(patterns),
+        "root": str(root),
+        **corpus.source,
+    }
+    return corpus
+
+
+def _read_local(
+    paths: list[Path], root: Path, *, skip_bad: bool, replace_bad: bool, max_bytes: int | None
+) -> Corpus:
+    """Read, check and hash files; keep those that are used (see module docstring)."""
+    kept: list[Path] = []
+    names: list[str] = []
+    content = hashlib.sha256()
+    skipped: dict[str, Any] = {"empty_documents": 0, "non_utf8_files": [], "over_max_bytes": 0}
+    total = replaced = 0
+    for index, path in enumerate(paths):
+        name = path.relative_to(root).as_posix()
+        try:
+            raw = path.read_bytes()
+        except OSError as error:
+            raise PrepareError(f"cannot read {path}: {error.strerror}") from error
+        if not raw:
+            if not skip_bad:
+                raise PrepareError(f"{path} is empty; every input file must hold a document")
+            skipped["empty_documents"] += 1
+            continue
+        bad = _invalid_utf8(raw)
+        if bad is not None:
+            offset, count = bad
+            if skip_bad:
+                skipped["non_utf8_files"].append(name)
+                continue
+            if not replace_bad:
+                raise PrepareError(
+                    f"{path} is not UTF-8 (first bad byte at offset {offset}); "
+                    "fix the file or pass --encoding-errors replace"
+                )
+            replaced += count
+        if not _fits(max_bytes, total, len(raw), first=not kept, what=str(path)):
+            skipped["over_max_bytes"] = len(paths) - index
+            break
+        total += len(raw)
+        kept.append(path)
+        names.append(name)
+        # Length-prefixed so that moving bytes between files changes the hash.
+        content.update(f"{name}\0{len(raw)}\0".encode())
+        content.update(raw)
+    if not kept:
+        raise PrepareError(f"no usable documents under {root}: skipped {skipped}")
+    file_list = "\n".join(names)
+    return Corpus(
+        source={"files": len(kept), "file_list_sha256": sha256_text(file_list)},
+        digest=content.hexdigest(),
+        skipped=skipped,
+        replaced_bytes=replaced,
+        paths=kept,
+    )
+
+
+def _fits(max_bytes: int | None, total: int, size: int, first: bool, what: str) -> bool:
+    """Whether a document of `size` bytes fits the --max-bytes budget after `total` bytes.
+
+    The first document must fit: a budget that admits nothing is an error, not an empty corpus.
+    """
+    if max_bytes is None or total + size <= max_bytes:
+        return True
+    if first:
+        raise PrepareError(
+            f"--max-bytes {max_bytes} is smaller than the first document, {what} ({size} bytes)"
+        )
+    return False
+
+
+def _invalid_utf8(raw: bytes) -> tuple[int, int] | None:
+    """(offset of the first undecodable byte, how many there are), or None for valid UTF-8."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        escaped = raw.decode("utf-8", errors="surrogateescape")
+        return error.start, len(_ESCAPED_BYTE_RE.findall(escaped))
+    return None
+
+
+def hub_corpus(
+    dataset: str,
+    config: str | None,
+    split: str,
+    text_column: str,
+    max_bytes: int | None,
+    cache_dir: Path,
+) -> Corpus:
+    rows = _load_hub(dataset, config, split, text_column, cache_dir)
+    keep: list[int] = []
+    content = hashlib.sha256()
+    skipped = {"empty_documents": 0, "over_max_bytes": 0}
+    total = 0
+    for index, text in enumerate(_iter_texts(rows, text_column)):
+        if not text:
+            skipped["empty_documents"] += 1
+            continue
+        raw = text.encode("utf-8")
+        if not _fits(max_bytes, total, len(raw), first=not keep, what=f"row {index}"):
+            skipped["over_max_bytes"] = len(rows) - index
+            break
+        total += len(raw)
+        keep.append(index)
+        content.update(f"{len(raw)}\0".encode())
+        content.update(raw)
+    if not keep:
+        raise PrepareError(
+            f"--hub {dataset!r} split {split!r} has no non-empty documents "
+            f"in --text-column {text_column!r}"
+        )
+    documents = rows.select(keep)
+    if text_column != "text":
+        documents = documents.rename_column(text_column, "text")
+    source = {"kind": "hub", "dataset": dataset, "config": config, "split": split}
+    source |= {"text_column": text_column, "rows": len(rows)}
+    return Corpus(source=source, digest=content.hexdigest(), skipped=skipped, documents=documents)
+
+
+def _iter_texts(rows: Dataset, column: str) -> Iterator[str | None]:
+    for batch in rows.iter(batch_size=1024):
+        yield from batch[column]
+
+
+# --- loading through `datasets` -----------------------------------------------------------
+
+
+def _import_datasets() -> Any:
+    """Import `datasets` quietly: no telemetry, progress bars or 'Generating split' logs."""
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    import datasets
+
+    datasets.disable_progress_bars()
+    datasets.utils.logging.set_verbosity_error()
+    return datasets
+
+
+def load_text_files(paths: list[Path], encoding_errors: str, cache_dir: Path) -> Dataset:
+    """One row per file, column "text" (the `text` builder with whole-file documents)."""
+    datasets = _import_datasets()
+    rows = datasets.load_dataset(
+        "text",
+        # `datasets` expands globs again; escaping keeps names like "a[1].txt" literal.
+        data_files=[glob.escape(str(path)) for path in paths],
+        sample_by="document",
+        encoding_errors=None if encoding_errors == "strict" else encoding_errors,
+        split="train",
+        cache_dir=str(cache_dir),
+    )
+    if len(rows) != len(paths):
+        raise PrepareError(f"`datasets` loaded {len(rows)} documents from {len(paths)} files")
+    return rows
+
+
+def _load_hub(
+    dataset: str, config: str | None, split: str, text_column: str, cache_dir: Path
+) -> Dataset:
+    datasets = _import_datasets()
+    try:
+        rows = datasets.load_dataset(dataset, config, split=split, cache_dir=str(cache_dir))
+    # The Hub client, fsspec and the builders raise many types; to the user all of them mean
+    # "could not load", and the chained cause keeps the detail.
+    except Exception as error:
+        raise PrepareError(f"--hub {dataset!r}: cannot load split {split!r}: {error}") from error
+    if text_column not in rows.column_names:
+        raise PrepareError(
+            f"--text-column {text_column!r} is not a column of {dataset!r}; "
+            f"columns: {rows.column_names}"
+        )
+    feature = rows.features[text_column]
+    if getattr(feature, "dtype", None) not in ("string", "large_string"):
+        raise PrepareError(
+            f"--text-column {text_column!r} of {dataset!r} holds {feature}, not strings"
+        )
+    return rows.select_columns([text_column])
+
+
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
