@@ -13,8 +13,8 @@ writes <out-root>/NAME/ (out-root defaults to this data/ folder):
     meta.json           what was prepared, from what, and how big; written last
 
 The same thing from Python: `prepare("NAME", files=["corpus/*.txt"]) -> Path`.
-`datasets` is imported only inside functions of data/corpus.py (the one module using it), so importing
-`prepare`/`PrepareError` from here stays cheap.
+`datasets` is imported only inside functions of data/corpus.py (the one module that uses it),
+so importing `prepare`/`PrepareError` from here stays cheap.
 
 Decisions, so that a reader need not reverse-engineer them:
 
