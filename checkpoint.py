@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch import Tensor
 
 from config import Config
 
@@ -45,7 +47,7 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
     if not path.is_file():
-        raise CheckpointError(f"no checkpoint at {path}")
+        raise CheckpointError(f"no checkpoint at {path} (train first, or check --out/--run)")
     try:
         # weights_only: a checkpoint is data; never let loading it run code.
         return torch.load(path, map_location="cpu", weights_only=True)
@@ -74,3 +76,29 @@ def check_compatible(
             f"checkpoint {path} was made with another tokenizer (sha256 "
             f"{ckpt['tokenizer_sha256'][:12]}, corpus '{config.data.name}' has {tokenizer_sha256[:12]})"
         )
+
+
+def rng_states(device: torch.device, world_size: int) -> list[dict[str, Tensor]]:
+    """Every rank's RNG state, by rank (a collective under DDP: call it on all ranks)."""
+    state = {"torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    if world_size == 1:
+        return [state]
+    states: list[Any] = [None] * world_size
+    dist.all_gather_object(states, state)
+    return states
+
+
+def restore_rng(
+    states: list[dict[str, Tensor]], seed: int, step: int, device: torch.device
+) -> None:
+    """This rank's saved RNG state; with another number of ranks than saved, a fresh seed."""
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    if len(states) != world_size:
+        # Dropout masks then differ from an uninterrupted run; data order does not.
+        torch.manual_seed(seed + rank + world_size * step)
+        return
+    torch.set_rng_state(states[rank]["torch"])
+    if device.type == "cuda" and "cuda" in states[rank]:
+        torch.cuda.set_rng_state(states[rank]["cuda"], device)

@@ -20,7 +20,7 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +36,14 @@ from checkpoint import (
     CheckpointError,
     check_compatible,
     load_checkpoint,
+    restore_rng,
+    rng_states,
     save_checkpoint,
 )
 from config import Config, ConfigError, TrainConfig, dump_toml, load_config
 from cpu_linear import use_onednn_linears, wants_onednn
-from data.loader import DataError, TokenBatches, load_meta
-from model import GPT, VariantUnavailable, check_variant
+from data.loader import DataError, TokenBatches, check_vocab, load_meta
+from model import GPT, GPTConfig, VariantUnavailable, check_variant
 
 
 class TrainError(RuntimeError):
@@ -62,7 +64,12 @@ def pick_device(name: str) -> torch.device:
         if torch.backends.mps.is_available():
             return torch.device("mps")
         return torch.device("cpu")
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise TrainError(
+            f"train.device={name!r}: not a device; use auto, cpu, cuda, cuda:N or mps"
+        ) from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise TrainError(f"train.device={name!r}: CUDA is not available on this machine")
     return device
@@ -265,83 +272,101 @@ def start_metrics(path: Path, resume_step: int | None) -> None:
 # --- the loop ---------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class RunEnd:
+    """How a call to `train` ended."""
+
+    run_dir: Path
+    step: int  # the run's step count now
+    steps_taken: int  # optimizer steps taken by this call
+    stopped_by: str | None  # SIGINT, SIGTERM or "another rank" when stopped before its last step
+
+
+def build_model(
+    model_cfg: GPTConfig,
+    tc: TrainConfig,
+    device: torch.device,
+    *,
+    onednn: bool,
+    compile: bool,
+) -> tuple[GPT, torch.optim.AdamW]:
+    """The model and optimizer as a training run makes them; the profiler and demo use it too.
+
+    Seed the RNG before calling: initialisation draws from it.
+    """
+    model = GPT(model_cfg).to(device)
+    if onednn:
+        use_onednn_linears(model)
+    optimizer = build_optimizer(model, tc, device)
+    if compile:
+        compile_blocks(model)  # in place: parameter names and the state dict do not change
+    return model, optimizer
+
+
+def check_runnable(config: Config, device: torch.device, amp_dtype: torch.dtype | None) -> bool:
+    """Fail early, naming the field, if the variant or Linear path cannot run here.
+
+    Returns whether nn.Linear goes through oneDNN (cpu_linear.py).
+    """
+    mc = config.model
+    try:
+        check_variant(mc.attention, device, amp_dtype or torch.float32, mc.head_size, mc.dropout)
+        return wants_onednn(config.train.cpu_linear, device, amp_dtype is not None)
+    except (VariantUnavailable, ValueError) as e:
+        raise TrainError(str(e)) from None
+
+
 def train(
     config: Config, out_dir: Path, resume: bool = False, stop_after: int | None = None
-) -> Path:
-    """Run (or resume) training; returns the run directory. Raises one of USER_ERRORS on bad input."""
+) -> RunEnd:
+    """Run (or resume) training. Raises one of USER_ERRORS on bad input, before writing."""
     tc = config.train
     rank, world_size, device = init_distributed(tc)
     kept_host_memory = device.type == "cpu" and keep_freed_host_memory()
     master = rank == 0
     amp_dtype = autocast_dtype(tc.dtype, device)
     meta = load_meta(config.data.root, config.data.name)
+    check_vocab(meta, config.model.vocab_size, config.data.name)
     data_dir = Path(config.data.root) / config.data.name
-    if meta["vocab_size"] > config.model.vocab_size:
-        raise TrainError(
-            f"model.vocab_size={config.model.vocab_size} is smaller than the tokenizer of corpus "
-            f"'{config.data.name}' ({meta['vocab_size']} tokens)"
-        )
-    try:
-        check_variant(
-            config.model.attention,
-            device,
-            amp_dtype or torch.float32,
-            config.model.head_size,
-            config.model.dropout,
-        )
-    except VariantUnavailable as e:
-        raise TrainError(str(e)) from None
-    try:
-        onednn = wants_onednn(tc.cpu_linear, device, amp_dtype is not None)
-    except ValueError as e:
-        raise TrainError(str(e)) from None
+    onednn = check_runnable(config, device, amp_dtype)
 
     ckpt_path = out_dir / CHECKPOINT
     if ckpt_path.exists() and not resume:
         raise TrainError(
             f"{out_dir} already holds a checkpoint; pass --resume to continue it or --out for a new run"
         )
-    if resume and not ckpt_path.is_file():
-        raise TrainError(f"no checkpoint to resume at {ckpt_path}")
     ckpt = load_checkpoint(ckpt_path) if resume else None
     if ckpt is not None:
         check_compatible(ckpt, config, meta["tokenizer_sha256"], ckpt_path)
 
-    torch.manual_seed(tc.seed)
-    raw_model = GPT(config.model).to(device)
-    if onednn:
-        use_onednn_linears(raw_model)
-    optimizer = build_optimizer(raw_model, tc, device)
-    train_batches = TokenBatches(
-        data_dir / "train.bin",
-        config.model.block_size,
-        tc.batch_size,
-        tc.seed,
-        device,
-        rank,
-        world_size,
-    )
-    val_batches = TokenBatches(
-        data_dir / "val.bin",
-        config.model.block_size,
-        tc.batch_size,
-        tc.seed + 1,
-        device,
-        rank,
-        world_size,
-    )
+    # Per rank, as in nanoGPT: ranks must draw different dropout masks. Initial weights may
+    # differ too; DDP broadcasts rank 0's when it wraps the model.
+    torch.manual_seed(tc.seed + rank)
+    raw_model, optimizer = build_model(config.model, tc, device, onednn=onednn, compile=tc.compile)
+    batches = {
+        split: TokenBatches(
+            data_dir / f"{split}.bin",
+            config.model.block_size,
+            tc.batch_size,
+            tc.seed + offset,
+            device,
+            rank,
+            world_size,
+        )
+        for split, offset in (("train", 0), ("val", 1))
+    }
     step = 0
     if ckpt is not None:
         raw_model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
-        train_batches.load_state_dict(ckpt["data"])
-        torch.set_rng_state(ckpt["rng"]["torch"])
-        if device.type == "cuda" and "cuda" in ckpt["rng"]:
-            torch.cuda.set_rng_state(ckpt["rng"]["cuda"], device)
+        batches["train"].load_state_dict(ckpt["data"])
         step = ckpt["step"]
+        restore_rng(ckpt["rng"], tc.seed, step, device)
+        if step >= tc.max_steps:
+            if master:
+                print(f"{out_dir} is complete (step {step} of train.max_steps={tc.max_steps})")
+            return RunEnd(out_dir, step, 0, None)
     model: torch.nn.Module = raw_model
-    if tc.compile:
-        compile_blocks(raw_model)
     if world_size > 1:
         model = DDP(
             model,
@@ -363,35 +388,32 @@ def train(
     bpb_factor = meta["splits"]["val"]["tokens"] / meta["splits"]["val"]["bytes"] / math.log(2)
     tokens_per_step = tc.batch_size * tc.grad_accum * world_size * config.model.block_size
 
-    def snapshot(val_loss: float | None) -> dict[str, Any]:
-        rng = {"torch": torch.get_rng_state()}
-        if device.type == "cuda":
-            rng["cuda"] = torch.cuda.get_rng_state(device)
-        return {
-            "model": raw_model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "step": step,
-            "rng": rng,
-            "data": train_batches.state_dict(),
-            "config": asdict(config),
-            "tokenizer_sha256": meta["tokenizer_sha256"],
-            "val_loss": val_loss,
-        }
-
     def log(record: dict[str, Any]) -> None:
         with open(out_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
 
-    def eval_and_save() -> float:
-        val_loss = evaluate(model, val_batches, tc.eval_batches, amp_dtype)
-        if master:
-            log({"step": step, "val_loss": val_loss, "val_bpb": val_loss * bpb_factor})
-            save_checkpoint(ckpt_path, snapshot(val_loss))
-            bar.write(
-                f"step {step}: val loss {val_loss:.4f}, {val_loss * bpb_factor:.3f} bits/byte; saved {ckpt_path}"
-            )
-        return val_loss
+    def eval_and_save() -> None:
+        val_loss = evaluate(model, batches["val"], tc.eval_batches, amp_dtype)
+        rngs = rng_states(device, world_size)
+        if not master:
+            return
+        log({"step": step, "val_loss": val_loss, "val_bpb": val_loss * bpb_factor})
+        state = {
+            "model": raw_model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "step": step,
+            "rng": rngs,
+            "data": batches["train"].state_dict(),
+            "config": asdict(config),
+            "tokenizer_sha256": meta["tokenizer_sha256"],
+            "val_loss": val_loss,
+        }
+        save_checkpoint(ckpt_path, state)
+        bar.write(
+            f"step {step}: val loss {val_loss:.4f}, {val_loss * bpb_factor:.3f} bits/byte; saved {ckpt_path}"
+        )
 
+    first_step = step
     last_step = tc.max_steps if stop_after is None else min(tc.max_steps, step + stop_after)
     bar = tqdm(
         total=tc.max_steps,
@@ -403,11 +425,11 @@ def train(
     )
     with StopSignal() as stop, bar:  # the bar closes on errors too, before the message
         model.train()
-        t0 = time.perf_counter()
         while step < last_step:
+            t0 = time.perf_counter()
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, tc)
-            micro = [train_batches.next() for _ in range(tc.grad_accum)]
+            micro = [batches["train"].next() for _ in range(tc.grad_accum)]
             loss = train_step(model, optimizer, micro, tc.grad_clip, amp_dtype)
             step += 1
             # One small all-reduce carries both the mean loss and "anyone asked to stop", so
@@ -418,14 +440,13 @@ def train(
             if world_size > 1:
                 dist.all_reduce(flags)
                 flags[0] /= world_size
-            loss_value, stop_requested = flags[0].item(), flags[1].item() > 0
+            loss_value, stop_requested = flags[0].item(), flags[1].item() > 0  # .item() syncs
+            dt = time.perf_counter() - t0  # the step alone: evaluations and saves not included
             if not math.isfinite(loss_value):
                 raise TrainError(
                     f"loss is {loss_value} at step {step}; stopped without saving "
                     f"(the last good checkpoint, if any, is {ckpt_path})"
                 )
-            dt = time.perf_counter() - t0
-            t0 = time.perf_counter()
             bar.update(1)
             bar.set_postfix(
                 loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", ms=f"{dt * 1e3:.0f}"
@@ -442,18 +463,18 @@ def train(
                 )
             if stop_requested:
                 eval_and_save()
+                stopped_by = stop.received or "another rank"
                 bar.close()
                 if master:
                     print(
-                        f"stopped by {stop.received or 'another rank'} after step {step}; "
-                        f"resume with --resume",
+                        f"stopped by {stopped_by} after step {step}; resume with --resume",
                         file=sys.stderr,
                     )
-                return out_dir
+                return RunEnd(out_dir, step, step - first_step, stopped_by)
             if tc.eval_interval and step % tc.eval_interval == 0 and step != last_step:
                 eval_and_save()
         eval_and_save()
-        return out_dir
+        return RunEnd(out_dir, step, step - first_step, None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -477,24 +498,27 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config, overrides)
         out = args.out or Path("runs") / (args.config.stem if args.config else "default")
-        run_dir = train(config, out, resume=args.resume, stop_after=args.stop_after)
+        end = train(config, out, resume=args.resume, stop_after=args.stop_after)
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(
-            "interrupted twice: stopped without saving; the last checkpoint is as it was",
+            "interrupted: stopped without saving; the last checkpoint, if any, is as it was",
             file=sys.stderr,
         )
         return 130
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    if config.train.sample_tokens > 0 and int(os.environ.get("RANK", 0)) == 0:
+    tc = config.train
+    # A sample only when the run has just reached its end: not after a stop or a split.
+    finished = end.stopped_by is None and end.steps_taken > 0 and end.step == tc.max_steps
+    if finished and tc.sample_tokens > 0 and int(os.environ.get("RANK", 0)) == 0:
         from sample import sample_run
 
-        print(f"\n--- sample from {run_dir} (prompt {config.train.sample_prompt!r}) ---")
-        print(sample_run(run_dir, config.train.sample_prompt, config.train.sample_tokens))
+        print(f"\n--- sample from {end.run_dir} (prompt {tc.sample_prompt!r}) ---")
+        print(sample_run(end.run_dir, tc.sample_prompt, tc.sample_tokens, device=tc.device))
     return 0
 
 

@@ -28,6 +28,15 @@ def load_meta(root: str | Path, name: str) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
+def check_vocab(meta: dict[str, Any], vocab_size: int, name: str) -> None:
+    """Every token id of the corpus must have a row in the model's embedding."""
+    if meta["vocab_size"] > vocab_size:
+        raise DataError(
+            f"model.vocab_size={vocab_size} is smaller than the tokenizer of corpus "
+            f"'{name}' ({meta['vocab_size']} tokens)"
+        )
+
+
 class TokenBatches:
     """Random windows of a uint16 token file, as (x, y) batches shifted by one token.
 

@@ -171,7 +171,7 @@ def test_checkpoint_holds_the_run_state_and_loads_weights_only(
     model.load_state_dict(ckpt["model"])  # strict: every parameter, nothing extra
     assert all(torch.isfinite(p).all() for p in ckpt["model"].values())
     assert ckpt["optimizer"]["state"], "the optimizer's moments are saved"
-    assert isinstance(ckpt["rng"]["torch"], torch.Tensor)
+    assert [type(state["torch"]) for state in ckpt["rng"]] == [torch.Tensor]  # one per rank
     assert isinstance(ckpt["data"]["generator"], torch.Tensor)
 
 
@@ -332,13 +332,14 @@ def test_non_finite_loss_stops_the_run_without_saving(
 def test_sigterm_saves_and_the_run_resumes(data_root: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
     overrides = ["--train.max_steps=100000", "--train.eval_interval=0", "--train.eval_batches=1"]
+    overrides.append("--train.sample_tokens=5")
     log = tmp_path / "stderr.txt"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     with open(log, "w") as stderr:
         proc = subprocess.Popen(
             [sys.executable, "train.py", *run_argv(data_root, out, *overrides)],
             cwd=ROOT,
-            stdout=subprocess.DEVNULL,
+            stdout=stderr,  # one log: "stopped by" and any sample would both land here
             stderr=stderr,
             env=env | {"OMP_NUM_THREADS": "1"},
         )
@@ -357,6 +358,7 @@ def test_sigterm_saves_and_the_run_resumes(data_root: Path, tmp_path: Path) -> N
                 proc.wait()
     err = log.read_text()
     assert "stopped by SIGTERM" in err and "--resume" in err
+    assert "--- sample" not in err, "a stopped run exits without sampling"
     stopped_at = load_ckpt(out)["step"]
     assert stopped_at >= 1
     assert train_lines(out)[-1]["step"] == stopped_at
@@ -364,6 +366,27 @@ def test_sigterm_saves_and_the_run_resumes(data_root: Path, tmp_path: Path) -> N
     assert run(data_root, out, *overrides, "--resume", "--stop-after", "2") == 0
     assert load_ckpt(out)["step"] == stopped_at + 2
     assert [r["step"] for r in train_lines(out)] == list(range(1, stopped_at + 3))
+
+
+def test_resume_of_a_finished_run_changes_nothing(
+    base_run: Path, data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = copy_run(base_run, tmp_path / "done")
+    before = {name: (out / name).read_bytes() for name in ("ckpt.pt", "metrics.jsonl")}
+    assert run(data_root, out, *SHARED_OVERRIDES, "--resume") == 0
+    assert "is complete" in capsys.readouterr().out
+    assert {name: (out / name).read_bytes() for name in before} == before
+
+
+def test_step_time_excludes_evaluation(data_root: Path, tmp_path: Path) -> None:
+    """The step after an evaluation logs its own time, not the evaluation's."""
+    out = tmp_path / "run"
+    slow_eval = ["--train.eval_interval=2", "--train.eval_batches=200", "--train.max_steps=6"]
+    assert run(data_root, out, *slow_eval) == 0
+    ms = {r["step"]: r["ms_per_step"] for r in train_lines(out)}
+    after_eval, others = [ms[3], ms[5]], [ms[2], ms[4]]
+    # 200 eval batches cost ~100 training steps' forward passes; a step is far below that.
+    assert max(after_eval) < 10 * max(others), ms
 
 
 # --- bad input ----------------------------------------------------------------------------------------
