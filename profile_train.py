@@ -36,9 +36,9 @@ import torch
 from tqdm import tqdm
 
 from config import Config, ConfigError, load_config
-from cpu_linear import cpu_field, use_onednn_linears, wants_onednn
-from data.loader import TokenBatches, load_meta
-from model import GPT, VARIANTS, available_variants, unavailable_reason
+from cpu_linear import cpu_field, wants_onednn
+from data.loader import TokenBatches, check_vocab, load_meta
+from model import VARIANTS, available_variants, unavailable_reason
 from profiling.analysis import label
 from profiling.measure import (
     TRACE_WARN_BYTES,
@@ -55,10 +55,8 @@ from profiling.measure import (
 from profiling.report import diff_text, write_results
 from train import (
     USER_ERRORS,
-    TrainError,
     autocast_dtype,
-    build_optimizer,
-    compile_blocks,
+    build_model,
     keep_freed_host_memory,
     pick_device,
     train_step,
@@ -132,8 +130,7 @@ class Sweep:
             pool = [[draw() for _ in range(tc.grad_accum)] for _ in range(BATCH_POOL)]
             return [[(xy[:, :-1], xy[:, 1:]) for xy in step] for step in pool]
         meta = load_meta(self.config.data.root, self.args.data)
-        if meta["vocab_size"] > mc.vocab_size:
-            raise TrainError(f"corpus '{self.args.data}' needs vocab_size >= {meta['vocab_size']}")
+        check_vocab(meta, mc.vocab_size, self.args.data)
         source = TokenBatches(
             Path(self.config.data.root) / self.args.data / "train.bin",
             mc.block_size,
@@ -184,13 +181,9 @@ class Sweep:
             return
         torch.manual_seed(tc.seed)
         model_cfg = dataclasses.replace(mc, attention=cell.variant, n_layer=cell.n_layer)
-        raw = GPT(model_cfg).to(self.device)
-        if self.onednn:
-            use_onednn_linears(raw)
-        cell.optimizer = build_optimizer(raw, tc, self.device)
-        if cell.compiled:
-            compile_blocks(raw)
-        cell.model = raw
+        cell.model, cell.optimizer = build_model(
+            model_cfg, tc, self.device, onednn=self.onednn, compile=cell.compiled
+        )
         turn = itertools.count()
 
         def step() -> torch.Tensor:
@@ -232,12 +225,7 @@ class Sweep:
             path: max(start.get(path, 0.0), end.get(path, 0.0)) for path in start | end
         }
         for row in self.rows:
-            if row["status"] == "ok" and row["flops_per_step"]:
-                row["mfu"] = (
-                    row["flops_per_step"]
-                    / (row["step_ms"]["median"] / 1e3)
-                    / self.meta["peak_flops"]
-                )
+            row["mfu"] = self._mfu(row)
         self._write()
 
     def _model_flops(self, n_layer: int) -> int:
@@ -280,9 +268,7 @@ class Sweep:
             yield
         except torch.OutOfMemoryError as e:
             cell.fail("oom", e)
-        except KeyboardInterrupt:
-            raise
-        except Exception as e:
+        except Exception as e:  # not KeyboardInterrupt: Ctrl-C stops the sweep
             cell.fail("failed", e)
         if cell.status != "ok" and self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -313,16 +299,22 @@ class Sweep:
         if cell.step is not None:
             with self._guard(cell):
                 row.update(self._profile(cell))
-                row.update(self._timing_fields(cell, flops))
+                row.update(self._timing_fields(cell))
         row["status"], row["reason"] = cell.status, cell.reason
         if cell.status != "ok":
-            for key in ("step_ms", "tokens_per_s", "mfu"):
-                row[key] = None
+            row["step_ms"] = row["tokens_per_s"] = None
+        row["mfu"] = self._mfu(row)
         self.rows.append(row)
         cell.step = cell.model = cell.optimizer = None  # free it before the next depth
         self._write()
 
-    def _timing_fields(self, cell: Cell, flops: int) -> dict[str, Any]:
+    def _mfu(self, row: dict[str, Any]) -> float | None:
+        """Counted FLOPs / median step time / the highest matmul peak measured so far."""
+        if row["status"] != "ok" or not row["flops_per_step"] or not row["step_ms"]:
+            return None
+        return row["flops_per_step"] / (row["step_ms"]["median"] / 1e3) / self.meta["peak_flops"]
+
+    def _timing_fields(self, cell: Cell) -> dict[str, Any]:
         tc, mc = self.config.train, self.config.model
         stats = summarize_ms(cell.times)
         tokens = tc.batch_size * tc.grad_accum * mc.block_size
@@ -331,8 +323,6 @@ class Sweep:
             "tokens_per_s": tokens / (stats["median"] / 1e3),
             "page_faults_per_step": cell.page_faults / len(cell.times),
         }
-        if flops:
-            fields["mfu"] = flops / (stats["median"] / 1e3) / self.meta["peak_flops"]
         if cell.compiled and cell.first_step_s is not None:
             fields["compile_s"] = max(0.0, cell.first_step_s - stats["median"] / 1e3)
         return fields
@@ -343,7 +333,7 @@ class Sweep:
             self.out / "traces" / f"{label(cell.variant, cell.compiled)}_L{cell.n_layer}.json.gz"
         )
         wanted = self.args.traces and (
-            not self.args.trace_layers or cell.n_layer in _csv_list(self.args.trace_layers, int)
+            not self.args.trace_layers or cell.n_layer in self.args.trace_layers
         )
         with profiled_steps(
             self.device, active, trace if wanted else None, self.args.trace_stacks
@@ -400,8 +390,14 @@ class Sweep:
         write_results(self.out, self.meta, self.rows)
 
 
-def _csv_list(text: str, kind: type = str) -> list:
-    return [kind(x.strip()) for x in text.split(",") if x.strip()]
+def _csv_list(text: str, kind: type, flag: str) -> list:
+    """'a,b,c' -> [kind(a), kind(b), kind(c)]; a bad item is an error naming the flag."""
+    try:
+        return [kind(x.strip()) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(
+            f"{flag}={text!r}: expected comma-separated {kind.__name__} values"
+        ) from None
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
@@ -459,18 +455,21 @@ def main(argv: list[str] | None = None) -> int:
         if args.report is not None:
             return _rerender(args)
         config = load_config(args.config, overrides)
+        default_out = args.out is None
         args.out = args.out or _default_out(args.config)
         if (args.out / "results.json").exists():
             raise ConfigError(f"--out {args.out} holds an earlier sweep; choose another folder")
-        layers = _csv_list(args.layers, int)
+        layers = _csv_list(args.layers, int, "--layers")
         if not layers or min(layers) < 1:
             raise ConfigError(f"--layers={args.layers!r}: give positive integers, e.g. 1,2,4,8")
-        if args.steps < 1 or args.warmup < 1 or args.profile_steps < 1:
-            raise ConfigError("--steps, --warmup and --profile-steps must each be at least 1")
+        for flag in ("steps", "warmup", "profile_steps"):
+            if getattr(args, flag) < 1:
+                raise ConfigError(f"--{flag.replace('_', '-')}={getattr(args, flag)}: must be >= 1")
+        args.trace_layers = set(_csv_list(args.trace_layers or "", int, "--trace-layers"))
         device = pick_device(config.train.device)
         dtype = autocast_dtype(config.train.dtype, device) or torch.float32
         if args.variants:
-            variants = _csv_list(args.variants)
+            variants = _csv_list(args.variants, str, "--variants")
             unknown = [v for v in variants if v not in VARIANTS]
             if unknown:
                 raise ConfigError(
@@ -481,7 +480,9 @@ def main(argv: list[str] | None = None) -> int:
                 device, dtype, config.model.head_size, config.model.dropout
             )
         compile_modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
-        sweep = Sweep(config, args)
+        sweep = Sweep(config, args)  # the last check of the input; nothing is written before
+        if default_out:
+            _point_latest(args.out)
         sweep.run(variants, layers, compile_modes)
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
@@ -495,15 +496,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _default_out(config_path: Path) -> Path:
-    """profiles/<config>/<UTC timestamp>, with profiles/<config>/latest pointing at it."""
+    """profiles/<config>/<UTC timestamp>."""
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
-    out = Path("profiles") / config_path.stem / stamp
+    return Path("profiles") / config_path.stem / stamp
+
+
+def _point_latest(out: Path) -> None:
+    """Create out and point profiles/<config>/latest at it (best effort: no symlinks, no link)."""
     out.mkdir(parents=True, exist_ok=True)
     latest = out.parent / "latest"
     with contextlib.suppress(OSError):
         latest.unlink(missing_ok=True)
-        latest.symlink_to(stamp)
-    return out
+        latest.symlink_to(out.name)
 
 
 def _rerender(args: argparse.Namespace) -> int:
@@ -512,8 +516,14 @@ def _rerender(args: argparse.Namespace) -> int:
         raise ConfigError(f"--report {args.report}: no results.json there")
     results = json.loads(path.read_text())
     if args.diff:
-        a, _, b = args.diff.partition(",")
-        print(diff_text(results["rows"], a.strip(), b.strip()))
+        labels = _csv_list(args.diff, str, "--diff")
+        if len(labels) != 2:
+            raise ConfigError(f"--diff={args.diff!r}: give two labels A,B, e.g. inplace,naive")
+        a, b = labels
+        try:
+            print(diff_text(results["rows"], a, b))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         return 0
     write_results(args.report, results["meta"], results["rows"])
     print((args.report / "summary.txt").read_text())

@@ -160,6 +160,21 @@ def where_time_goes(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def diff_text(rows: list[dict[str, Any]], a: str, b: str) -> str:
+    """The op (and kernel) counts per layer in which label a differs from label b, in words.
+
+    Raises ValueError naming the valid labels if either was not measured.
+    """
+    measured = [r for r in ok_rows(rows) if r.get("ops_per_step")]
+    depths = {name: set() for name in _labels(measured)}
+    for r in measured:
+        depths[label(r["variant"], r["compile"])].add(r["n_layer"])
+    for name in (a, b):
+        if name not in depths:
+            raise ValueError(
+                f"--diff: no measured cell is labelled {name!r}; measured: {', '.join(depths)}"
+            )
+    if not depths[a] & depths[b]:
+        return f"{a} vs {b}: not measured at a common n_layer, so no per-layer diff."
     parts = [describe_diff(a, b, op_diff(rows, a, b))]
     kernels = op_diff(rows, a, b, kind="kernels_per_step")
     if kernels:

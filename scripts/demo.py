@@ -8,6 +8,7 @@ A smoke test a newcomer can read in a minute: the variants share one model and o
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -17,16 +18,23 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from config import TrainConfig
-from model import GPT, VARIANTS, GPTConfig, unavailable_reason
-from train import autocast_dtype, build_optimizer, pick_device, train_step
+from cpu_linear import wants_onednn
+from model import VARIANTS, GPTConfig, unavailable_reason
+from train import USER_ERRORS, autocast_dtype, build_model, pick_device, train_step
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", default="auto")
-    device = pick_device(parser.parse_args().device)
+    try:
+        device = pick_device(parser.parse_args().device)
+    except USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     amp = autocast_dtype("auto", device)
     dtype = amp or torch.float32
+    tc = TrainConfig()
+    onednn = wants_onednn(tc.cpu_linear, device, amp is not None)  # as train.py decides
     config = GPTConfig(vocab_size=512, block_size=128, n_layer=2, n_head=4, n_embd=128)
     batch = torch.randint(0, config.vocab_size, (4, config.block_size + 1), device=device)
     print(f"one training step per variant on {device} ({dtype}), B=4 T={config.block_size}")
@@ -37,8 +45,8 @@ def main() -> int:
             print(f"  {name:15s} skipped: {reason}")
             continue
         torch.manual_seed(0)
-        model = GPT(GPTConfig(**{**config.__dict__, "attention": name})).to(device)
-        optimizer = build_optimizer(model, TrainConfig(), device)
+        model_cfg = dataclasses.replace(config, attention=name)
+        model, optimizer = build_model(model_cfg, tc, device, onednn=onednn, compile=False)
         t0 = time.perf_counter()
         loss = train_step(model, optimizer, [(batch[:, :-1], batch[:, 1:])], 1.0, amp).item()
         print(

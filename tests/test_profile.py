@@ -7,7 +7,6 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
 
 import profile_train
 from model import attention
@@ -23,13 +22,15 @@ TINY = [
     "--train.dtype=float32",
 ]
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 def sweep(tmp_path: Path, *args: str, name: str = "sweep") -> tuple[int, dict]:
     out = tmp_path / name
     rc = profile_train.main(
         [
             "--config",
-            "configs/profile.toml",
+            str(ROOT / "configs" / "profile.toml"),
             "--out",
             str(out),
             "--steps",
@@ -230,6 +231,20 @@ def test_bad_arguments_name_the_problem(tmp_path: Path, capsys: pytest.CaptureFi
     assert rc == 2 and "--layers" in capsys.readouterr().err
     rc, _ = sweep(tmp_path, "--model.n_heads=3")
     assert rc == 2 and "model.n_heads" in capsys.readouterr().err
+    for flag, value in [("--layers", "1,a"), ("--trace-layers", "1,x"), ("--steps", "0")]:
+        rc, _ = sweep(tmp_path, flag, value)
+        err = capsys.readouterr().err
+        assert rc == 2 and flag in err and "Traceback" not in err, err
+    assert not (tmp_path / "sweep").exists(), "bad input wrote nothing"
+
+
+def test_bad_arguments_leave_no_default_output_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    config = str(ROOT / "configs" / "profile.toml")
+    assert profile_train.main(["--config", config, "--layers", "0"]) == 2
+    assert not (tmp_path / "profiles").exists()
 
 
 def test_earlier_sweep_is_not_overwritten(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -245,6 +260,12 @@ def test_report_rerender_and_diff(naive_vs_inplace: dict, capsys: pytest.Capture
     assert profile_train.main(["--report", out, "--diff", "inplace,naive"]) == 0
     assert "1 aten::clone fewer (forward)" in capsys.readouterr().out
     assert profile_train.main(["--report", out]) == 0
+    capsys.readouterr()
+    # A label that was not measured is an error naming the valid ones, not "the same counts".
+    assert profile_train.main(["--report", out, "--diff", "inplcae,naive"]) == 2
+    err = capsys.readouterr().err
+    assert "inplcae" in err and "naive, inplace" in err
+    assert profile_train.main(["--report", out, "--diff", "naive"]) == 2
 
 
 @pytest.mark.cuda
@@ -269,7 +290,6 @@ def test_cuda_sweep_counts_kernels(tmp_path: Path) -> None:
 
     for n in (1, 2):  # the hidden copy is one more device copy per layer in the forward
         assert forward_kernels("naive", n) - forward_kernels("inplace", n) == n
-    assert torch.cuda.is_available()
 
 
 def test_op_diff_when_one_variant_has_a_single_depth() -> None:
