@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import tomllib
 import types
 import typing
@@ -70,8 +71,14 @@ class TrainConfig:
             if isinstance(value, int) and not isinstance(value, bool) and value < low:
                 raise ValueError(f"train.{name}={value}: must be >= {low}")
         for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"train.{name}={getattr(self, name)}: must be >= 0")
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):  # `nan < 0` is False: test finiteness
+                raise ValueError(f"train.{name}={value}: must be a finite number >= 0")
+        if self.min_lr > self.lr:
+            raise ValueError(
+                f"train.min_lr={self.min_lr} is above train.lr={self.lr}: the cosine decay "
+                "would rise; min_lr is the floor the schedule decays to"
+            )
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"train.{name}={getattr(self, name)}: must be in [0, 1)")

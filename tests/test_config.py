@@ -116,6 +116,12 @@ BAD = {
     "negative-size": (None, ["--model.n_layer=0"], ["model.n_layer"]),
     "dropout-out-of-range": (None, ["--model.dropout=1.5"], ["model.dropout"]),
     "zero-log-interval": (None, ["--train.log_interval=0"], ["train.log_interval"]),
+    "nan-lr": (None, ["--train.lr=nan"], ["train.lr", "finite"]),
+    "min-lr-above-lr": (
+        None,
+        ["--train.lr=0.01", "--train.min_lr=0.1"],
+        ["train.min_lr", "train.lr"],
+    ),
     "zero-grad-accum-file": ("[train]\ngrad_accum = 0\n", [], ["train.grad_accum"]),
     "float16": (None, ["--train.dtype=float16"], ["train.dtype", "bfloat16"]),
     "bogus-device": (None, ["--train.device=bogus"], ["train.device"]),
