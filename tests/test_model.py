@@ -129,6 +129,24 @@ def test_hidden_copy_in_a_training_step(n_layer: int) -> None:
 
 @pytest.mark.parametrize("variant", available_variants("cpu", torch.float32, 8, dropout_p=0.5))
 def test_attention_dropout(variant: str) -> None:
+    """The variant itself drops attention weights, rescaled so the expectation is unchanged."""
+    B, H, T, D = 1, 2, 8, 8
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, H, T, D) for _ in range(3))
+    config = tiny_config(variant, n_head=H, n_embd=H * D, dropout=0.5)
+    mask = GPT(config).attention_mask(T)
+    fn = VARIANTS[variant].fn
+    exact = fn(q, k, v, mask, 0.0)
+    draws = torch.stack([fn(q, k, v, mask, 0.5) for _ in range(4000)])
+    assert not torch.allclose(draws[0], exact), "dropout_p is ignored"
+    assert not torch.equal(draws[0], draws[1]), "the same mask every call"
+    # Unbiased: the mean over draws approaches the output without dropout (observed max
+    # error ~0.06 at 4000 draws; dropping without the 1/(1-p) rescale misses by ~0.5).
+    torch.testing.assert_close(draws.mean(0), exact, rtol=0, atol=0.15)
+
+
+@pytest.mark.parametrize("variant", available_variants("cpu", torch.float32, 8, dropout_p=0.5))
+def test_model_dropout_only_in_training(variant: str) -> None:
     torch.manual_seed(0)
     reference, model = twin_models(variant, torch.float32, dropout=0.5)
     idx = torch.randint(0, 97, (2, 20))
