@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt | cksum | cut -d' ' -f1)
 
-.PHONY: setup test demo train profile sample lint format gpu-check gpu-wheels clean
+.PHONY: setup test demo train profile sample lint format gpu-check gpu-wheels clean clean-runs
 
 setup: $(STAMP)
 
@@ -38,13 +38,13 @@ profile: setup
 gpu-check:
 	bash scripts/gpu_check.sh $(or $(OUT),gpu-check)
 
-# Wheels of the pure-Python tools gpu_check.sh needs, for a GPU machine with no network:
-# carry .gpu-wheels there and run with WHEELS=.gpu-wheels. GPU_PY: that machine's Python.
+# Wheels of the tools gpu_check.sh needs, at the versions pinned here, for a GPU machine with
+# no network: carry .gpu-wheels there and run with WHEELS=.gpu-wheels. GPU_PY: its Python.
 GPU_PY ?= 3.11
 gpu-wheels: setup
 	$(PY) -m pip download --quiet --only-binary=:all: --python-version $(GPU_PY) \
 		--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
-		-d .gpu-wheels tqdm pytest matplotlib numpy
+		-d .gpu-wheels $(shell grep -E '^(tqdm|pytest|matplotlib|numpy)==' requirements.txt)
 
 lint: setup
 	$(PY) -m ruff check .
@@ -54,5 +54,10 @@ format: setup
 	$(PY) -m ruff format .
 	$(PY) -m ruff check --fix .
 
+# The environment and caches; trained runs and profiles stay (see clean-runs).
 clean:
-	rm -rf $(VENV) runs profiles .pytest_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .gpu-wheels
+
+# Deletes every trained run (checkpoints included) and every profile sweep.
+clean-runs:
+	rm -rf runs profiles

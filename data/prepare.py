@@ -6,7 +6,7 @@
         [--vocab-size N] [--val-fraction F] [--max-bytes N]
         [--encoding-errors {strict,replace}] [--seed N] [--out-root DIR]
 
-writes <out-root>/NAME/ (out-root defaults to this data/ folder):
+writes <out-root>/NAME/ (out-root defaults to ./data, where train.py's data.root looks):
 
     train.bin, val.bin  flat raw np.uint16 token ids; every document is followed by <|endoftext|>
     tokenizer.json      byte-level BPE (`tokenizers`) trained on the train split only
@@ -88,7 +88,7 @@ DEFAULT_VOCAB_SIZE = 2048
 MIN_VOCAB_SIZE = 256 + 1  # every byte, plus EOT
 MAX_VOCAB_SIZE = 2**16  # ids are stored as uint16
 DEFAULT_VAL_FRACTION = 0.1
-DEFAULT_OUT_ROOT = Path(__file__).resolve().parent
+DEFAULT_OUT_ROOT = Path("data")  # relative to the working directory, as data.root is
 # Bump when the files written, or how they are derived, change, so old data is rebuilt.
 FORMAT_VERSION = 1
 OUTPUT_FILES = ("tokenizer.json", "train.bin", "val.bin")
@@ -374,7 +374,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="--files: fail on non-UTF-8 input, or replace bad bytes with U+FFFD",
     )
     parser.add_argument("--seed", type=int, default=0, help="for the train/val document split")
-    parser.add_argument("--out-root", type=Path, help=f"default {DEFAULT_OUT_ROOT}")
+    parser.add_argument(
+        "--out-root", type=Path, help=f"default ./{DEFAULT_OUT_ROOT} (the same as data.root)"
+    )
     return parser.parse_args(argv)
 
 
