@@ -170,7 +170,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     for arg in overrides:
         section, key, value = parse_override(arg)
         raw.setdefault(section, {})[key] = value
-    sections = {f.name: f.type for f in dataclasses.fields(Config)}
+    sections = [f.name for f in dataclasses.fields(Config)]
     hints = typing.get_type_hints(Config)
     built = {}
     for section, values in raw.items():

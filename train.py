@@ -374,11 +374,16 @@ def train(
             broadcast_buffers=False,  # the only buffer is the constant causal mask
         )
 
+    tokens_per_step = tc.batch_size * tc.grad_accum * world_size * config.model.block_size
     if master:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.toml").write_text(dump_toml(config))
         start_metrics(out_dir / "metrics.jsonl", step if ckpt is not None else None)
         shutil.copyfile(data_dir / "tokenizer.json", out_dir / "tokenizer.json")
+        print(
+            f"{config.model.attention}: {raw_model.num_params() / 1e6:.2f}M parameters "
+            f"(without position embeddings) on {device}, {tokens_per_step:,} tokens per step"
+        )
         if device.type == "cpu":
             print(
                 f"cpu: nn.Linear through {'oneDNN' if onednn else 'PyTorch BLAS'} "
@@ -386,7 +391,6 @@ def train(
                 f"{'kept for the next step' if kept_host_memory else 'returned to the OS'}"
             )
     bpb_factor = meta["splits"]["val"]["tokens"] / meta["splits"]["val"]["bytes"] / math.log(2)
-    tokens_per_step = tc.batch_size * tc.grad_accum * world_size * config.model.block_size
 
     def log(record: dict[str, Any]) -> None:
         with open(out_dir / "metrics.jsonl", "a") as f:
