@@ -115,6 +115,7 @@ class Sweep:
         if args.host_memory == "keep" and self.device.type == "cpu" and keep_freed_host_memory():
             self.host_memory = "keep"
         self.out = Path(args.out)
+        self.link_latest = False  # set by main for a default (timestamped) output folder
         self.rows: list[dict[str, Any]] = []
         self.batches = self._batches()
         self.meta = self._meta()
@@ -205,18 +206,19 @@ class Sweep:
         self.meta["peak_flops"] = self.meta["peak_flops_start"]
         self.meta["peak_flops_by_path"] = start
         total = len(variants) * len(layers) * len(compile_modes)
-        bar = tqdm(total=total, desc="cells", unit="cell", dynamic_ncols=True)
-        for n_layer in layers:
-            cells = [Cell(v, n_layer, c) for v in variants for c in compile_modes]
-            flops = self._model_flops(n_layer)
-            self._time(cells, bar)
-            for cell in cells:
-                self._profile_and_record(cell, flops)
-                bar.update(1)
-            synchronize(self.device)
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-        bar.close()
+        self.meta["cells_planned"] = total
+        # The bar closes on Ctrl-C too, so the message after it starts on a line of its own.
+        with tqdm(total=total, desc="cells", unit="cell", dynamic_ncols=True) as bar:
+            for n_layer in layers:
+                cells = [Cell(v, n_layer, c) for v in variants for c in compile_modes]
+                flops = self._model_flops(n_layer)
+                self._time(cells, bar)
+                for cell in cells:
+                    self._profile_and_record(cell, flops)
+                    bar.update(1)
+                synchronize(self.device)
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
         # A second reading of the peak: the MFU denominator is the higher of the two.
         end = matmul_peaks(self.device, self.dtype, self.args.peak_seconds)
         self.meta["peak_flops_end"] = max(end.values())
@@ -386,8 +388,11 @@ class Sweep:
 
     def _write(self) -> None:
         """results.json, results.csv, and the report, after every cell: an interrupted sweep
-        keeps what it measured."""
+        keeps what it measured. `latest` moves to a default folder once it holds a result."""
         write_results(self.out, self.meta, self.rows)
+        if self.link_latest:
+            _point_latest(self.out)
+            self.link_latest = False
 
 
 def _csv_list(text: str, kind: type, flag: str) -> list:
@@ -402,7 +407,9 @@ def _csv_list(text: str, kind: type, flag: str) -> list:
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,  # unknown --flags are config overrides; never guess a prefix
     )
     p.add_argument("--config", type=Path, default=Path("configs/profile.toml"))
     p.add_argument("--variants", help="comma-separated (default: every variant that runs here)")
@@ -459,6 +466,14 @@ def main(argv: list[str] | None = None) -> int:
         args.out = args.out or _default_out(args.config)
         if (args.out / "results.json").exists():
             raise ConfigError(f"--out {args.out} holds an earlier sweep; choose another folder")
+        if args.out.exists() and not (args.out.is_dir() and not any(args.out.iterdir())):
+            raise ConfigError(f"--out {args.out} exists and is not an empty folder; choose another")
+        if args.diff:
+            raise ConfigError("--diff compares two variants of an existing sweep: add --report DIR")
+        if any(o.split("=")[0] in ("--model.n_layer", "--model.attention") for o in overrides):
+            raise ConfigError(
+                "the sweep sets model.n_layer and model.attention per cell: use --layers and --variants"
+            )
         layers = _csv_list(args.layers, int, "--layers")
         if not layers or min(layers) < 1:
             raise ConfigError(f"--layers={args.layers!r}: give positive integers, e.g. 1,2,4,8")
@@ -466,10 +481,16 @@ def main(argv: list[str] | None = None) -> int:
             if getattr(args, flag) < 1:
                 raise ConfigError(f"--{flag.replace('_', '-')}={getattr(args, flag)}: must be >= 1")
         args.trace_layers = set(_csv_list(args.trace_layers or "", int, "--trace-layers"))
+        if args.trace_layers - set(layers):
+            raise ConfigError(
+                f"--trace-layers={sorted(args.trace_layers)}: not all are among --layers={layers}"
+            )
         device = pick_device(config.train.device)
         dtype = autocast_dtype(config.train.dtype, device) or torch.float32
-        if args.variants:
+        if args.variants is not None:
             variants = _csv_list(args.variants, str, "--variants")
+            if not variants:
+                raise ConfigError("--variants is empty; name at least one, or leave it out for all")
             unknown = [v for v in variants if v not in VARIANTS]
             if unknown:
                 raise ConfigError(
@@ -481,14 +502,18 @@ def main(argv: list[str] | None = None) -> int:
             )
         compile_modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
         sweep = Sweep(config, args)  # the last check of the input; nothing is written before
-        if default_out:
-            _point_latest(args.out)
+        sweep.link_latest = default_out
         sweep.run(variants, layers, compile_modes)
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"interrupted; the cells measured so far are in {args.out}", file=sys.stderr)
+        if (args.out / "results.json").exists():
+            print(f"interrupted; the cells measured so far are in {args.out}", file=sys.stderr)
+        else:
+            print(
+                "interrupted before the first cell was measured; nothing written", file=sys.stderr
+            )
         return 130
     print((args.out / "summary.txt").read_text())
     print(f"report: {args.out / 'report.md'}")
@@ -502,8 +527,7 @@ def _default_out(config_path: Path) -> Path:
 
 
 def _point_latest(out: Path) -> None:
-    """Create out and point profiles/<config>/latest at it (best effort: no symlinks, no link)."""
-    out.mkdir(parents=True, exist_ok=True)
+    """Point profiles/<config>/latest at out (best effort: where there are no symlinks, none)."""
     latest = out.parent / "latest"
     with contextlib.suppress(OSError):
         latest.unlink(missing_ok=True)

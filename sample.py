@@ -21,6 +21,8 @@ from train import USER_ERRORS, TrainError, pick_device
 
 
 def load_run(run_dir: Path, device: torch.device) -> tuple[GPT, Tokenizer]:
+    if not run_dir.is_dir():
+        raise TrainError(f"run directory {run_dir} does not exist")
     for name in ("config.toml", "tokenizer.json"):
         if not (run_dir / name).is_file():
             raise TrainError(f"{run_dir} has no {name}; is it a run directory written by train.py?")
@@ -42,8 +44,10 @@ def sample_run(
     top_k: int | None = 50,
     seed: int = 0,
     device: str = "auto",
+    device_setting: str = "train.device",
 ) -> str:
-    dev = pick_device(device)
+    """Text continuing `prompt`. `device_setting` is what an error calls the device choice."""
+    dev = pick_device(device, device_setting)
     model, tokenizer = load_run(run_dir, dev)
     ids = tokenizer.encode(prompt).ids
     if not ids:
@@ -58,7 +62,9 @@ def sample_run(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
     )
     parser.add_argument("--run", type=Path, required=True, help="run directory written by train.py")
     parser.add_argument("--prompt", default="\n")
@@ -70,6 +76,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto")
     args = parser.parse_args(argv)
+    problems = {
+        "--tokens": "must be >= 0",
+        "--top-k": "must be >= 0 (0 samples from the whole vocabulary)",
+    }
+    for flag, problem in problems.items():
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value < 0:
+            print(f"error: {flag} {value}: {problem}", file=sys.stderr)
+            return 2
     try:
         text = sample_run(
             args.run,
@@ -79,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             args.top_k or None,
             args.seed,
             args.device,
+            device_setting="--device",
         )
     except (*USER_ERRORS, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -57,7 +57,8 @@ USER_ERRORS = (ConfigError, TrainError, DataError, CheckpointError)
 # --- device and precision ---------------------------------------------------------------------
 
 
-def pick_device(name: str) -> torch.device:
+def pick_device(name: str, setting: str = "train.device") -> torch.device:
+    """cuda > mps > cpu for "auto", else the named device; errors name `setting`."""
     if name == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
@@ -68,10 +69,10 @@ def pick_device(name: str) -> torch.device:
         device = torch.device(name)
     except RuntimeError:
         raise TrainError(
-            f"train.device={name!r}: not a device; use auto, cpu, cuda, cuda:N or mps"
+            f"{setting}={name!r}: not a device; use auto, cpu, cuda, cuda:N or mps"
         ) from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise TrainError(f"train.device={name!r}: CUDA is not available on this machine")
+        raise TrainError(f"{setting}={name!r}: CUDA is not available on this machine")
     return device
 
 
@@ -325,7 +326,7 @@ def train(
     kept_host_memory = device.type == "cpu" and keep_freed_host_memory()
     master = rank == 0
     amp_dtype = autocast_dtype(tc.dtype, device)
-    meta = load_meta(config.data.root, config.data.name)
+    meta = load_meta(config.data.root, config.data.name, config.model.vocab_size)
     check_vocab(meta, config.model.vocab_size, config.data.name)
     data_dir = Path(config.data.root) / config.data.name
     onednn = check_runnable(config, device, amp_dtype)
@@ -447,9 +448,10 @@ def train(
             loss_value, stop_requested = flags[0].item(), flags[1].item() > 0  # .item() syncs
             dt = time.perf_counter() - t0  # the step alone: evaluations and saves not included
             if not math.isfinite(loss_value):
+                last = f"the last good one is {ckpt_path}" if ckpt_path.is_file() else "none yet"
                 raise TrainError(
-                    f"loss is {loss_value} at step {step}; stopped without saving "
-                    f"(the last good checkpoint, if any, is {ckpt_path})"
+                    f"loss is {loss_value} at step {step}; stopped without saving a checkpoint "
+                    f"({last})"
                 )
             bar.update(1)
             bar.set_postfix(
@@ -486,8 +488,13 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Any config field can be overridden: --model.attention=sdpa --train.max_steps=200",
+        allow_abbrev=False,  # unknown --flags are config overrides; never guess a prefix
     )
-    parser.add_argument("--config", type=Path, help="TOML file with [model], [data], [train]")
+    parser.add_argument(
+        "--config",
+        type=Path,
+        help="TOML file with [model], [data], [train] (with --resume: default the run's config.toml)",
+    )
     parser.add_argument("--out", type=Path, help="run directory (default: runs/<config name>)")
     parser.add_argument(
         "--resume", action="store_true", help="continue the run in --out from its checkpoint"
@@ -500,8 +507,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     args, overrides = parser.parse_known_args(argv)
     try:
-        config = load_config(args.config, overrides)
+        if args.stop_after is not None and args.stop_after < 1:
+            raise TrainError(f"--stop-after {args.stop_after}: must be at least 1 step")
         out = args.out or Path("runs") / (args.config.stem if args.config else "default")
+        config_file = args.config
+        if config_file is None and args.resume and (out / "config.toml").is_file():
+            config_file = out / "config.toml"  # resume what was run, not the built-in defaults
+        config = load_config(config_file, overrides)
         end = train(config, out, resume=args.resume, stop_after=args.stop_after)
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
@@ -522,7 +534,11 @@ def main(argv: list[str] | None = None) -> int:
         from sample import sample_run
 
         print(f"\n--- sample from {end.run_dir} (prompt {tc.sample_prompt!r}) ---")
-        print(sample_run(end.run_dir, tc.sample_prompt, tc.sample_tokens, device=tc.device))
+        try:
+            print(sample_run(end.run_dir, tc.sample_prompt, tc.sample_tokens, device=tc.device))
+        except KeyboardInterrupt:
+            print("sample interrupted; the run is saved", file=sys.stderr)
+            return 130
     return 0
 
 

@@ -18,12 +18,15 @@ class DataError(RuntimeError):
     """A prepared corpus that is missing or too small for the run."""
 
 
-def load_meta(root: str | Path, name: str) -> dict[str, Any]:
+def load_meta(root: str | Path, name: str, vocab_size: int | None = None) -> dict[str, Any]:
+    """The corpus's meta.json; the error for a missing one says how to prepare it."""
     path = Path(root) / name / "meta.json"
     if not path.is_file():
+        vocab = f" --vocab-size {vocab_size}" if vocab_size is not None else ""
+        out_root = "" if Path(root) == Path("data") else f" --out-root {root}"
         raise DataError(
             f"no prepared corpus at {path.parent}/ (missing meta.json); prepare it first, e.g. "
-            f"python data/prepare.py --name {name} --stdlib"
+            f"python data/prepare.py --name {name} --stdlib{vocab}{out_root}"
         )
     return json.loads(path.read_text())
 

@@ -354,6 +354,7 @@ def _file_sha256(path: Path) -> str:
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="data/prepare.py",
+        allow_abbrev=False,
         description="Corpus -> byte-level BPE -> uint16 token files in <out-root>/NAME/.",
     )
     parser.add_argument("--name", required=True, help="output folder name under --out-root")
@@ -401,6 +402,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PrepareError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Outputs go to temporary names first and meta.json comes last (see the docstring).
+        print(
+            "interrupted; no meta.json describes unfinished files, so the next run redoes them",
+            file=sys.stderr,
+        )
+        return 130
     return 0
 
 

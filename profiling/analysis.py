@@ -16,7 +16,7 @@ def label(variant: str, compiled: bool) -> str:
     return f"{variant}+compile" if compiled else variant
 
 
-def fit_line(xs: list[float], ys: list[float]) -> dict[str, float] | None:
+def fit_line(xs: list[float], ys: list[float]) -> dict[str, float | None] | None:
     """Least squares y = intercept + slope * x, with r^2 and the slope's standard error.
 
     None with fewer than two distinct x. The standard error needs three points; with two it
@@ -33,7 +33,8 @@ def fit_line(xs: list[float], ys: list[float]) -> dict[str, float] | None:
     ss_res = sum((y - intercept - slope * x) ** 2 for x, y in zip(xs, ys, strict=True))
     ss_tot = sum((y - my) ** 2 for y in ys)
     r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
-    slope_se = math.sqrt(ss_res / (n - 2) / sxx) if n > 2 else float("nan")
+    # Two points fit exactly and say nothing about the error: None (JSON null), not NaN.
+    slope_se = math.sqrt(ss_res / (n - 2) / sxx) if n > 2 else None
     return {"slope": slope, "intercept": intercept, "r2": r2, "slope_se": slope_se, "points": n}
 
 
@@ -87,7 +88,11 @@ def savings(
         if name == baseline or fit is None:
             continue
         per_layer = base["slope"] - fit["slope"]
-        se = math.sqrt(base["slope_se"] ** 2 + fit["slope_se"] ** 2)
+        se = (
+            None
+            if base["slope_se"] is None or fit["slope_se"] is None
+            else math.sqrt(base["slope_se"] ** 2 + fit["slope_se"] ** 2)
+        )
         projected = {}
         for layers in PROJECT_AT:
             ref = base["intercept"] + base["slope"] * layers

@@ -33,6 +33,36 @@ def _labels(rows: list[dict[str, Any]]) -> list[str]:
     return seen
 
 
+def _peak_readings(meta: dict[str, Any]) -> str:
+    start = meta.get("peak_flops_start", meta["peak_flops"]) / 1e9
+    if "peak_flops_end" not in meta:
+        return (
+            f"{start:.1f} GFLOP/s, measured at the start (the sweep stopped before the end reading)"
+        )
+    end = meta["peak_flops_end"] / 1e9
+    return (
+        f"{start:.1f} / {end:.1f} GFLOP/s, measured at the start and end of the sweep, higher used"
+    )
+
+
+def _completeness(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
+    """A line saying the sweep stopped early, if it did."""
+    planned = meta.get("cells_planned")
+    if planned is None or len(rows) >= planned:
+        return []
+    return [
+        f"**Incomplete sweep**: {len(rows)} of {planned} cells were measured before it stopped.",
+        "",
+    ]
+
+
+def _pm(value: float, se: float | None, spec: str = ".2f") -> str:
+    """'1.23 ± 0.04', or '1.23 (2 depths: no se)' when the fit had no residual to estimate it."""
+    if se is None:
+        return f"{value:{spec}} (2 depths: no se)"
+    return f"{value:{spec}} ± {se:.2f}"
+
+
 def _fmt(x: float | None, spec: str = ".1f", none: str = "–") -> str:
     return none if x is None else format(x, spec)
 
@@ -71,9 +101,9 @@ def headline_table(results: dict[str, Any]) -> list[str]:
                 _fmt(r["step_ms"]["median"]) if r and r["step_ms"] else (r or {}).get("status", "–")
             )
         step_fit = fits.get(name, {}).get("step_ms")
-        cells.append(f"{step_fit['slope']:.2f} ± {step_fit['slope_se']:.2f}" if step_fit else "–")
+        cells.append(_pm(step_fit["slope"], step_fit["slope_se"]) if step_fit else "–")
         s = saved.get(name)
-        cells.append(f"{s['per_layer']:+.2f} ± {s['per_layer_se']:.2f} ms" if s else "–")
+        cells.append(_pm(s["per_layer"], s["per_layer_se"], "+.2f") + " ms" if s else "–")
         cells.append(f"{s['projected'][str(PROJECT_AT[-1])]['percent']:+.1f}%" if s else "–")
         last = by.get((name, layers[-1]))
         cells.append(
@@ -194,6 +224,7 @@ def write_report(out: Path, results: dict[str, Any]) -> None:
         f"{_peak_paths(meta)}",
         f"command: {meta['command']}",
         "",
+        *_completeness(meta, rows),
         *headline_table(results),
     ]
     (out / "summary.txt").write_text("\n".join(summary) + "\n")
@@ -249,7 +280,7 @@ def _fits_table(fits: dict[str, dict[str, dict[str, float]]]) -> list[str]:
     for name, by_metric in fits.items():
         for metric, f in sorted(by_metric.items()):
             lines.append(
-                f"| {name} | {metric} | {f['slope']:.4g} | {f['slope_se']:.2g} | "
+                f"| {name} | {metric} | {f['slope']:.4g} | {_fmt(f['slope_se'], '.2g')} | "
                 f"{f['intercept']:.4g} | {f['r2']:.4f} |"
             )
     return lines
@@ -276,11 +307,10 @@ def _report_md(results: dict[str, Any]) -> str:
         [
             "# Training-step profile by attention variant and depth",
             "",
+            *_completeness(meta, rows),
             f"- **Machine**: {_machine_line(meta)}",
             f"- **Setup**: {_setup_line(meta)}; {meta['steps']} timed steps per cell after {meta['warmup']} warm-up steps",
-            f"- **Matmul peak** ({meta['dtype']}, measured at start and end of the sweep, higher used): "
-            f"{meta.get('peak_flops_start', 0) / 1e9:.1f} / {meta.get('peak_flops_end', meta['peak_flops']) / 1e9:.1f} GFLOP/s"
-            f"{_peak_paths(meta)}",
+            f"- **Matmul peak** ({meta['dtype']}): {_peak_readings(meta)}{_peak_paths(meta)}",
             f"- **Command**: `{meta['command']}` (config `{meta['config_file']}`), started {meta['started_at']}",
             "",
             "## Headline",

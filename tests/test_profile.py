@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -199,7 +198,7 @@ def test_fits_recover_known_slopes() -> None:
     assert fit["r2"] == pytest.approx(1) and fit["slope_se"] == pytest.approx(0, abs=1e-12)
     noisy = fit_line([1, 2, 3, 4], [1.1, 1.9, 3.2, 3.8])
     assert 0.9 < noisy["r2"] < 1 and noisy["slope_se"] > 0
-    assert math.isnan(fit_line([1, 2], [1, 2])["slope_se"])
+    assert fit_line([1, 2], [1, 2])["slope_se"] is None  # two points: no error estimate, not NaN
     assert fit_line([4, 4], [1, 2]) is None
 
     def row(variant: str, n: int, ms: float) -> dict:
@@ -231,11 +230,25 @@ def test_bad_arguments_name_the_problem(tmp_path: Path, capsys: pytest.CaptureFi
     assert rc == 2 and "--layers" in capsys.readouterr().err
     rc, _ = sweep(tmp_path, "--model.n_heads=3")
     assert rc == 2 and "model.n_heads" in capsys.readouterr().err
-    for flag, value in [("--layers", "1,a"), ("--trace-layers", "1,x"), ("--steps", "0")]:
-        rc, _ = sweep(tmp_path, flag, value)
+    bad = [
+        ("--layers", "1,a"),
+        ("--trace-layers", "1,x"),
+        ("--trace-layers", "4"),  # not among --layers
+        ("--steps", "0"),
+        ("--variants", ""),
+        ("--diff", "inplace,naive"),  # needs --report
+        ("--model.n_layer=3", None),  # the sweep sets n_layer itself
+    ]
+    for flag, value in bad:
+        rc, _ = sweep(tmp_path, "--layers", "1", flag, *([value] if value is not None else []))
         err = capsys.readouterr().err
-        assert rc == 2 and flag in err and "Traceback" not in err, err
+        assert rc == 2 and flag.split("=")[0].split(".")[-1] in err, err
+        assert "Traceback" not in err, err
     assert not (tmp_path / "sweep").exists(), "bad input wrote nothing"
+    (tmp_path / "sweep").mkdir()
+    (tmp_path / "sweep" / "notes.txt").write_text("mine")
+    rc, _ = sweep(tmp_path)
+    assert rc == 2 and "not an empty folder" in capsys.readouterr().err
 
 
 def test_bad_arguments_leave_no_default_output_folder(
@@ -245,6 +258,9 @@ def test_bad_arguments_leave_no_default_output_folder(
     config = str(ROOT / "configs" / "profile.toml")
     assert profile_train.main(["--config", config, "--layers", "0"]) == 2
     assert not (tmp_path / "profiles").exists()
+    quick = ["--variants", "naive", "--layers", "1", "--steps", "1", "--warmup", "1", *TINY]
+    assert profile_train.main(["--config", config, *quick, "--peak-seconds", "0.02"]) == 0
+    assert (tmp_path / "profiles" / "profile" / "latest" / "results.json").is_file()
 
 
 def test_earlier_sweep_is_not_overwritten(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -378,6 +378,24 @@ def test_resume_of_a_finished_run_changes_nothing(
     assert {name: (out / name).read_bytes() for name in before} == before
 
 
+def test_resume_without_config_continues_with_the_runs_own_config(
+    base_run: Path, tmp_path: Path
+) -> None:
+    out = copy_run(base_run, tmp_path / "more")
+    assert train.main(["--out", str(out), "--resume", f"--train.max_steps={STEPS + 2}"]) == 0
+    assert load_ckpt(out)["step"] == STEPS + 2
+    assert load_config(out / "config.toml").model == load_config(base_run / "config.toml").model
+
+
+@pytest.mark.parametrize("n", ["0", "-2"])
+def test_stop_after_must_be_positive(
+    data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], n: str
+) -> None:
+    assert run(data_root, tmp_path / "run", "--stop-after", n) == 2
+    assert "--stop-after" in error_of(capsys.readouterr().err)
+    assert not (tmp_path / "run").exists()
+
+
 def test_step_time_excludes_evaluation(data_root: Path, tmp_path: Path) -> None:
     """The step after an evaluation logs its own time, not the evaluation's."""
     out = tmp_path / "run"
@@ -398,6 +416,8 @@ def test_missing_corpus_hints_at_prepare(
     assert run(data_root, tmp_path / "run", "--data.name=never-prepared") == 2
     err = error_of(capsys.readouterr().err)
     assert "never-prepared" in err and "data/prepare.py" in err
+    # The hint prepares a corpus this model can read, where this run looks for it.
+    assert "--vocab-size 512" in err and f"--out-root {data_root}" in err
     assert not (tmp_path / "run").exists()
 
 
@@ -573,6 +593,28 @@ def test_sample_greedy_ignores_the_seed(base_run: Path, capsys: pytest.CaptureFi
 def test_sample_longer_than_the_context(base_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
     text = sample_text(capsys, base_run, "--tokens", "50")  # block_size is 32
     assert text.startswith("def ")
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--tokens", "-3"], "--tokens"),
+        (["--top-k", "-5"], "--top-k"),
+        (["--device", "cuda:x"], "--device"),
+    ],
+)
+def test_sample_bad_arguments_name_the_flag(
+    base_run: Path, capsys: pytest.CaptureFixture[str], args: list[str], named: str
+) -> None:
+    assert sample.main(["--run", str(base_run), *args]) == 2
+    assert named in error_of(capsys.readouterr().err)
+
+
+def test_sample_from_a_missing_dir_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert sample.main(["--run", str(tmp_path / "nope")]) == 2
+    assert "does not exist" in error_of(capsys.readouterr().err)
 
 
 def test_sample_from_a_dir_without_checkpoint_exits_2(
