@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import inspect
 import json
 import math
 import os
@@ -369,10 +370,15 @@ def train(
             return RunEnd(out_dir, step, 0, None)
     model: torch.nn.Module = raw_model
     if world_size > 1:
+        # The only buffer is the constant causal mask: no need to re-send it every forward.
+        # torch 2.13 renamed the flag (the old name warns); 2.11 and 2.12 know only the old.
+        no_buffer_sync = (
+            {"forward_sync_buffers": False}
+            if "forward_sync_buffers" in inspect.signature(DDP).parameters
+            else {"broadcast_buffers": False}
+        )
         model = DDP(
-            model,
-            device_ids=[device.index] if device.type == "cuda" else None,
-            broadcast_buffers=False,  # the only buffer is the constant causal mask
+            model, device_ids=[device.index] if device.type == "cuda" else None, **no_buffer_sync
         )
 
     tokens_per_step = tc.batch_size * tc.grad_accum * world_size * config.model.block_size
