@@ -24,6 +24,9 @@ from profiling.analysis import (
 MiB = 2**20
 
 
+NOISY_SPREAD = 1.25  # p90/p10 of a cell's step times above which its headline cell gets a *
+
+
 def _labels(rows: list[dict[str, Any]]) -> list[str]:
     seen: list[str] = []
     for r in rows:
@@ -97,9 +100,10 @@ def headline_table(results: dict[str, Any]) -> list[str]:
         cells = [name]
         for n in layers:
             r = by.get((name, n))
-            cells.append(
-                _fmt(r["step_ms"]["median"]) if r and r["step_ms"] else (r or {}).get("status", "–")
-            )
+            if r and r["step_ms"]:
+                cells.append(_fmt(r["step_ms"]["median"]) + ("*" if _noisy(r["step_ms"]) else ""))
+            else:
+                cells.append((r or {}).get("status", "–"))
         step_fit = fits.get(name, {}).get("step_ms")
         cells.append(_pm(step_fit["slope"], step_fit["slope_se"]) if step_fit else "–")
         s = saved.get(name)
@@ -116,7 +120,18 @@ def headline_table(results: dict[str, Any]) -> list[str]:
             _fmt(last["peak_mem_bytes"] / MiB if last and last["peak_mem_bytes"] else None)
         )
         lines.append("| " + " | ".join(cells) + " |")
+    if any(r["step_ms"] and _noisy(r["step_ms"]) for r in rows):
+        lines += [
+            "",
+            f"Cells marked * varied widely while timed (p90/p10 above {NOISY_SPREAD}): the "
+            "machine was likely busy, so their medians and the fits through them are less "
+            "certain. Rerun to check.",
+        ]
     return lines
+
+
+def _noisy(step_ms: dict[str, float]) -> bool:
+    return step_ms["p90"] > NOISY_SPREAD * step_ms["p10"]
 
 
 def _setup_line(meta: dict[str, Any]) -> str:

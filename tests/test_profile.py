@@ -10,6 +10,7 @@ import pytest
 import profile_train
 from model import attention
 from profiling.analysis import fit_line, fits_by_label, op_diff, savings
+from profiling.report import headline_table
 
 TINY = [
     "--model.vocab_size=128",
@@ -337,3 +338,25 @@ def test_time_categories_cover_every_matmul_path() -> None:
     assert time_category("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention kernel"
     assert time_category("flash_fwd_kernel") == "attention kernel"
     assert time_category("aten::gelu") == "other"
+
+
+def test_headline_marks_cells_timed_on_a_busy_machine() -> None:
+    def row(variant: str, n: int, p10: float, p90: float) -> dict:
+        return {
+            "variant": variant,
+            "compile": False,
+            "n_layer": n,
+            "status": "ok",
+            "step_ms": {"median": (p10 + p90) / 2, "p10": p10, "p90": p90, "n": 20},
+            "mfu": None,
+            "peak_mem_bytes": None,
+            "ops_per_step": None,
+        }
+
+    rows = [row("naive", 1, 10, 11), row("naive", 2, 20, 21), row("naive", 4, 40, 90)]
+    lines = headline_table({"rows": rows, "fits": fits_by_label(rows)})
+    table = "\n".join(lines)
+    assert "| 10.5 | 20.5 | 65.0* |" in table
+    assert "Cells marked * varied widely" in table
+    calm = headline_table({"rows": rows[:2], "fits": fits_by_label(rows[:2])})
+    assert "*" not in "\n".join(calm)
