@@ -20,9 +20,7 @@ from profiling.analysis import (
     savings,
     time_split,
 )
-
-MiB = 2**20
-
+from profiling.plots import MiB, plot_results
 
 NOISY_SPREAD = 1.25  # p90/p10 of a cell's step times above which its headline cell gets a *
 
@@ -244,7 +242,7 @@ def write_report(out: Path, results: dict[str, Any]) -> None:
     ]
     (out / "summary.txt").write_text("\n".join(summary) + "\n")
     (out / "report.md").write_text(_report_md(results))
-    _plots(out, results)
+    plot_results(out, results, _setup_line(results["meta"]))
 
 
 def _cell_table(rows: list[dict[str, Any]]) -> list[str]:
@@ -413,70 +411,6 @@ def _host_memory_lines(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list
         f"- **Host memory**: memory that tensors free was {how}; minor page faults per timed "
         f"step: median {statistics.median(faults):,.0f}, at most {max(faults):,.0f} over the cells."
     ]
-
-
-def _plots(out: Path, results: dict[str, Any]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows, fits = ok_rows(results["rows"]), results["fits"]
-    setup = _setup_line(results["meta"])
-    specs = [
-        (
-            "step_time_vs_layers.png",
-            "step_ms",
-            "median step time (ms)",
-            lambda r: (r["step_ms"]["median"], r["step_ms"]["p10"], r["step_ms"]["p90"]),
-            1.0,
-        ),
-        (
-            "memory_vs_layers.png",
-            "peak_mem_bytes",
-            "peak memory per step (MiB)",
-            lambda r: (r["peak_mem_bytes"],) * 3 if r["peak_mem_bytes"] else None,
-            1 / MiB,
-        ),
-    ]
-    for filename, metric, ylabel, values, scale in specs:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for i, name in enumerate(_labels(rows)):
-            pts = sorted(
-                (r["n_layer"], values(r)) for r in rows if label(r["variant"], r["compile"]) == name
-            )
-            pts = [(x, v) for x, v in pts if v is not None]
-            if not pts:
-                continue
-            # A small sideways shift per variant, so that equal values (sdpa and the backend
-            # it picked) stay visible; the fitted lines use the true n_layer.
-            shift = 0.06 * (i - (len(_labels(rows)) - 1) / 2)
-            xs = [x + shift for x, _ in pts]
-            mid = [v[0] * scale for _, v in pts]
-            err = [[(v[0] - v[1]) * scale for _, v in pts], [(v[2] - v[0]) * scale for _, v in pts]]
-            color = f"C{i % 10}"
-            ax.errorbar(xs, mid, yerr=err, fmt="o", color=color, label=name, capsize=3)
-            fit = fits.get(name, {}).get(metric)
-            if fit:
-                line_x = [min(xs) - shift, max(xs) - shift]
-                ax.plot(
-                    line_x,
-                    [(fit["intercept"] + fit["slope"] * x) * scale for x in line_x],
-                    "--",
-                    color=color,
-                    linewidth=1,
-                )
-        ax.set_xlabel("n_layer")
-        ax.set_ylabel(ylabel)
-        ax.set_title(
-            f"{ylabel.split(' (')[0]} vs depth ({results['meta']['device']})\n{setup}", fontsize=9
-        )
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / filename, dpi=110)
-        plt.close(fig)
 
 
 def write_results(out: Path, meta: dict[str, Any], rows: list[dict[str, Any]]) -> None:

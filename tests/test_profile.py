@@ -11,6 +11,7 @@ import profile_train
 from model import attention
 from profiling.analysis import fit_line, fits_by_label, op_diff, savings
 from profiling.report import headline_table
+from profiling.sweep import Sweep
 
 TINY = [
     "--model.vocab_size=128",
@@ -178,14 +179,14 @@ def test_failing_cells_do_not_stop_the_sweep(
 def test_interrupted_sweep_keeps_what_it_measured(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_time = profile_train.Sweep._time
+    real_time = Sweep._time
 
     def time_then_interrupt(self, cells, bar):
         if cells[0].n_layer == 2:
             raise KeyboardInterrupt
         return real_time(self, cells, bar)
 
-    monkeypatch.setattr(profile_train.Sweep, "_time", time_then_interrupt)
+    monkeypatch.setattr(Sweep, "_time", time_then_interrupt)
     rc, results = sweep(tmp_path, "--variants", "naive", "--layers", "1,2")
     assert rc == 130
     assert [(r["variant"], r["n_layer"], r["status"]) for r in results["rows"]] == [

@@ -1,0 +1,391 @@
+"""One sweep of training steps over variants x n_layer x compile: time, profile, count, record.
+
+Each cell is built the way train.py builds a run (train.build_model) and stepped with
+train.train_step, imported: the sweep measures what training runs. profile_train.py is the
+command line around it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime as dt
+import itertools
+import os
+import platform
+import resource
+import shlex
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from config import Config, ConfigError
+from cpu_linear import cpu_field, wants_onednn
+from data.loader import TokenBatches, check_vocab, load_meta
+from model import VARIANTS, unavailable_reason
+from profiling.analysis import label
+from profiling.measure import (
+    TRACE_WARN_BYTES,
+    backend_that_ran,
+    count_flops,
+    matmul_peaks,
+    profiled_steps,
+    resident_bytes,
+    summarize_ms,
+    synchronize,
+    timed,
+    verify_backend,
+)
+from profiling.report import write_results
+from train import (
+    autocast_dtype,
+    build_model,
+    keep_freed_host_memory,
+    pick_device,
+    train_step,
+)
+
+BATCH_POOL = 4  # distinct batches cycled through, drawn before timing so no I/O is timed
+
+
+@dataclasses.dataclass
+class Cell:
+    variant: str
+    n_layer: int
+    compiled: bool
+    step: Callable[[], torch.Tensor] | None = None
+    model: torch.nn.Module | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    times: list[float] = dataclasses.field(default_factory=list)
+    page_faults: int = 0  # minor page faults of this process during the timed steps
+    first_step_s: float | None = None
+    status: str = "ok"
+    reason: str | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{label(self.variant, self.compiled)} L{self.n_layer}"
+
+    def fail(self, status: str, error: BaseException | str) -> None:
+        self.status = status
+        self.reason = error if isinstance(error, str) else _one_line(error)
+        self.step = self.model = self.optimizer = None
+
+
+def _minor_faults() -> int:
+    """Minor page faults of this process so far: pages the OS had to map in and zero."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _one_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+
+
+class Sweep:
+    def __init__(self, config: Config, args: argparse.Namespace) -> None:
+        self.config, self.args = config, args
+        self.device = pick_device(config.train.device)
+        self.amp_dtype = autocast_dtype(config.train.dtype, self.device)
+        self.dtype = self.amp_dtype or torch.float32
+        try:
+            self.onednn = wants_onednn(
+                config.train.cpu_linear, self.device, self.amp_dtype is not None
+            )
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        self.host_memory = "release"
+        if args.host_memory == "keep" and self.device.type == "cpu" and keep_freed_host_memory():
+            self.host_memory = "keep"
+        self.out = Path(args.out)
+        self.link_latest = False  # set by main for a default (timestamped) output folder
+        self.rows: list[dict[str, Any]] = []
+        self.batches = self._batches()
+        self.meta = self._meta()
+
+    # --- setup ---------------------------------------------------------------------------------
+
+    def _batches(self) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+        mc, tc = self.config.model, self.config.train
+        if self.args.data == "synthetic":
+            g = torch.Generator().manual_seed(tc.seed)
+            shape = (tc.batch_size, mc.block_size + 1)
+            draw = lambda: torch.randint(mc.vocab_size, shape, generator=g).to(self.device)
+            pool = [[draw() for _ in range(tc.grad_accum)] for _ in range(BATCH_POOL)]
+            return [[(xy[:, :-1], xy[:, 1:]) for xy in step] for step in pool]
+        meta = load_meta(self.config.data.root, self.args.data)
+        check_vocab(meta, mc.vocab_size, self.args.data)
+        source = TokenBatches(
+            Path(self.config.data.root) / self.args.data / "train.bin",
+            mc.block_size,
+            tc.batch_size,
+            tc.seed,
+            self.device,
+        )
+        return [[source.next() for _ in range(tc.grad_accum)] for _ in range(BATCH_POOL)]
+
+    def _meta(self) -> dict[str, Any]:
+        device_name = (
+            torch.cuda.get_device_name(self.device)
+            if self.device.type == "cuda"
+            else f"{cpu_field('model name') or platform.processor()}, {platform.machine()}"
+        )
+        meta = {
+            "device": str(self.device),
+            "device_name": device_name,
+            "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "host_memory": self.host_memory,
+            "linear": "oneDNN" if self.onednn else "torch",
+            "torch_version": torch.__version__,
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "autocast": self.amp_dtype is not None,
+            "config": dataclasses.asdict(self.config),
+            "config_file": str(self.args.config),
+            "data": self.args.data,
+            "steps": self.args.steps,
+            "warmup": self.args.warmup,
+            "profile_steps": self.args.profile_steps,
+            "command": "python " + shlex.join(sys.argv),
+            "out": str(self.out),
+            "started_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        }
+        if self.device.type == "cuda":
+            meta["cuda"] = torch.version.cuda
+            meta["cudnn"] = torch.backends.cudnn.version()
+        return meta
+
+    def _build(self, cell: Cell) -> None:
+        mc, tc = self.config.model, self.config.train
+        reason = unavailable_reason(cell.variant, self.device, self.dtype, mc.head_size, mc.dropout)
+        if reason is not None:
+            cell.fail("unsupported", f"{cell.variant} cannot run on {self.device}: {reason}")
+            return
+        torch.manual_seed(tc.seed)
+        model_cfg = dataclasses.replace(mc, attention=cell.variant, n_layer=cell.n_layer)
+        cell.model, cell.optimizer = build_model(
+            model_cfg, tc, self.device, onednn=self.onednn, compile=cell.compiled
+        )
+        turn = itertools.count()
+
+        def step() -> torch.Tensor:
+            micro = self.batches[next(turn) % BATCH_POOL]
+            return train_step(cell.model, cell.optimizer, micro, tc.grad_clip, self.amp_dtype)
+
+        cell.step = step
+
+    # --- the sweep ------------------------------------------------------------------------------
+
+    def run(self, variants: list[str], layers: list[int], compile_modes: list[bool]) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        print(
+            f"measuring the {self.dtype} matmul peak of {self.meta['device_name']} ...",
+            file=sys.stderr,
+        )
+        start = matmul_peaks(self.device, self.dtype, self.args.peak_seconds)
+        self.meta["peak_flops_start"] = max(start.values())
+        self.meta["peak_flops"] = self.meta["peak_flops_start"]
+        self.meta["peak_flops_by_path"] = start
+        total = len(variants) * len(layers) * len(compile_modes)
+        self.meta["cells_planned"] = total
+        # The bar closes on Ctrl-C too, so the message after it starts on a line of its own.
+        with tqdm(total=total, desc="cells", unit="cell", dynamic_ncols=True) as bar:
+            for n_layer in layers:
+                cells = [Cell(v, n_layer, c) for v in variants for c in compile_modes]
+                flops = self._model_flops(n_layer)
+                self._time(cells, bar)
+                for cell in cells:
+                    self._profile_and_record(cell, flops)
+                    bar.update(1)
+                synchronize(self.device)
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+        # A second reading of the peak: the MFU denominator is the higher of the two.
+        end = matmul_peaks(self.device, self.dtype, self.args.peak_seconds)
+        self.meta["peak_flops_end"] = max(end.values())
+        self.meta["peak_flops"] = max(self.meta["peak_flops_start"], self.meta["peak_flops_end"])
+        self.meta["peak_flops_by_path"] = {
+            path: max(start.get(path, 0.0), end.get(path, 0.0)) for path in start | end
+        }
+        for row in self.rows:
+            row["mfu"] = self._mfu(row)
+        self._write()
+
+    def _model_flops(self, n_layer: int) -> int:
+        """FLOPs of one step at this depth, counted on an eager `naive` model.
+
+        Every variant computes the same function, so all share this count: MFU then compares
+        variants by the work the model needs, not by what each implementation happens to do.
+        """
+        cell = Cell("naive", n_layer, False)
+        with self._guard(cell):
+            self._build(cell)
+            return count_flops(cell.step)
+        tqdm.write(f"warning: no FLOP count at n_layer={n_layer} ({cell.reason}); no MFU there")
+        return 0
+
+    def _time(self, cells: list[Cell], bar: tqdm) -> None:
+        for cell in cells:
+            bar.set_postfix_str(f"warm-up {cell.name}")
+            with self._guard(cell):
+                self._build(cell)
+                if cell.step is None:
+                    continue
+                cell.first_step_s = timed(cell.step, self.device)  # includes compilation
+                for _ in range(self.args.warmup - 1):
+                    timed(cell.step, self.device)
+        for r in range(self.args.steps):
+            bar.set_postfix_str(f"L{cells[0].n_layer} round {r + 1}/{self.args.steps}")
+            for cell in cells:  # A B C A B C ...: drift hits every variant alike
+                if cell.step is None:
+                    continue
+                with self._guard(cell):
+                    faults = _minor_faults()
+                    cell.times.append(timed(cell.step, self.device))
+                    cell.page_faults += _minor_faults() - faults
+
+    @contextlib.contextmanager
+    def _guard(self, cell: Cell):
+        """A cell that fails is recorded as failed; the sweep goes on."""
+        try:
+            yield
+        except torch.OutOfMemoryError as e:
+            cell.fail("oom", e)
+        except Exception as e:  # not KeyboardInterrupt: Ctrl-C stops the sweep
+            cell.fail("failed", e)
+        if cell.status != "ok" and self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _profile_and_record(self, cell: Cell, flops: int) -> None:
+        row: dict[str, Any] = {
+            "variant": cell.variant,
+            "n_layer": cell.n_layer,
+            "compile": cell.compiled,
+            "label": label(cell.variant, cell.compiled),
+            "status": cell.status,
+            "reason": cell.reason,
+            "step_ms": None,
+            "tokens_per_s": None,
+            "flops_per_step": flops or None,
+            "mfu": None,
+            "peak_mem_bytes": None,
+            "compile_s": None,
+            "backend": None,
+            "ops_per_step": None,
+            "kernels_per_step": None,
+            "page_faults_per_step": None,
+            "cpu_ms_per_step": None,
+            "device_ms_per_step": None,
+            "time_split": None,
+            "trace": None,
+        }
+        if cell.step is not None:
+            with self._guard(cell):
+                row.update(self._profile(cell))
+                row.update(self._timing_fields(cell))
+        row["status"], row["reason"] = cell.status, cell.reason
+        if cell.status != "ok":
+            row["step_ms"] = row["tokens_per_s"] = None
+        row["mfu"] = self._mfu(row)
+        self.rows.append(row)
+        cell.step = cell.model = cell.optimizer = None  # free it before the next depth
+        self._write()
+
+    def _mfu(self, row: dict[str, Any]) -> float | None:
+        """Counted FLOPs / median step time / the highest matmul peak measured so far."""
+        if row["status"] != "ok" or not row["flops_per_step"] or not row["step_ms"]:
+            return None
+        return row["flops_per_step"] / (row["step_ms"]["median"] / 1e3) / self.meta["peak_flops"]
+
+    def _timing_fields(self, cell: Cell) -> dict[str, Any]:
+        tc, mc = self.config.train, self.config.model
+        stats = summarize_ms(cell.times)
+        tokens = tc.batch_size * tc.grad_accum * mc.block_size
+        fields: dict[str, Any] = {
+            "step_ms": stats,
+            "tokens_per_s": tokens / (stats["median"] / 1e3),
+            "page_faults_per_step": cell.page_faults / len(cell.times),
+        }
+        if cell.compiled and cell.first_step_s is not None:
+            fields["compile_s"] = max(0.0, cell.first_step_s - stats["median"] / 1e3)
+        return fields
+
+    def _profile(self, cell: Cell) -> dict[str, Any]:
+        active = self.args.profile_steps
+        trace = (
+            self.out / "traces" / f"{label(cell.variant, cell.compiled)}_L{cell.n_layer}.json.gz"
+        )
+        wanted = self.args.traces and (
+            not self.args.trace_layers or cell.n_layer in self.args.trace_layers
+        )
+        with profiled_steps(
+            self.device, active, trace if wanted else None, self.args.trace_stacks
+        ) as (advance, results):
+            for _ in range(2 + active):  # wait, warmup, active
+                cell.step()
+                synchronize(self.device)
+                advance()
+        seen = results[0]
+        if seen.trace_bytes > TRACE_WARN_BYTES:
+            tqdm.write(
+                f"warning: trace {seen.trace} is {seen.trace_bytes / 2**20:.0f} MB; "
+                f"lower --profile-steps or the model size"
+            )
+        counts = seen.per_step(active)
+        fields: dict[str, Any] = {
+            "ops_per_step": counts["ops"],
+            "kernels_per_step": counts["kernels"] if self.device.type == "cuda" else None,
+            "cpu_ms_per_step": counts["cpu_ms"],
+            "time_split": counts["time_split"],
+            "device_ms_per_step": counts["device_ms"] if self.device.type == "cuda" else None,
+            "backend": backend_that_ran(counts["ops"]),
+            "trace": str(seen.trace.relative_to(self.out)) if seen.trace else None,
+            "peak_mem_bytes": self._peak_memory(cell, seen.peak_transient_bytes),
+        }
+        backend = VARIANTS[cell.variant].backend
+        if backend is not None:
+            problem = verify_backend(backend.name, counts["ops"], counts["kernels"], self.device)
+            if problem is not None:
+                cell.fail("failed", f"backend check: asked for {backend.name}, but the {problem}")
+        return fields
+
+    def _peak_memory(self, cell: Cell, cpu_transient: int) -> int:
+        """Resident state (parameters, optimizer state) plus the step's own peak above it.
+
+        CUDA: the caching allocator's peak during one more unprofiled step. CPU: the peak of
+        live bytes from the profiler's allocation events during the profiled step.
+        """
+        resident = resident_bytes(cell.model, cell.optimizer)
+        if self.device.type != "cuda":
+            return resident + cpu_transient
+        synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        cell.step()
+        synchronize(self.device)
+        return resident + torch.cuda.max_memory_allocated(self.device) - before
+
+    # --- output ---------------------------------------------------------------------------------
+
+    def _write(self) -> None:
+        """results.json, results.csv, and the report, after every cell: an interrupted sweep
+        keeps what it measured. `latest` moves to a default folder once it holds a result."""
+        write_results(self.out, self.meta, self.rows)
+        if self.link_latest:
+            _point_latest(self.out)
+            self.link_latest = False
+
+
+def _point_latest(out: Path) -> None:
+    """Point profiles/<config>/latest at out (best effort: where there are no symlinks, none)."""
+    latest = out.parent / "latest"
+    with contextlib.suppress(OSError):
+        latest.unlink(missing_ok=True)
+        latest.symlink_to(out.name)
