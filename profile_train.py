@@ -30,7 +30,8 @@ from config import ConfigError, load_config
 from model import VARIANTS, available_variants
 from profiling.report import diff_text, write_results
 from profiling.sweep import Sweep
-from train import USER_ERRORS, autocast_dtype, pick_device
+from runtime import autocast_dtype, pick_device
+from train import USER_ERRORS
 
 
 def _csv_list(text: str, kind: type, flag: str) -> list:

@@ -17,7 +17,8 @@ from tokenizers import Tokenizer
 from checkpoint import CHECKPOINT, load_checkpoint
 from config import load_config
 from model import GPT
-from train import USER_ERRORS, TrainError, pick_device
+from runtime import pick_device
+from train import USER_ERRORS, TrainError
 
 
 def load_run(run_dir: Path, device: torch.device) -> tuple[GPT, Tokenizer]:

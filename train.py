@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import inspect
 import json
 import math
@@ -45,6 +44,7 @@ from config import Config, ConfigError, TrainConfig, dump_toml, load_config
 from cpu_linear import use_onednn_linears, wants_onednn
 from data.loader import DataError, TokenBatches, check_vocab, load_meta
 from model import GPT, GPTConfig, VariantUnavailable, check_variant
+from runtime import autocast, autocast_dtype, init_distributed, keep_freed_host_memory
 
 
 class TrainError(RuntimeError):
@@ -53,65 +53,6 @@ class TrainError(RuntimeError):
 
 # What a user can fix: printed as one "error: ..." line, exit status 2, nothing overwritten.
 USER_ERRORS = (ConfigError, TrainError, DataError, CheckpointError)
-
-
-# --- device and precision ---------------------------------------------------------------------
-
-
-def pick_device(name: str, setting: str = "train.device") -> torch.device:
-    """cuda > mps > cpu for "auto", else the named device; errors name `setting`."""
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise TrainError(
-            f"{setting}={name!r}: not a device; use auto, cpu, cuda, cuda:N or mps"
-        ) from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise TrainError(f"{setting}={name!r}: CUDA is not available on this machine")
-    return device
-
-
-def keep_freed_host_memory() -> bool:
-    """Let freed tensor memory stay in the process's heap for the next step (glibc only).
-
-    glibc's malloc serves large blocks with mmap, unmaps them on free and trims the heap top,
-    so each CPU step faults in fresh zeroed pages for its activations: at the profile shape
-    20,000-30,000 page faults per step for naive attention, a fifth of its step. Raising both
-    thresholds keeps freed blocks for reuse, as the caching allocator does on CUDA; the price
-    is that the process keeps its peak footprint. Returns False where this malloc cannot be tuned.
-    """
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except AttributeError:  # a libc without mallopt (e.g. musl)
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    mmap_set = mallopt(m_mmap_threshold, 1 << 30)
-    trim_set = mallopt(m_trim_threshold, 1 << 30)
-    return bool(mmap_set and trim_set)
-
-
-def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype, or None for plain fp32. Parameters and optimizer state stay fp32."""
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else None
-    # No float16: it needs loss scaling, which this trainer omits; bfloat16 does not.
-    return {"float32": None, "bfloat16": torch.bfloat16}[dtype]
-
-
-def autocast(
-    device: torch.device, amp_dtype: torch.dtype | None
-) -> contextlib.AbstractContextManager:
-    if amp_dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=amp_dtype)
 
 
 # --- optimizer and schedule ---------------------------------------------------------------------
@@ -214,24 +155,6 @@ def evaluate(
         dist.all_reduce(total)
         total /= dist.get_world_size()
     return total.item() / n_batches
-
-
-# --- distributed ------------------------------------------------------------------------------------
-
-
-def init_distributed(train_cfg: TrainConfig) -> tuple[int, int, torch.device]:
-    """Rank, world size and device; under torchrun, joins the process group (NCCL or gloo)."""
-    if "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) == 1:
-        return 0, 1, pick_device(train_cfg.device)
-    wanted = pick_device(train_cfg.device)
-    if wanted.type == "cuda":
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = wanted
-        dist.init_process_group("gloo")
-    return dist.get_rank(), dist.get_world_size(), device
 
 
 class StopSignal:

@@ -42,13 +42,8 @@ from profiling.measure import (
     verify_backend,
 )
 from profiling.report import write_results
-from train import (
-    autocast_dtype,
-    build_model,
-    keep_freed_host_memory,
-    pick_device,
-    train_step,
-)
+from runtime import autocast_dtype, keep_freed_host_memory, pick_device
+from train import build_model, train_step
 
 BATCH_POOL = 4  # distinct batches cycled through, drawn before timing so no I/O is timed
 

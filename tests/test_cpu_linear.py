@@ -139,8 +139,8 @@ def test_matmul_peaks_time_each_path() -> None:
 
 
 WHERE_A_BIG_BLOCK_LIVES = """
-import sys, torch, train
-if sys.argv[1] == "keep" and not train.keep_freed_host_memory():
+import sys, torch, runtime
+if sys.argv[1] == "keep" and not runtime.keep_freed_host_memory():
     sys.exit(3)
 
 
