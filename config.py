@@ -74,6 +74,11 @@ class TrainConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):  # `nan < 0` is False: test finiteness
                 raise ValueError(f"train.{name}={value}: must be a finite number >= 0")
+        if self.sample_tokens > 0 and not self.sample_prompt:
+            raise ValueError(
+                "train.sample_prompt is empty: give at least one character, or set "
+                "train.sample_tokens=0 for no sample"
+            )
         if self.min_lr > self.lr:
             raise ValueError(
                 f"train.min_lr={self.min_lr} is above train.lr={self.lr}: the cosine decay "

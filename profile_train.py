@@ -21,6 +21,8 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -119,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         for flag in ("steps", "warmup", "profile_steps"):
             if getattr(args, flag) < 1:
                 raise ConfigError(f"--{flag.replace('_', '-')}={getattr(args, flag)}: must be >= 1")
+        if not (math.isfinite(args.peak_seconds) and args.peak_seconds > 0):
+            raise ConfigError(f"--peak-seconds={args.peak_seconds}: must be a positive number")
         args.trace_layers = set(_csv_list(args.trace_layers or "", int, "--trace-layers"))
         if args.trace_layers - set(layers):
             raise ConfigError(
@@ -147,12 +151,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        if (args.out / "results.json").exists():
+        if args.out is not None and (args.out / "results.json").exists():
             print(f"interrupted; the cells measured so far are in {args.out}", file=sys.stderr)
-        else:
+        elif args.out is not None and args.report is None and args.out.is_dir():
+            # --out was new or empty, so what is in it now is this sweep's: traces, no results.
+            shutil.rmtree(args.out)
             print(
-                "interrupted before the first cell was measured; nothing written", file=sys.stderr
+                f"interrupted before the first cell was measured; {args.out} removed",
+                file=sys.stderr,
             )
+        else:
+            print("interrupted", file=sys.stderr)
         return 130
     print((args.out / "summary.txt").read_text())
     print(f"report: {args.out / 'report.md'}")

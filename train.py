@@ -286,11 +286,11 @@ def train(
         optimizer.load_state_dict(ckpt["optimizer"])
         batches["train"].load_state_dict(ckpt["data"])
         step = ckpt["step"]
-        restore_rng(ckpt["rng"], tc.seed, step, device)
         if step >= tc.max_steps:
             if master:
                 print(f"{out_dir} is complete (step {step} of train.max_steps={tc.max_steps})")
             return RunEnd(out_dir, step, 0, None)
+        restore_rng(ckpt["rng"], tc.seed, step, device)
     model: torch.nn.Module = raw_model
     if world_size > 1:
         # The only buffer is the constant causal mask: no need to re-send it every forward.
@@ -460,14 +460,17 @@ def main(argv: list[str] | None = None) -> int:
     # A sample only when the run has just reached its end: not after a stop or a split.
     finished = end.stopped_by is None and end.steps_taken > 0 and end.step == tc.max_steps
     if finished and tc.sample_tokens > 0 and int(os.environ.get("RANK", 0)) == 0:
-        from sample import sample_run
-
         print(f"\n--- sample from {end.run_dir} (prompt {tc.sample_prompt!r}) ---")
         try:
+            from sample import sample_run  # here: it needs `tokenizers`, training does not
+
             print(sample_run(end.run_dir, tc.sample_prompt, tc.sample_tokens, device=tc.device))
         except KeyboardInterrupt:
             print("sample interrupted; the run is saved", file=sys.stderr)
             return 130
+        except (*USER_ERRORS, ValueError, ImportError) as e:  # ImportError: no `tokenizers`
+            print(f"error: no sample ({e}); the run is saved in {end.run_dir}", file=sys.stderr)
+            return 2
     return 0
 
 

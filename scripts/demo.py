@@ -28,7 +28,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", default="auto")
     try:
-        device = pick_device(parser.parse_args().device)
+        device = pick_device(parser.parse_args().device, "--device")
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

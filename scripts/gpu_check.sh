@@ -44,10 +44,13 @@ timeout 150 "$PY" -m pytest -m cuda -p no:cacheprovider -q -rs tests/test_model.
   | tee "$OUT/cuda_tests.txt"
 tests_rc=${PIPESTATUS[0]}
 
+# Traces for one depth only (they are large on a GPU): 2 if swept, else the first depth.
+case ",$LAYERS," in *,2,*) TRACE_LAYERS=2 ;; *) TRACE_LAYERS=${LAYERS%%,*} ;; esac
+
 echo "== 2. sweep: eight variants x n_layer $LAYERS, eager"
 timeout 210 "$PY" profile_train.py --config configs/profile-gpu.toml --out "$OUT/eager" \
   --variants naive,inplace,sdpa,sdpa-math,sdpa-flash,sdpa-efficient,sdpa-cudnn,flex \
-  --layers "$LAYERS" --steps "$STEPS" --compile off --trace-layers 2
+  --layers "$LAYERS" --steps "$STEPS" --compile off --trace-layers "$TRACE_LAYERS"
 eager_rc=$?
 
 echo "== 3. sweep: naive, sdpa, flex compiled and not"

@@ -237,6 +237,7 @@ def test_bad_arguments_name_the_problem(tmp_path: Path, capsys: pytest.CaptureFi
         ("--trace-layers", "1,x"),
         ("--trace-layers", "4"),  # not among --layers
         ("--steps", "0"),
+        ("--peak-seconds", "nan"),
         ("--variants", ""),
         ("--diff", "inplace,naive"),  # needs --report
         ("--model.n_layer=3", None),  # the sweep sets n_layer itself

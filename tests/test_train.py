@@ -387,6 +387,17 @@ def test_resume_without_config_continues_with_the_runs_own_config(
     assert load_config(out / "config.toml").model == load_config(base_run / "config.toml").model
 
 
+def test_resume_reads_a_checkpoint_with_the_older_single_rng_state(
+    base_run: Path, tmp_path: Path
+) -> None:
+    out = copy_run(base_run, tmp_path / "old")
+    ckpt = load_ckpt(out)
+    ckpt["rng"] = ckpt["rng"][0]  # the format before per-rank states: one dict
+    torch.save(ckpt, out / train.CHECKPOINT)
+    assert train.main(["--out", str(out), "--resume", f"--train.max_steps={STEPS + 1}"]) == 0
+    assert load_ckpt(out)["step"] == STEPS + 1
+
+
 @pytest.mark.parametrize("n", ["0", "-2"])
 def test_stop_after_must_be_positive(
     data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], n: str
