@@ -153,11 +153,27 @@ def _peak_paths(meta: dict[str, Any]) -> str:
 
 def _machine_line(meta: dict[str, Any]) -> str:
     extra = f", CUDA {meta['cuda']}" if meta.get("cuda") else ""
+    other = meta.get("other_cpu_share")
+    load = "" if other is None else f"; other processes used {other:.0%} of the CPUs meanwhile"
     return (
         f"{meta['device']} ({meta['device_name']}), {meta['cpu_count']} CPU cores, "
         f"{meta['torch_threads']} torch threads, torch {meta['torch_version']}{extra}, "
-        f"Python {meta['python']}, {meta['platform']}"
+        f"Python {meta['python']}, {meta['platform']}{load}"
     )
+
+
+BUSY_SHARE = 0.10  # other processes' share of the CPUs above which the report warns
+
+
+def _busy_warning(meta: dict[str, Any]) -> list[str]:
+    other = meta.get("other_cpu_share")
+    if other is None or other <= BUSY_SHARE:
+        return []
+    return [
+        f"**Warning**: other processes used {other:.0%} of the CPUs during this sweep; its "
+        "times are slower and noisier than this machine's. Rerun on a quiet machine.",
+        "",
+    ]
 
 
 def findings(rows: list[dict[str, Any]]) -> list[str]:
@@ -238,6 +254,7 @@ def write_report(out: Path, results: dict[str, Any]) -> None:
         f"command: {meta['command']}",
         "",
         *_completeness(meta, rows),
+        *_busy_warning(meta),
         *headline_table(results),
     ]
     (out / "summary.txt").write_text("\n".join(summary) + "\n")
@@ -321,6 +338,7 @@ def _report_md(results: dict[str, Any]) -> str:
             "# Training-step profile by attention variant and depth",
             "",
             *_completeness(meta, rows),
+            *_busy_warning(meta),
             f"- **Machine**: {_machine_line(meta)}",
             f"- **Setup**: {_setup_line(meta)}; {meta['steps']} timed steps per cell after {meta['warmup']} warm-up steps",
             f"- **Matmul peak** ({meta['dtype']}): {_peak_readings(meta)}{_peak_paths(meta)}",

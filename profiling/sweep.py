@@ -31,6 +31,7 @@ from model import VARIANTS, unavailable_reason
 from profiling.analysis import label
 from profiling.measure import (
     TRACE_WARN_BYTES,
+    OtherLoad,
     backend_that_ran,
     count_flops,
     matmul_peaks,
@@ -180,6 +181,7 @@ class Sweep:
 
     def run(self, variants: list[str], layers: list[int], compile_modes: list[bool]) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
+        self.other_load = OtherLoad()
         print(
             f"measuring the {self.dtype} matmul peak of {self.meta['device_name']} ...",
             file=sys.stderr,
@@ -372,6 +374,7 @@ class Sweep:
     def _write(self) -> None:
         """results.json, results.csv, and the report, after every cell: an interrupted sweep
         keeps what it measured. `latest` moves to a default folder once it holds a result."""
+        self.meta["other_cpu_share"] = self.other_load.share()
         write_results(self.out, self.meta, self.rows)
         if self.link_latest:
             _point_latest(self.out)

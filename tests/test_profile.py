@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -10,6 +14,7 @@ import pytest
 import profile_train
 from model import attention
 from profiling.analysis import fit_line, fits_by_label, op_diff, savings
+from profiling.measure import OtherLoad
 from profiling.report import headline_table
 from profiling.sweep import Sweep
 
@@ -92,6 +97,8 @@ def test_results_json_contract(naive_vs_inplace: dict) -> None:
     # The MFU denominator is the fastest matmul path timed, and every path is reported.
     assert meta["peak_flops"] == pytest.approx(max(meta["peak_flops_by_path"].values()))
     assert meta["linear"] in ("oneDNN", "torch") and meta["host_memory"] in ("keep", "release")
+    assert meta["cells_planned"] == 9  # 3 variants x 3 depths
+    assert meta["other_cpu_share"] is None or 0 <= meta["other_cpu_share"] <= 1
     rows = naive_vs_inplace["rows"]
     assert len(rows) == 9
     for row in rows:
@@ -362,3 +369,20 @@ def test_headline_marks_cells_timed_on_a_busy_machine() -> None:
     assert "Cells marked * varied widely" in table
     calm = headline_table({"rows": rows[:2], "fits": fits_by_label(rows[:2])})
     assert "*" not in "\n".join(calm)
+
+
+def test_other_load_sees_another_busy_process() -> None:
+    """The report's 'other processes used X% of the CPUs' comes from here."""
+    quiet = OtherLoad()
+    if quiet.start is None:
+        pytest.skip("no /proc/stat here")
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        load = OtherLoad()
+        time.sleep(1.0)
+        share = load.share()
+    finally:
+        busy.kill()
+        busy.wait()
+    cores = os.cpu_count() or 1
+    assert share is not None and share > 0.6 / cores  # one busy process: about 1/cores
