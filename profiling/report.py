@@ -57,11 +57,16 @@ def _completeness(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]
     ]
 
 
-def _pm(value: float, se: float | None, spec: str = ".2f") -> str:
-    """'1.23 ± 0.04', or '1.23 (2 depths: no se)' when the fit had no residual to estimate it."""
+def _steps(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
+
+
+def _pm(value: float, se: float | None, spec: str = ".2f", unit: str = "") -> str:
+    """'1.23 ± 0.04 ms', or '1.23 ms (2 depths: no se)' when the fit had no residual to
+    estimate it from."""
     if se is None:
-        return f"{value:{spec}} (2 depths: no se)"
-    return f"{value:{spec}} ± {se:.2f}"
+        return f"{value:{spec}}{unit} (2 depths: no se)"
+    return f"{value:{spec}} ± {se:.2f}{unit}"
 
 
 def _fmt(x: float | None, spec: str = ".1f", none: str = "–") -> str:
@@ -105,7 +110,7 @@ def headline_table(results: dict[str, Any]) -> list[str]:
         step_fit = fits.get(name, {}).get("step_ms")
         cells.append(_pm(step_fit["slope"], step_fit["slope_se"]) if step_fit else "–")
         s = saved.get(name)
-        cells.append(_pm(s["per_layer"], s["per_layer_se"], "+.2f") + " ms" if s else "–")
+        cells.append(_pm(s["per_layer"], s["per_layer_se"], "+.2f", " ms") if s else "–")
         cells.append(f"{s['projected'][str(PROJECT_AT[-1])]['percent']:+.1f}%" if s else "–")
         last = by.get((name, layers[-1]))
         cells.append(
@@ -340,7 +345,7 @@ def _report_md(results: dict[str, Any]) -> str:
             *_completeness(meta, rows),
             *_busy_warning(meta),
             f"- **Machine**: {_machine_line(meta)}",
-            f"- **Setup**: {_setup_line(meta)}; {meta['steps']} timed steps per cell after {meta['warmup']} warm-up steps",
+            f"- **Setup**: {_setup_line(meta)}; {_steps(meta['steps'], 'timed step')} per cell after {_steps(meta['warmup'], 'warm-up step')}",
             f"- **Matmul peak** ({meta['dtype']}): {_peak_readings(meta)}{_peak_paths(meta)}",
             f"- **Command**: `{meta['command']}` (config `{meta['config_file']}`), started {meta['started_at']}",
             "",
