@@ -91,12 +91,16 @@ def rng_states(device: torch.device, world_size: int) -> list[dict[str, Tensor]]
 
 
 def restore_rng(
-    states: list[dict[str, Tensor]] | dict[str, Tensor], seed: int, step: int, device: torch.device
+    states: list[dict[str, Tensor]] | dict[str, Tensor],
+    seed: int,
+    step: int,
+    device: torch.device,
+    rank: int,
+    world_size: int,
 ) -> None:
     """This rank's saved RNG state; with another number of ranks than saved, a fresh seed."""
     if isinstance(states, dict):  # checkpoints before per-rank states: rank 0's only
         states = [states]
-    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     if len(states) != world_size:
         # Dropout masks then differ from an uninterrupted run (and so does the data order,
         # unless batch_size x ranks is the same as before).

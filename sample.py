@@ -29,8 +29,6 @@ def load_run(run_dir: Path, device: torch.device) -> tuple[GPT, Tokenizer]:
             raise TrainError(f"{run_dir} has no {name}; is it a run directory written by train.py?")
     config = load_config(run_dir / "config.toml")
     tokenizer_path = run_dir / "tokenizer.json"
-    if not (run_dir / CHECKPOINT).is_file():
-        raise TrainError(f"{run_dir} has no {CHECKPOINT}; train first (python train.py ...)")
     ckpt = load_checkpoint(run_dir / CHECKPOINT)
     model = GPT(config.model)
     model.load_state_dict(ckpt["model"])

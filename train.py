@@ -290,7 +290,7 @@ def train(
             if master:
                 print(f"{out_dir} is complete (step {step} of train.max_steps={tc.max_steps})")
             return RunEnd(out_dir, step, 0, None)
-        restore_rng(ckpt["rng"], tc.seed, step, device)
+        restore_rng(ckpt["rng"], tc.seed, step, device, rank, world_size)
     model: torch.nn.Module = raw_model
     if world_size > 1:
         # The only buffer is the constant causal mask: no need to re-send it every forward.

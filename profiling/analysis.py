@@ -16,6 +16,11 @@ def label(variant: str, compiled: bool) -> str:
     return f"{variant}+compile" if compiled else variant
 
 
+def labels(rows: list[dict[str, Any]]) -> list[str]:
+    """The labels of the rows, each once, in the order the sweep ran them."""
+    return list(dict.fromkeys(label(r["variant"], r["compile"]) for r in rows))
+
+
 def fit_line(xs: list[float], ys: list[float]) -> dict[str, float | None] | None:
     """Least squares y = intercept + slope * x, with r^2 and the slope's standard error.
 

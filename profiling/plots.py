@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from profiling.analysis import label, ok_rows
+from profiling.analysis import label, labels, ok_rows
 
 MiB = 2**20
 
@@ -19,7 +19,7 @@ def plot_results(out: Path, results: dict[str, Any], setup: str) -> None:
     import matplotlib.pyplot as plt
 
     rows, fits = ok_rows(results["rows"]), results["fits"]
-    names = list(dict.fromkeys(label(r["variant"], r["compile"]) for r in rows))
+    names = labels(rows)
     specs = [
         (
             "step_time_vs_layers.png",

@@ -15,6 +15,7 @@ from profiling.analysis import (
     describe_diff,
     fits_by_label,
     label,
+    labels,
     ok_rows,
     op_diff,
     savings,
@@ -23,15 +24,6 @@ from profiling.analysis import (
 from profiling.plots import MiB, plot_results
 
 NOISY_SPREAD = 1.25  # p90/p10 of a cell's step times above which its headline cell gets a *
-
-
-def _labels(rows: list[dict[str, Any]]) -> list[str]:
-    seen: list[str] = []
-    for r in rows:
-        name = label(r["variant"], r["compile"])
-        if name not in seen:
-            seen.append(name)
-    return seen
 
 
 def _peak_readings(meta: dict[str, Any]) -> str:
@@ -99,7 +91,7 @@ def headline_table(results: dict[str, Any]) -> list[str]:
         ]
     )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for name in _labels(rows):
+    for name in labels(rows):
         cells = [name]
         for n in layers:
             r = by.get((name, n))
@@ -184,9 +176,9 @@ def _busy_warning(meta: dict[str, Any]) -> list[str]:
 def findings(rows: list[dict[str, Any]]) -> list[str]:
     """The op and kernel differences of every variant against naive, in words."""
     lines = []
-    labels = _labels(ok_rows(rows))
-    for name in labels:
-        if name == "naive" or "naive" not in labels:
+    measured = labels(ok_rows(rows))
+    for name in measured:
+        if name == "naive" or "naive" not in measured:
             continue
         lines.append("- " + describe_diff(name, "naive", op_diff(rows, name, "naive")))
         kernels = op_diff(rows, name, "naive", kind="kernels_per_step")
@@ -229,7 +221,7 @@ def diff_text(rows: list[dict[str, Any]], a: str, b: str) -> str:
     Raises ValueError naming the valid labels if either was not measured.
     """
     measured = [r for r in ok_rows(rows) if r.get("ops_per_step")]
-    depths = {name: set() for name in _labels(measured)}
+    depths = {name: set() for name in labels(measured)}
     for r in measured:
         depths[label(r["variant"], r["compile"])].add(r["n_layer"])
     for name in (a, b):
