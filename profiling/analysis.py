@@ -25,7 +25,7 @@ def fit_line(xs: list[float], ys: list[float]) -> dict[str, float | None] | None
     """Least squares y = intercept + slope * x, with r^2 and the slope's standard error.
 
     None with fewer than two distinct x. The standard error needs three points; with two it
-    is reported as NaN (a line through two points has no residual to estimate it from).
+    is None (a line through two points has no residual to estimate it from).
     """
     n = len(xs)
     if n < 2 or len(set(xs)) < 2:
@@ -64,26 +64,39 @@ def ok_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in rows if r.get("status") == "ok"]
 
 
-def fits_by_label(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
-    """For each variant label and metric, the fit of metric against n_layer."""
-    points: dict[str, dict[str, list[tuple[int, float]]]] = defaultdict(lambda: defaultdict(list))
+def _points(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[int, float]]]:
+    """label -> metric -> {n_layer: value}, over the rows that measured."""
+    points: dict[str, dict[str, dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
     for row in ok_rows(rows):
         for metric, value in row_metrics(row).items():
-            points[label(row["variant"], row["compile"])][metric].append((row["n_layer"], value))
+            points[label(row["variant"], row["compile"])][metric][row["n_layer"]] = value
+    return points
+
+
+def fits_by_label(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
+    """For each variant label and metric, the fit of metric against n_layer."""
     fits: dict[str, dict[str, dict[str, float]]] = {}
-    for name, by_metric in points.items():
-        for metric, pairs in by_metric.items():
-            fit = fit_line([x for x, _ in pairs], [y for _, y in pairs])
+    for name, by_metric in _points(rows).items():
+        for metric, by_layer in by_metric.items():
+            fit = fit_line(list(by_layer), list(by_layer.values()))
             if fit is not None:
                 fits.setdefault(name, {})[metric] = fit
     return fits
 
 
 def savings(
-    fits: dict[str, dict[str, dict[str, float]]], baseline: str = "naive", metric: str = "step_ms"
+    rows: list[dict[str, Any]], baseline: str = "naive", metric: str = "step_ms"
 ) -> dict[str, dict[str, Any]]:
-    """Per-layer saving of each label against baseline (slope difference +- its std error),
-    and the saving the two fitted lines project at 12, 24 and 48 layers."""
+    """Per-layer saving of each label against baseline, +- its standard error, and the saving
+    the two fitted lines project at 12, 24 and 48 layers.
+
+    The saving is the difference of the two slopes. The variants of one depth are timed
+    interleaved, so a disturbance of the machine hits both, and their difference at each depth
+    is freer of it than either: the standard error is that of the line fitted to the per-depth
+    differences (`se_method` 'paired'). Where the two were not measured at the same depths it
+    is the two slopes' errors combined as if independent ('independent').
+    """
+    points, fits = _points(rows), fits_by_label(rows)
     base = fits.get(baseline, {}).get(metric)
     if base is None:
         return {}
@@ -92,18 +105,25 @@ def savings(
         fit = by_metric.get(metric)
         if name == baseline or fit is None:
             continue
-        per_layer = base["slope"] - fit["slope"]
-        se = (
-            None
-            if base["slope_se"] is None or fit["slope_se"] is None
-            else math.sqrt(base["slope_se"] ** 2 + fit["slope_se"] ** 2)
-        )
+        ref_points, these = points[baseline][metric], points[name][metric]
+        if ref_points.keys() == these.keys():
+            paired = fit_line(list(these), [ref_points[n] - these[n] for n in these])
+            se, method = paired["slope_se"], "paired"
+        elif base["slope_se"] is not None and fit["slope_se"] is not None:
+            se, method = math.sqrt(base["slope_se"] ** 2 + fit["slope_se"] ** 2), "independent"
+        else:
+            se, method = None, None
         projected = {}
         for layers in PROJECT_AT:
             ref = base["intercept"] + base["slope"] * layers
             this = fit["intercept"] + fit["slope"] * layers
             projected[str(layers)] = {"saving": ref - this, "percent": 100 * (ref - this) / ref}
-        out[name] = {"per_layer": per_layer, "per_layer_se": se, "projected": projected}
+        out[name] = {
+            "per_layer": base["slope"] - fit["slope"],
+            "per_layer_se": se,
+            "se_method": method,
+            "projected": projected,
+        }
     return out
 
 

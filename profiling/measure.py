@@ -145,12 +145,13 @@ def _matmul_rate(
     return max(2 * n**3 * reps / timed(lambda: run(reps), device) for _ in range(3))
 
 
-def count_flops(step: Callable[[], object]) -> int:
-    """FLOPs of one call of `step`, counted by torch.utils.flop_counter (matmul-class ops)."""
+def count_flops(step: Callable[[], object]) -> dict[str, int]:
+    """FLOPs of one call of `step` by op ('aten.mm', 'aten.bmm', ...), counted by
+    torch.utils.flop_counter (matmul-class ops)."""
     counter = FlopCounterMode(display=False)
     with counter:
         step()
-    return counter.get_total_flops()
+    return {str(op): n for op, n in counter.get_flop_counts().get("Global", {}).items()}
 
 
 def resident_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:

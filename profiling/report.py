@@ -76,7 +76,7 @@ def headline_table(results: dict[str, Any]) -> list[str]:
     """One line per variant: step time by depth, per-layer cost, and savings against naive."""
     rows, fits = results["rows"], results["fits"]
     layers = sorted({r["n_layer"] for r in rows})
-    saved = savings(fits)
+    saved = savings(rows)
     by = {(label(r["variant"], r["compile"]), r["n_layer"]): r for r in rows}
     head = (
         ["variant"]
@@ -315,7 +315,7 @@ def _fits_table(fits: dict[str, dict[str, dict[str, float]]]) -> list[str]:
 
 def _report_md(results: dict[str, Any]) -> str:
     meta, rows, fits = results["meta"], results["rows"], results["fits"]
-    saved = savings(fits)
+    saved = savings(rows)
     projected = [
         f"| {name} | "
         + " | ".join(
@@ -394,11 +394,15 @@ def _report_md(results: dict[str, Any]) -> str:
             "(matmul-class ops; attention counted over the full T×T, not halved for causality). All "
             "variants compute the same function, so they share that count. MFU = FLOPs / median step time / "
             "matmul peak, the peak measured on the spot with square matmuls in the run's dtype by every "
-            "path PyTorch offers here (`torch.mm`, i.e. the BLAS; on CPUs also oneDNN), the fastest taken.",
+            "path PyTorch offers here (`torch.mm`, i.e. the BLAS; on CPUs also oneDNN), the fastest taken."
+            + _causal_note(rows),
             "- **Backend check**: every pinned SDPA cell's trace must contain its backend's ATen op "
             "(and, on CUDA, a kernel whose name matches it); otherwise the cell is marked failed.",
             "- **Fits**: least squares of each metric against n_layer; the slope is the per-layer cost, "
-            "± its standard error. Savings are the difference of slopes against naive.",
+            "± its standard error, which has n − 2 degrees of freedom for n depths (2 with 4 depths: "
+            "a 95% interval is ± 4.3 se). Savings are the difference of slopes against naive, ± the "
+            "standard error of the line fitted to the per-depth differences: the variants of a depth "
+            "are timed interleaved, so a disturbance they share cancels there.",
             "",
             "## How to read it",
             "",
@@ -435,6 +439,23 @@ def write_results(out: Path, meta: dict[str, Any], rows: list[dict[str, Any]]) -
     os.replace(tmp, out / "results.json")
     _write_csv(out / "results.csv", rows)
     write_report(out, results)
+
+
+def _causal_note(rows: list[dict[str, Any]]) -> str:
+    """What MFU would read with attention's masked half left out, for the best measured cell."""
+    cells = [r for r in ok_rows(rows) if r.get("mfu") and r.get("attention_flops_per_step")]
+    if not cells:
+        return ""
+    deepest = max(r["n_layer"] for r in cells)
+    best = max((r for r in cells if r["n_layer"] == deepest), key=lambda r: r["mfu"])
+    share = best["attention_flops_per_step"] / best["flops_per_step"]
+    causal = best["mfu"] * (1 - share / 2)
+    return (
+        f" Attention's T×T products are {share:.1%} of the count at L{deepest}; a causal kernel "
+        f"does about half of them, so with only that half counted, "
+        f"{label(best['variant'], best['compile'])} at L{deepest} would read {causal:.1%} MFU "
+        f"instead of {best['mfu']:.1%}."
+    )
 
 
 def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:

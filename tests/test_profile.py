@@ -123,6 +123,10 @@ def test_results_json_contract(naive_vs_inplace: dict) -> None:
         assert row["kernels_per_step"] is None  # CPU
         assert 0 < row["mfu"] < 1 and row["peak_mem_bytes"] > 0
         assert row["page_faults_per_step"] >= 0
+        # Attention's T x T products, forward (QK^T, PV) and backward (2 each): 12 B T^2 C per
+        # layer, part of the step's count. (TINY: B=2, T=32, C=32.)
+        assert row["attention_flops_per_step"] == 12 * 2 * 32**2 * 32 * row["n_layer"]
+        assert row["attention_flops_per_step"] < row["flops_per_step"]
     fits = naive_vs_inplace["fits"]
     assert {"slope", "intercept", "r2"} <= set(fits["naive"]["step_ms"])
     # Ops grow exactly linearly with depth: one fit explains them fully.
@@ -226,10 +230,25 @@ def test_fits_recover_known_slopes() -> None:
     ]
     fits = fits_by_label(rows)
     assert fits["sdpa"]["step_ms"]["slope"] == pytest.approx(3)
-    saved = savings(fits)["sdpa"]
+    saved = savings(rows)["sdpa"]
     assert saved["per_layer"] == pytest.approx(2)
     assert saved["projected"]["48"]["saving"] == pytest.approx(96)
     assert saved["projected"]["12"]["percent"] == pytest.approx(100 * 24 / 70)
+
+    # A disturbance at one depth that hit both variants (they are timed interleaved) leaves
+    # each fit noisy but cancels in their difference: the saving's error is the paired one.
+    bump = {1: 0.0, 2: 4.0, 4: 0.0, 8: -1.0}
+    rows = [row("naive", n, 10 + 5 * n + bump[n]) for n in bump] + [
+        row("sdpa", n, 10 + 3 * n + bump[n]) for n in bump
+    ]
+    fits, saved = fits_by_label(rows), savings(rows)["sdpa"]
+    assert fits["naive"]["step_ms"]["slope_se"] > 0.3 and fits["sdpa"]["step_ms"]["slope_se"] > 0.3
+    assert saved["per_layer"] == pytest.approx(2)
+    assert saved["se_method"] == "paired"
+    assert saved["per_layer_se"] == pytest.approx(0, abs=1e-9)
+    # Not measured at the same depths: the two slopes' errors, combined as independent.
+    saved = savings(rows[:-1])["sdpa"]
+    assert saved["se_method"] == "independent" and saved["per_layer_se"] > 0.3
 
 
 def test_bad_arguments_name_the_problem(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
