@@ -281,6 +281,7 @@ def profiled_steps(
     with profile(
         activities=activities,
         schedule=schedule(wait=1, warmup=1, active=active, repeat=1),
+        acc_events=True,  # one cycle, so nothing to clear; torch 2.11 warns once per cell without
         on_trace_ready=on_ready,
         profile_memory=device.type == "cpu",
         record_shapes=False,

@@ -113,7 +113,7 @@ def clones_in_one_training_step(variant: str, n_layer: int, device: str = "cpu")
     model = GPT(tiny_config(variant, n_layer=n_layer)).to(device)
     optimizer = build_optimizer(model, TrainConfig(), torch.device(device))
     batch = torch.randint(0, 97, (2, 33), device=device)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], acc_events=True) as prof:
         train_step(model, optimizer, [(batch[:, :-1], batch[:, 1:])], grad_clip=1.0)
     return sum(1 for e in prof.events() if e.name == "aten::clone")
 
