@@ -79,9 +79,11 @@ def build_optimizer(
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup over warmup_steps, then cosine decay to min_lr at max_steps."""
+    """Linear warmup over warmup_steps, then cosine decay from lr (at step warmup_steps) to
+    min_lr at max_steps. The warmup climbs in warmup_steps + 1 equal parts, so the peak is
+    reached once, where the decay starts, not held for two steps."""
     if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
+        return cfg.lr * (step + 1) / (cfg.warmup_steps + 1)
     span = max(1, cfg.max_steps - cfg.warmup_steps)
     progress = min(1.0, (step - cfg.warmup_steps) / span)
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)

@@ -5,6 +5,7 @@ Runs go through `train.main` in-process; only SIGTERM and torchrun need a subpro
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -23,7 +24,7 @@ import torch
 
 import sample
 import train
-from config import load_config
+from config import TrainConfig, load_config
 from data.prepare import prepare, split_indices
 from model import GPT, VARIANTS, available_variants, unavailable_reason
 
@@ -684,3 +685,13 @@ def test_two_ranks_match_one_process_with_twice_the_batch(
     assert a["step"] == b["step"] == 3
     for name, tensor in b["model"].items():
         torch.testing.assert_close(a["model"][name], tensor, atol=1e-5, rtol=0, msg=name)
+
+
+def test_lr_warms_up_to_the_peak_once_then_decays_to_min_lr() -> None:
+    tc = TrainConfig(lr=1e-3, min_lr=1e-4, warmup_steps=4, max_steps=20)
+    lrs = [train.lr_at(step, tc) for step in range(tc.max_steps + 1)]
+    assert lrs[:4] == pytest.approx([2e-4, 4e-4, 6e-4, 8e-4])  # linear, from above zero
+    assert lrs[4] == pytest.approx(1e-3) and lrs.count(max(lrs)) == 1
+    assert all(a > b for a, b in itertools.pairwise(lrs[4:]))  # cosine: falls every step
+    assert lrs[12] == pytest.approx((1e-3 + 1e-4) / 2)  # halfway through the decay
+    assert lrs[20] == pytest.approx(1e-4) and min(lrs) >= 1e-4
