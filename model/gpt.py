@@ -110,11 +110,8 @@ class GPT(nn.Module):
             return self.variant.make_mask(T, self.causal_mask.device)
         return self.causal_mask[:T, :T]
 
-    def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-        """idx (B, T) token ids -> logits (B, T, V) and, given targets (B, T), the mean loss.
-
-        Targets equal to -1 are ignored by the loss.
-        """
+    def features(self, idx: Tensor) -> Tensor:
+        """idx (B, T) token ids -> the final normalised hidden states (B, T, C)."""
         _, T = idx.shape
         if self.config.block_size < T:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
@@ -123,7 +120,14 @@ class GPT(nn.Module):
         mask = self.attention_mask(T)  # once per forward, outside any compiled block
         for block in self.blocks:
             x = block(x, mask)
-        logits = self.lm_head(self.ln_f(x))  # (B, T, V)
+        return self.ln_f(x)
+
+    def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """idx (B, T) token ids -> logits (B, T, V) and, given targets (B, T), the mean loss.
+
+        Targets equal to -1 are ignored by the loss.
+        """
+        logits = self.lm_head(self.features(idx))  # (B, T, V)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(
@@ -147,8 +151,8 @@ class GPT(nn.Module):
             raise ValueError(f"top_k={top_k}: must be a positive integer or None")
         for _ in range(max_new_tokens):
             context = idx[:, -self.config.block_size :]
-            logits, _ = self(context)
-            logits = logits[:, -1, :]  # (B, V)
+            # Only the last position's scores are needed: (B, C) @ (C, V), not (B, T, C) @ (C, V).
+            logits = self.lm_head(self.features(context)[:, -1, :])  # (B, V)
             if temperature == 0:
                 next_id = logits.argmax(dim=-1, keepdim=True)
             else:

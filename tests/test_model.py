@@ -212,6 +212,10 @@ def test_generate() -> None:
     out = model.generate(prompt, 20, temperature=0)  # runs past block_size: context is cropped
     assert out.shape == (2, 25) and torch.equal(out[:, :5], prompt)
     assert torch.equal(out, model.generate(prompt, 20, temperature=1.0, top_k=1))
+    # Greedy picks the argmax of the full forward's last-position logits, cropped or not.
+    for t in (5, 16, 24):
+        logits, _ = model(out[:, max(0, t - 16) : t])
+        assert torch.equal(out[:, t], logits[:, -1].argmax(-1))
     sampled = model.generate(prompt, 20, temperature=1.0, top_k=5)
     assert sampled.shape == (2, 25) and int(sampled.max()) < 97
 
