@@ -96,16 +96,16 @@ def savings(
     differences (`se_method` 'paired'). Where the two were not measured at the same depths it
     is the two slopes' errors combined as if independent ('independent').
     """
-    points, fits = _points(rows), fits_by_label(rows)
-    base = fits.get(baseline, {}).get(metric)
+    points = {name: by_metric[metric] for name, by_metric in _points(rows).items()}
+    fits = {name: fit_line(list(pts), list(pts.values())) for name, pts in points.items()}
+    base = fits.get(baseline)
     if base is None:
         return {}
     out = {}
-    for name, by_metric in fits.items():
-        fit = by_metric.get(metric)
+    for name, fit in fits.items():
         if name == baseline or fit is None:
             continue
-        ref_points, these = points[baseline][metric], points[name][metric]
+        ref_points, these = points[baseline], points[name]
         if ref_points.keys() == these.keys():
             paired = fit_line(list(these), [ref_points[n] - these[n] for n in these])
             se, method = paired["slope_se"], "paired"
