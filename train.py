@@ -398,7 +398,7 @@ def train(
                         "tokens_per_s": tokens_per_step / dt,
                     }
                 )
-            if stop_requested:
+            if stop_requested and step < last_step:  # on the last step, the run ends as planned
                 eval_and_save()
                 stopped_by = stop.received or "another rank"
                 bar.close()
@@ -458,9 +458,15 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    if end.stopped_by is not None:
+        # Saved, but not finished: a shell's `train && sample` must not go on. 128 + the signal
+        # number, as the shell reports a process killed by it; 1 when a peer rank's signal
+        # stopped this one.
+        signum = signal.Signals.__members__.get(end.stopped_by)
+        return 128 + signum if signum is not None else 1
     tc = config.train
-    # A sample only when the run has just reached its end: not after a stop or a split.
-    finished = end.stopped_by is None and end.steps_taken > 0 and end.step == tc.max_steps
+    # A sample only when the run has just reached its end: not after a split.
+    finished = end.steps_taken > 0 and end.step == tc.max_steps
     if finished and tc.sample_tokens > 0 and int(os.environ.get("RANK", 0)) == 0:
         print(f"\n--- sample from {end.run_dir} (prompt {tc.sample_prompt!r}) ---")
         try:

@@ -352,7 +352,8 @@ def test_sigterm_saves_and_the_run_resumes(data_root: Path, tmp_path: Path) -> N
                 assert time.monotonic() < deadline, "no step logged within 60 s"
                 time.sleep(0.05)
             proc.send_signal(signal.SIGTERM)
-            assert proc.wait(timeout=60) == 0, log.read_text()
+            # Saved but not finished: the shell's status for SIGTERM, so `train && ...` stops.
+            assert proc.wait(timeout=60) == 128 + signal.SIGTERM, log.read_text()
         finally:
             if proc.poll() is None:
                 proc.kill()
@@ -567,6 +568,35 @@ def test_fresh_run_starts_a_fresh_metrics_file(
     assert not (out / train.CHECKPOINT).exists()
     assert run(data_root, out, *overrides) == 0
     assert [r["step"] for r in train_lines(out)] == [1, 2, 3]
+
+
+@pytest.mark.parametrize(("signal_at", "status", "saved_at"), [(2, 130, 2), (4, 0, 4)])
+def test_ctrl_c_saves_and_exits_130_unless_it_came_on_the_last_step(
+    data_root: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    signal_at: int,
+    status: int,
+    saved_at: int,
+) -> None:
+    real_step = train.train_step
+    calls = []
+
+    def step_with_ctrl_c(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(1)
+        if len(calls) == signal_at:
+            os.kill(os.getpid(), signal.SIGINT)  # caught by train's handler, not pytest's
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(train, "train_step", step_with_ctrl_c)
+    out = tmp_path / "run"
+    overrides = ["--train.max_steps=4", "--train.eval_interval=0", "--train.sample_tokens=3"]
+    assert run(data_root, out, *overrides) == status
+    captured = capsys.readouterr()
+    assert load_ckpt(out)["step"] == saved_at
+    assert ("stopped by SIGINT" in captured.err) == (saved_at < 4)
+    assert ("--- sample" in captured.out) == (saved_at == 4), "a sample only at the run's end"
 
 
 def test_train_restores_the_signal_handlers(data_root: Path, tmp_path: Path) -> None:
