@@ -238,7 +238,7 @@ def diff_text(rows: list[dict[str, Any]], a: str, b: str) -> str:
     return "\n".join(parts)
 
 
-def write_report(out: Path, results: dict[str, Any]) -> None:
+def write_report(out: Path, results: dict[str, Any], plots: bool = True) -> None:
     meta, rows = results["meta"], results["rows"]
     if not rows:
         return
@@ -256,7 +256,8 @@ def write_report(out: Path, results: dict[str, Any]) -> None:
     ]
     (out / "summary.txt").write_text("\n".join(summary) + "\n")
     (out / "report.md").write_text(_report_md(results))
-    plot_results(out, results, _setup_line(results["meta"]))
+    if plots:
+        plot_results(out, results, _setup_line(results["meta"]))
 
 
 def _cell_table(rows: list[dict[str, Any]]) -> list[str]:
@@ -432,13 +433,17 @@ def _host_memory_lines(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list
     ]
 
 
-def write_results(out: Path, meta: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+def write_results(
+    out: Path, meta: dict[str, Any], rows: list[dict[str, Any]], plots: bool = True
+) -> None:
+    """results.json (atomically), results.csv, summary.txt, report.md and, with `plots`, the
+    PNGs, which take most of the time (a sweep draws them once, at its end)."""
     results = {"meta": meta, "rows": rows, "fits": fits_by_label(rows)}
     tmp = out / "results.json.tmp"
     tmp.write_text(json.dumps(results, indent=1))
     os.replace(tmp, out / "results.json")
     _write_csv(out / "results.csv", rows)
-    write_report(out, results)
+    write_report(out, results, plots)
 
 
 def _causal_note(rows: list[dict[str, Any]]) -> str:

@@ -192,18 +192,23 @@ class Sweep:
         self.meta["peak_flops_by_path"] = start
         total = len(variants) * len(layers) * len(compile_modes)
         self.meta["cells_planned"] = total
-        # The bar closes on Ctrl-C too, so the message after it starts on a line of its own.
-        with tqdm(total=total, desc="cells", unit="cell", dynamic_ncols=True) as bar:
-            for n_layer in layers:
-                cells = [Cell(v, n_layer, c) for v in variants for c in compile_modes]
-                flops = self._model_flops(n_layer)
-                self._time(cells, bar)
-                for cell in cells:
-                    self._profile_and_record(cell, flops)
-                    bar.update(1)
-                synchronize(self.device)
-                if self.device.type == "cuda":
-                    torch.cuda.empty_cache()
+        try:
+            # The bar closes on Ctrl-C too, so the message after it starts on a line of its own.
+            with tqdm(total=total, desc="cells", unit="cell", dynamic_ncols=True) as bar:
+                for n_layer in layers:
+                    cells = [Cell(v, n_layer, c) for v in variants for c in compile_modes]
+                    flops = self._model_flops(n_layer)
+                    self._time(cells, bar)
+                    for cell in cells:
+                        self._profile_and_record(cell, flops)
+                        bar.update(1)
+                    synchronize(self.device)
+                    if self.device.type == "cuda":
+                        torch.cuda.empty_cache()
+        except BaseException:  # Ctrl-C above all: the plots of what was measured, then stop
+            if self.rows:
+                self._write(plots=True)
+            raise
         # A second reading of the peak: the MFU denominator is the higher of the two.
         end = matmul_peaks(self.device, self.dtype, self.args.peak_seconds)
         self.meta["peak_flops_end"] = max(end.values())
@@ -213,7 +218,7 @@ class Sweep:
         }
         for row in self.rows:
             row["mfu"] = self._mfu(row)
-        self._write()
+        self._write(plots=True)
 
     def _model_flops(self, n_layer: int) -> tuple[int, int]:
         """FLOPs of one step at this depth, counted on an eager `naive` model, and the part of
@@ -376,11 +381,12 @@ class Sweep:
 
     # --- output ---------------------------------------------------------------------------------
 
-    def _write(self) -> None:
-        """results.json, results.csv, and the report, after every cell: an interrupted sweep
-        keeps what it measured. `latest` moves to a default folder once it holds a result."""
+    def _write(self, plots: bool = False) -> None:
+        """results.json, results.csv and the report after every cell, so an interrupted sweep
+        keeps what it measured; the plots at the end (or the interruption), as they are slow.
+        `latest` moves to a default folder once it holds a result."""
         self.meta["other_cpu_share"] = self.other_load.share()
-        write_results(self.out, self.meta, self.rows)
+        write_results(self.out, self.meta, self.rows, plots)
         if self.link_latest:
             _point_latest(self.out)
             self.link_latest = False

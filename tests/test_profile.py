@@ -203,6 +203,8 @@ def test_interrupted_sweep_keeps_what_it_measured(
     assert [(r["variant"], r["n_layer"], r["status"]) for r in results["rows"]] == [
         ("naive", 1, "ok")
     ]
+    for name in ("report.md", "step_time_vs_layers.png", "memory_vs_layers.png"):
+        assert (tmp_path / "sweep" / name).is_file(), f"{name} not written on Ctrl-C"
 
 
 def test_fits_recover_known_slopes() -> None:
