@@ -168,6 +168,9 @@ class StepProfile:
 
     ops: dict[str, Counter] = field(default_factory=lambda: {r: Counter() for r in REGIONS})
     kernels: dict[str, Counter] = field(default_factory=lambda: {r: Counter() for r in REGIONS})
+    # CUDA kernels whose launching call is in no region or not in the trace at all: counted
+    # here so that a launch API the profiler does not record shows, instead of vanishing.
+    unattributed: Counter = field(default_factory=Counter)
     peak_transient_bytes: int = 0  # CPU: from the profiler's allocation events
     # Where the time goes: CPU self time of each op, and CUDA time of each kernel (us).
     cpu_self_us: Counter = field(default_factory=Counter)
@@ -189,6 +192,7 @@ class StepProfile:
         return {
             "ops": scale(self.ops),
             "kernels": scale(self.kernels),
+            "unattributed": {n: c / steps for n, c in sorted(self.unattributed.items())},
             "cpu_ms": top_ms(self.cpu_self_us),
             "device_ms": top_ms(self.device_us),
             # shares by category over every op or kernel, not only the listed ones
@@ -240,7 +244,9 @@ def parse_events(events: list, device: torch.device) -> StepProfile:
             region = _region_of(launched, regions) if launched is not None else None
             if region:
                 result.kernels[region][e.name()] += 1
-                result.device_us[e.name()] += e.duration_ns() / 1e3
+            else:
+                result.unattributed[e.name()] += 1
+            result.device_us[e.name()] += e.duration_ns() / 1e3
     return result
 
 
@@ -306,7 +312,11 @@ def verify_backend(
     kernels: dict[str, dict[str, float]],
     device: torch.device,
 ) -> str | None:
-    """None if the trace shows the pinned SDPA backend ran; otherwise what was missing."""
+    """None if the trace shows the pinned SDPA backend ran; otherwise what was missing.
+
+    `kernels` maps any grouping (regions, and the unattributed ones) to kernel names: a
+    kernel counts wherever it was launched from.
+    """
     seen_ops = {name for region in ops.values() for name in region}
     wanted = BACKEND_OPS[backend]
     if not seen_ops.intersection(wanted):

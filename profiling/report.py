@@ -388,6 +388,7 @@ def _report_md(results: dict[str, Any]) -> str:
             "ATen ops (and the oneDNN linear's `cpu_linear::linear`/`mkldnn::_linear_pointwise`) counted (nested calls included, so `aten::masked_fill` and the `aten::clone` it makes both "
             "count) by the `record_function` region their start falls in; CUDA kernels (and memcpy/memset) by "
             "the region of the runtime call that launched them, matched by correlation id.",
+            *_unattributed_lines(rows),
             "- **Peak memory**: parameters and optimizer state resident before the step, plus the step's own "
             "peak above that: on CUDA from the caching allocator (`max_memory_allocated`) over one more step, "
             "on CPU from the profiler's allocation events in the profiled step.",
@@ -430,6 +431,24 @@ def _host_memory_lines(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list
     return [
         f"- **Host memory**: memory that tensors free was {how}; minor page faults per timed "
         f"step: median {statistics.median(faults):,.0f}, at most {max(faults):,.0f} over the cells."
+    ]
+
+
+def _unattributed_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """A warning when some CUDA kernels' launches were not found in any region."""
+    lost = {
+        label(r["variant"], r["compile"]) + f" L{r['n_layer']}": sum(counts.values())
+        for r in rows
+        if (counts := r.get("kernels_unattributed_per_step"))
+    }
+    if not lost:
+        return []
+    worst = max(lost, key=lost.__getitem__)
+    return [
+        f"- **Kernels not attributed**: in {len(lost)} cells some kernels' launching call was in "
+        f"no region or missing from the trace (most: {lost[worst]:g} per step in {worst}). They "
+        "count in device time and in the backend check, not in the per-region kernel counts; "
+        "`kernels_unattributed_per_step` in results.json names them."
     ]
 
 

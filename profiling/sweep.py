@@ -287,6 +287,7 @@ class Sweep:
             "backend": None,
             "ops_per_step": None,
             "kernels_per_step": None,
+            "kernels_unattributed_per_step": None,
             "page_faults_per_step": None,
             "cpu_ms_per_step": None,
             "device_ms_per_step": None,
@@ -349,6 +350,9 @@ class Sweep:
         fields: dict[str, Any] = {
             "ops_per_step": counts["ops"],
             "kernels_per_step": counts["kernels"] if self.device.type == "cuda" else None,
+            "kernels_unattributed_per_step": (
+                counts["unattributed"] if self.device.type == "cuda" else None
+            ),
             "cpu_ms_per_step": counts["cpu_ms"],
             "time_split": counts["time_split"],
             "device_ms_per_step": counts["device_ms"] if self.device.type == "cuda" else None,
@@ -358,7 +362,8 @@ class Sweep:
         }
         backend = VARIANTS[cell.variant].backend
         if backend is not None:
-            problem = verify_backend(backend.name, counts["ops"], counts["kernels"], self.device)
+            every_kernel = counts["kernels"] | {"unattributed": counts["unattributed"]}
+            problem = verify_backend(backend.name, counts["ops"], every_kernel, self.device)
             if problem is not None:
                 cell.fail("failed", f"backend check: asked for {backend.name}, but the {problem}")
         return fields

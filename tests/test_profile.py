@@ -10,11 +10,13 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from torch.autograd import DeviceType
 
 import profile_train
 from model import attention
 from profiling.analysis import fit_line, fits_by_label, op_diff, savings
-from profiling.measure import OtherLoad
+from profiling.measure import OtherLoad, parse_events, verify_backend
 from profiling.report import headline_table
 from profiling.sweep import Sweep
 
@@ -337,6 +339,74 @@ def test_cuda_sweep_counts_kernels(tmp_path: Path) -> None:
 
     for n in (1, 2):  # the hidden copy is one more device copy per layer in the forward
         assert forward_kernels("naive", n) - forward_kernels("inplace", n) == n
+
+
+class FakeEvent:
+    """The parts of a kineto event that parse_events reads."""
+
+    def __init__(self, name, kind, start, end=None, corr=0, annotation=False) -> None:
+        self._name, self._kind, self._start, self._end = name, kind, start, end or start + 1
+        self._corr, self._annotation = corr, annotation
+
+    def name(self) -> str:
+        return self._name
+
+    def device_type(self):
+        return self._kind
+
+    def start_ns(self) -> int:
+        return self._start
+
+    def end_ns(self) -> int:
+        return self._end
+
+    def duration_ns(self) -> int:
+        return self._end - self._start
+
+    def correlation_id(self) -> int:
+        return self._corr
+
+    def is_user_annotation(self) -> bool:
+        return self._annotation
+
+    def nbytes(self) -> int:
+        return 0
+
+
+def test_cuda_kernels_are_counted_in_the_region_that_launched_them() -> None:
+    """Off a GPU, with made-up events: GPU timestamps lag the CPU's, so a kernel belongs to
+    the region of its launch (any launch API, cuDNN's cuLaunchKernelEx included), and a
+    kernel whose launch is not in the trace is kept aside, still seen by the backend check."""
+    cpu, gpu = DeviceType.CPU, DeviceType.CUDA
+    events = [
+        FakeEvent("forward", cpu, 0, 100),
+        FakeEvent("backward", cpu, 100, 200),
+        FakeEvent("aten::_scaled_dot_product_cudnn_attention", cpu, 10),
+        FakeEvent("cudaLaunchKernel", cpu, 20, corr=1),
+        FakeEvent("cuLaunchKernelEx", cpu, 30, corr=2),
+        FakeEvent("cudaMemcpyAsync", cpu, 150, corr=3),
+        FakeEvent("ampere_sgemm_128x64_tn", gpu, 160, corr=1),  # runs in backward's time
+        FakeEvent("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", gpu, 170, corr=2),
+        FakeEvent("Memcpy DtoD (Device -> Device)", gpu, 180, corr=3),
+        FakeEvent("cudnn_generated_fort_native_sdpa_sm90_flash_bprop", gpu, 190, corr=9),
+        FakeEvent("forward", gpu, 160, 175, annotation=True),
+        FakeEvent("Event Sync", gpu, 195),
+    ]
+    seen = parse_events(events, torch.device("cuda")).per_step(1)
+    assert seen["kernels"]["forward"] == {
+        "ampere_sgemm_128x64_tn": 1,
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop": 1,
+    }
+    assert seen["kernels"]["backward"] == {"Memcpy DtoD (Device -> Device)": 1}
+    assert seen["unattributed"] == {"cudnn_generated_fort_native_sdpa_sm90_flash_bprop": 1}
+    assert len(seen["device_ms"]) == 4  # every kernel's time counts, attributed or not
+    assert seen["ops"]["forward"] == {"aten::_scaled_dot_product_cudnn_attention": 1}
+
+    only_unattributed = {"forward": {}, "unattributed": seen["unattributed"]}
+    cuda = torch.device("cuda")
+    assert verify_backend("CUDNN_ATTENTION", seen["ops"], only_unattributed, cuda) is None
+    problem = verify_backend("CUDNN_ATTENTION", seen["ops"], {"forward": {}}, cuda)
+    assert problem is not None and "/cudnn/" in problem
 
 
 def test_op_diff_when_one_variant_has_a_single_depth() -> None:
