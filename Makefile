@@ -39,11 +39,13 @@ gpu-check:
 	bash scripts/gpu_check.sh $(or $(OUT),gpu-check)
 
 # Wheels of the tools gpu_check.sh needs, at the versions pinned here, for a GPU machine with
-# no network: carry .gpu-wheels there and run with WHEELS=.gpu-wheels. GPU_PY: its Python.
-GPU_PY ?= 3.11
+# no network: carry .gpu-wheels there and run with WHEELS=.gpu-wheels. GPU_PY: its Python
+# (3.12 on the H200 image this project has been lent, which already has all four).
+GPU_PY ?= 3.12
 gpu-wheels: setup
 	$(PY) -m pip download --quiet --only-binary=:all: --python-version $(GPU_PY) \
-		--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 		-d .gpu-wheels $(shell grep -E '^(tqdm|pytest|matplotlib|numpy)==' requirements.txt)
 
 lint: setup

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# The GPU check, in one go (at most 8 minutes: each part has a time limit, and a sweep cut
-# short keeps the cells it finished):
+# The GPU check, in one go (at most 9 minutes: each part has a time limit, and a sweep cut
+# short keeps the cells it finished; a device session has 15 minutes, machine start included):
 #   1. the CUDA-marked tests;
-#   2. profile_train.py over all eight variants at GPT-2-small width, n_layer 1..12, bf16,
-#      compiled and not for naive, sdpa and flex;
+#   2. profile_train.py over all eight variants at GPT-2-small width, n_layer 1..12, bf16;
+#      then naive, sdpa and flex compiled and not, at fewer depths (the first depth pays
+#      every cold compile before any cell is recorded);
 #   3. the report, results.json, plots and traces, in OUT_DIR.
 # Uses whatever python3 has torch (PYTHON=... to choose); needs no network, no prepared corpus
 # and no `datasets`. If the machine's python lacks tqdm/pytest/matplotlib, point WHEELS at a
-# folder of wheels (make gpu-wheels) and they are installed from there, offline.
+# folder of wheels (make gpu-wheels GPU_PY=<its version>) and they are installed from there,
+# offline, into a folder on PYTHONPATH (a system Python may refuse pip installs into itself).
 #
 #   bash scripts/gpu_check.sh OUT_DIR          (or: make gpu-check OUT=OUT_DIR)
 set -uo pipefail
@@ -15,6 +17,7 @@ cd "$(dirname "$0")/.."
 OUT=${1:-gpu-check}
 PY=${PYTHON:-python3}
 LAYERS=${LAYERS:-1,2,4,8,12}
+COMPILED_LAYERS=${COMPILED_LAYERS:-1,4,12}
 STEPS=${STEPS:-8}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/gpu_check.log") 2>&1
@@ -33,14 +36,18 @@ PY
 )
 if [ -n "$missing" ]; then
   if [ -n "${WHEELS:-}" ]; then
-    "$PY" -m pip install --no-index --find-links "$WHEELS" $missing || { echo "error: could not install $missing from $WHEELS"; exit 1; }
+    site=$(mktemp -d)
+    "$PY" -m pip install -q --no-index --find-links "$WHEELS" --target "$site" $missing \
+      || { echo "error: could not install $missing from $WHEELS"; exit 1; }
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
   else
     echo "error: $PY lacks: $missing (set WHEELS=folder of wheels; see make gpu-wheels)"; exit 1
   fi
 fi
 
 echo "== 1. CUDA tests"
-timeout 150 "$PY" -m pytest -m cuda -p no:cacheprovider -q -rs tests/test_model.py tests/test_profile.py \
+timeout 170 "$PY" -m pytest -m cuda -p no:cacheprovider -q -rs --durations=8 \
+  tests/test_model.py tests/test_profile.py \
   | tee "$OUT/cuda_tests.txt"
 tests_rc=${PIPESTATUS[0]}
 
@@ -48,14 +55,14 @@ tests_rc=${PIPESTATUS[0]}
 case ",$LAYERS," in *,2,*) TRACE_LAYERS=2 ;; *) TRACE_LAYERS=${LAYERS%%,*} ;; esac
 
 echo "== 2. sweep: eight variants x n_layer $LAYERS, eager"
-timeout 210 "$PY" profile_train.py --config configs/profile-gpu.toml --out "$OUT/eager" \
+timeout 200 "$PY" profile_train.py --config configs/profile-gpu.toml --out "$OUT/eager" \
   --variants naive,inplace,sdpa,sdpa-math,sdpa-flash,sdpa-efficient,sdpa-cudnn,flex \
   --layers "$LAYERS" --steps "$STEPS" --compile off --trace-layers "$TRACE_LAYERS"
 eager_rc=$?
 
-echo "== 3. sweep: naive, sdpa, flex compiled and not"
-timeout 120 "$PY" profile_train.py --config configs/profile-gpu.toml --out "$OUT/compiled" \
-  --variants naive,sdpa,flex --layers "$LAYERS" --steps "$STEPS" --compile both --no-traces
+echo "== 3. sweep: naive, sdpa, flex compiled and not, n_layer $COMPILED_LAYERS"
+timeout 170 "$PY" profile_train.py --config configs/profile-gpu.toml --out "$OUT/compiled" \
+  --variants naive,sdpa,flex --layers "$COMPILED_LAYERS" --steps "$STEPS" --compile both --no-traces
 compiled_rc=$?
 
 echo "== done: tests rc=$tests_rc, eager sweep rc=$eager_rc, compiled sweep rc=$compiled_rc"
