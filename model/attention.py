@@ -94,10 +94,13 @@ def _causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
 
 @functools.cache
 def _compiled_flex_attention() -> Callable[..., Tensor]:
-    # flex_attention is only fast when compiled: eager mode runs a slow reference.
+    # flex_attention is only fast when compiled: eager mode runs a slow reference. Training
+    # sees one length and gets a static kernel; generate() sees a new length every token, and
+    # dynamic=None turns the length symbolic at the first change instead of recompiling for
+    # each one until Dynamo's recompile limit sends flex to that slow reference.
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention, dynamic=None)
 
 
 @functools.cache

@@ -192,6 +192,24 @@ def test_flex_refuses_dropout() -> None:
         tiny_config("flex", dropout=0.1)
 
 
+@pytest.mark.slow
+def test_flex_compiles_for_a_second_length_once_not_for_every_length() -> None:
+    """generate() calls attention at a new length each token. flex cannot train on CPU, but its
+    compiled forward runs here, and compiles the same way."""
+    from torch._dynamo.utils import counters
+
+    from model.attention import causal_block_mask, flex
+
+    counters.clear()
+    for T in range(5, 11):
+        q, k, v = torch.randn(3, 1, 2, T, 16).unbind(0)
+        with torch.no_grad():
+            out = flex(q, k, v, causal_block_mask(T, torch.device("cpu")), 0.0)
+        expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        torch.testing.assert_close(out, expected)
+    assert counters["stats"]["unique_graphs"] <= 2, "flex recompiled for each new length"
+
+
 def test_sequence_longer_than_block_size() -> None:
     model = GPT(tiny_config(block_size=8))
     with pytest.raises(ValueError, match="exceeds block_size 8"):
