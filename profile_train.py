@@ -30,7 +30,8 @@ import torch
 
 from config import ConfigError, load_config
 from model import VARIANTS, available_variants
-from profiling.report import diff_text, write_results
+from profiling.report import diff_text
+from profiling.results import write_results
 from profiling.sweep import Sweep
 from runtime import autocast_dtype, pick_device
 from train import USER_ERRORS

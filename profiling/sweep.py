@@ -42,7 +42,7 @@ from profiling.measure import (
     timed,
     verify_backend,
 )
-from profiling.report import write_results
+from profiling.results import write_results
 from runtime import autocast_dtype, keep_freed_host_memory, pick_device
 from train import build_model, train_step
 

@@ -1,0 +1,76 @@
+"""The sweep's data files: results.json (the contract), results.csv, then the rendered report."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from profiling.analysis import fits_by_label
+from profiling.report import write_report
+
+
+def write_results(
+    out: Path, meta: dict[str, Any], rows: list[dict[str, Any]], plots: bool = True
+) -> None:
+    """results.json (atomically), results.csv, summary.txt, report.md and, with `plots`, the
+    PNGs, which take most of the time (a sweep draws them once, at its end)."""
+    results = {"meta": meta, "rows": rows, "fits": fits_by_label(rows)}
+    tmp = out / "results.json.tmp"
+    tmp.write_text(json.dumps(results, indent=1))
+    os.replace(tmp, out / "results.json")
+    _write_csv(out / "results.csv", rows)
+    write_report(out, results, plots)
+
+
+def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    columns = [
+        "variant",
+        "n_layer",
+        "compile",
+        "status",
+        "step_ms_median",
+        "step_ms_p10",
+        "step_ms_p90",
+        "n",
+        "tokens_per_s",
+        "mfu",
+        "peak_mem_bytes",
+        "compile_s",
+        "page_faults_per_step",
+        "ops_per_step",
+        "kernels_per_step",
+        "backend",
+        "reason",
+    ]
+    tmp = path.with_suffix(".csv.tmp")
+    with open(tmp, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(columns)
+        for r in rows:
+            t = r["step_ms"] or {}
+            total = lambda counts: sum(sum(c.values()) for c in counts.values()) if counts else None
+            writer.writerow(
+                [
+                    r["variant"],
+                    r["n_layer"],
+                    r["compile"],
+                    r["status"],
+                    t.get("median"),
+                    t.get("p10"),
+                    t.get("p90"),
+                    t.get("n"),
+                    r["tokens_per_s"],
+                    r["mfu"],
+                    r["peak_mem_bytes"],
+                    r["compile_s"],
+                    r.get("page_faults_per_step"),
+                    total(r["ops_per_step"]),
+                    total(r["kernels_per_step"]),
+                    r["backend"],
+                    r["reason"],
+                ]
+            )
+    os.replace(tmp, path)
