@@ -18,6 +18,8 @@ from torch import Tensor
 from config import Config
 
 CHECKPOINT = "ckpt.pt"
+# What train.py writes and resuming reads (it also writes "val_loss").
+KEYS = ("model", "optimizer", "step", "rng", "data", "config", "tokenizer_sha256")
 
 
 class CheckpointError(RuntimeError):
@@ -50,11 +52,19 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"no checkpoint at {path} (train first, or check --out/--run)")
     try:
         # weights_only: a checkpoint is data; never let loading it run code.
-        return torch.load(path, map_location="cpu", weights_only=True)
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated zip, wrong format, pickle error: all mean the same
         raise CheckpointError(
             f"checkpoint {path} is unreadable (truncated or corrupt?): {e}"
         ) from None
+    # A file torch can read may still be another program's (a nanoGPT ckpt.pt, say).
+    missing = [k for k in KEYS if k not in ckpt] if isinstance(ckpt, dict) else list(KEYS)
+    if missing or not isinstance(ckpt["config"], dict) or "model" not in ckpt["config"]:
+        raise CheckpointError(
+            f"checkpoint {path} was not written by this project's train.py "
+            f"(missing: {', '.join(missing) or 'config.model'})"
+        )
+    return ckpt
 
 
 def check_compatible(

@@ -31,7 +31,13 @@ def load_run(run_dir: Path, device: torch.device) -> tuple[GPT, Tokenizer]:
     tokenizer_path = run_dir / "tokenizer.json"
     ckpt = load_checkpoint(run_dir / CHECKPOINT)
     model = GPT(config.model)
-    model.load_state_dict(ckpt["model"])
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:  # config.toml edited, or a checkpoint copied from another run
+        first = str(e).strip().splitlines()[0]
+        raise TrainError(
+            f"{run_dir / CHECKPOINT} does not fit the model in {run_dir / 'config.toml'}: {first}"
+        ) from None
     return model.to(device).eval(), Tokenizer.from_file(str(tokenizer_path))
 
 

@@ -188,12 +188,21 @@ class StopSignal:
 
 def start_metrics(path: Path, resume_step: int | None) -> None:
     """A fresh run starts a fresh metrics.jsonl; a resumed one drops the lines logged after
-    its checkpoint (a crash between checkpoints), since those steps run again."""
+    its checkpoint (a crash between checkpoints), since those steps run again, and a line
+    cut short by a kill mid-write."""
     if resume_step is None or not path.exists():
         path.write_text("")
         return
-    lines = path.read_text().splitlines(keepends=True)
-    path.write_text("".join(ln for ln in lines if json.loads(ln)["step"] <= resume_step))
+
+    def kept(line: str) -> bool:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            return False
+        return isinstance(record, dict) and record.get("step", resume_step + 1) <= resume_step
+
+    lines = path.read_text().splitlines()
+    path.write_text("".join(line + "\n" for line in lines if kept(line)))
 
 
 # --- the loop ---------------------------------------------------------------------------------------
@@ -257,6 +266,10 @@ def train(
     data_dir = Path(config.data.root) / config.data.name
     onednn = check_runnable(config, device, amp_dtype)
 
+    if out_dir.exists() and not out_dir.is_dir():
+        raise TrainError(f"--out {out_dir} is a file; give a folder for the run")
+    if out_dir.resolve() == data_dir.resolve():
+        raise TrainError(f"--out {out_dir} is the corpus folder; give the run a folder of its own")
     ckpt_path = out_dir / CHECKPOINT
     if ckpt_path.exists() and not resume:
         raise TrainError(

@@ -239,6 +239,64 @@ def test_unreadable_checkpoint_on_resume_is_an_error(
     assert ckpt.read_bytes() == broken[damage]
 
 
+@pytest.mark.parametrize("foreign", ["nanogpt", "tensor"])
+def test_checkpoint_from_another_program_is_an_error_for_resume_and_sample(
+    base_run: Path,
+    data_root: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    foreign: str,
+) -> None:
+    """torch reads it fine (weights_only), but it is not ours: say so, change nothing."""
+    out = copy_run(base_run, tmp_path / "run")
+    ckpt = out / train.CHECKPOINT
+    torch.save({"model": {}, "iter_num": 3} if foreign == "nanogpt" else torch.zeros(3), ckpt)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert run(data_root, out, *SHARED_OVERRIDES, "--resume") == 2
+    assert sample.main(["--run", str(out)]) == 2
+    for err in capsys.readouterr().err.split("error: ")[1:]:
+        assert str(ckpt) in err and "not written by this project" in err, err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_sample_with_a_config_that_does_not_fit_the_checkpoint(
+    base_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = copy_run(base_run, tmp_path / "run")
+    toml = out / "config.toml"
+    toml.write_text(toml.read_text().replace("n_layer = 2", "n_layer = 3"))
+    assert "n_layer = 3" in toml.read_text()
+    assert sample.main(["--run", str(out)]) == 2
+    err = error_of(capsys.readouterr().err)
+    assert "does not fit the model in" in err and str(toml) in err
+
+
+def test_resume_drops_a_metrics_line_cut_short(
+    base_run: Path, data_root: Path, tmp_path: Path
+) -> None:
+    """A kill in the middle of a log write leaves half a line; resuming must still work."""
+    out = copy_run(base_run, tmp_path / "run")
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 21, "loss": 5.7')
+    assert run(data_root, out, f"--train.max_steps={STEPS + 2}", "--resume") == 0
+    assert [r["step"] for r in train_lines(out)] == list(range(1, STEPS + 3))
+
+
+def test_out_that_is_a_file_or_the_corpus_is_refused(
+    data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    corpus = data_root / "tiny"
+    corpus_before = sorted(p.name for p in corpus.iterdir())
+    assert run(data_root, a_file) == 2
+    assert "is a file" in error_of(capsys.readouterr().err)
+    assert run(data_root, corpus) == 2
+    assert "corpus folder" in error_of(capsys.readouterr().err)
+    assert a_file.read_text() == "mine"
+    assert sorted(p.name for p in corpus.iterdir()) == corpus_before
+
+
 def test_resume_without_checkpoint_is_an_error(
     data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
