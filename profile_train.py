@@ -38,13 +38,18 @@ from train import USER_ERRORS
 
 
 def _csv_list(text: str, kind: type, flag: str) -> list:
-    """'a,b,c' -> [kind(a), kind(b), kind(c)]; a bad item is an error naming the flag."""
+    """'a,b,c' -> [kind(a), kind(b), kind(c)]; a bad or repeated item is an error naming the
+    flag (a repeated variant or depth would be measured twice and written over its trace)."""
     try:
-        return [kind(x.strip()) for x in text.split(",") if x.strip()]
+        items = [kind(x.strip()) for x in text.split(",") if x.strip()]
     except ValueError:
         raise ConfigError(
             f"{flag}={text!r}: expected comma-separated {kind.__name__} values"
         ) from None
+    repeated = sorted({str(x) for x in items if items.count(x) > 1})
+    if repeated:
+        raise ConfigError(f"{flag}={text!r}: {', '.join(repeated)} given more than once")
+    return items
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
@@ -100,6 +105,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(argv)
+    ours: Path | None = None  # --out once known to be new or empty: what it holds is this sweep's
+    out_existed = False
     try:
         if args.report is not None:
             return _rerender(args)
@@ -110,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--out {args.out} holds an earlier sweep; choose another folder")
         if args.out.exists() and not (args.out.is_dir() and not any(args.out.iterdir())):
             raise ConfigError(f"--out {args.out} exists and is not an empty folder; choose another")
+        ours, out_existed = args.out, args.out.exists()
         if args.diff:
             raise ConfigError("--diff compares two variants of an existing sweep: add --report DIR")
         if any(o.split("=")[0] in ("--model.n_layer", "--model.attention") for o in overrides):
@@ -154,11 +162,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         if args.out is not None and (args.out / "results.json").exists():
             print(f"interrupted; the cells measured so far are in {args.out}", file=sys.stderr)
-        elif args.out is not None and args.report is None and args.out.is_dir():
-            # --out was new or empty, so what is in it now is this sweep's: traces, no results.
-            shutil.rmtree(args.out)
+        elif ours is not None and ours.is_dir():
+            # What is in it now is this sweep's (traces, no results); a folder the user made
+            # stays, emptied.
+            for path in ours.iterdir() if out_existed else [ours]:
+                if path.is_dir():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
             print(
-                f"interrupted before the first cell was measured; {args.out} removed",
+                f"interrupted before the first cell was measured; "
+                f"{'the files written in ' if out_existed else ''}{ours} removed",
                 file=sys.stderr,
             )
         else:
@@ -179,7 +193,16 @@ def _rerender(args: argparse.Namespace) -> int:
     path = args.report / "results.json"
     if not path.is_file():
         raise ConfigError(f"--report {args.report}: no results.json there")
-    results = json.loads(path.read_text())
+    try:
+        results = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not valid JSON ({e}); was it edited by hand?") from None
+    if not (isinstance(results, dict) and isinstance(results.get("meta"), dict)):
+        raise ConfigError(f"{path} has no 'meta' object: not a results.json of profile_train.py")
+    if not results.get("rows"):
+        raise ConfigError(
+            f"{path} has no rows: no cell was measured, so there is nothing to report"
+        )
     if args.diff:
         labels = _csv_list(args.diff, str, "--diff")
         if len(labels) != 2:

@@ -209,6 +209,52 @@ def test_interrupted_sweep_keeps_what_it_measured(
         assert (tmp_path / "sweep" / name).is_file(), f"{name} not written on Ctrl-C"
 
 
+@pytest.mark.parametrize("made_by_user", [False, True])
+def test_ctrl_c_before_any_cell_leaves_no_half_sweep(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, made_by_user: bool
+) -> None:
+    """A folder the sweep made goes; one the user made (it must be empty) stays, emptied."""
+
+    def interrupt(self, cells, bar):
+        (self.out / "traces").mkdir()  # as if a trace had been written
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Sweep, "_time", interrupt)
+    out = tmp_path / "sweep"
+    if made_by_user:
+        out.mkdir()
+    rc = profile_train.main(
+        ["--out", str(out), "--variants", "naive", "--layers", "1", "--peak-seconds", "0.05", *TINY]
+    )
+    assert rc == 130
+    assert out.is_dir() == made_by_user
+    assert not made_by_user or not any(out.iterdir())
+
+
+def test_damaged_results_json_is_an_error_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for text, expect in [
+        ('{"meta": {', "not valid JSON"),
+        ("[1, 2]", "no 'meta'"),
+        ('{"meta": {}, "rows": []}', "no rows"),
+    ]:
+        (tmp_path / "results.json").write_text(text)
+        assert profile_train.main(["--report", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and expect in err and "results.json" in err, err
+
+
+@pytest.mark.parametrize("flag", ["--variants=naive,sdpa,naive", "--layers=1,2,1"])
+def test_a_variant_or_depth_given_twice_is_an_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str
+) -> None:
+    assert profile_train.main(["--out", str(tmp_path / "s"), flag, *TINY]) == 2
+    err = capsys.readouterr().err
+    assert flag.split("=")[0] in err and "more than once" in err
+    assert not (tmp_path / "s").exists()
+
+
 def test_fits_recover_known_slopes() -> None:
     fit = fit_line([1, 2, 4, 8], [3 + 2 * x for x in (1, 2, 4, 8)])
     assert fit["slope"] == pytest.approx(2) and fit["intercept"] == pytest.approx(3)
