@@ -151,7 +151,12 @@ def _build(cls: type, values: dict[str, Any], section: str) -> Any:
 def parse_override(arg: str) -> tuple[str, str, Any]:
     """'--train.lr=3e-4' -> ('train', 'lr', 0.0003). Bare words are strings: --model.attention=sdpa"""
     body = arg.removeprefix("--")
-    if "=" not in body or "." not in body.split("=", 1)[0]:
+    if "." not in body.split("=", 1)[0]:  # not an override at all: a mistyped option, say
+        what = "unknown option" if arg.startswith("-") else "unexpected argument"
+        raise ConfigError(
+            f"{what} {arg!r} (see --help); a config override reads --section.field=value"
+        )
+    if "=" not in body:
         raise ConfigError(f"override {arg!r}: expected --section.field=value")
     dotted, raw = body.split("=", 1)
     section, key = dotted.split(".", 1)

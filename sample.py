@@ -83,11 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     problems = {
         "--tokens": "must be >= 0",
+        "--temperature": "must be >= 0 (0 is greedy)",
         "--top-k": "must be >= 0 (0 samples from the whole vocabulary)",
     }
     for flag, problem in problems.items():
         value = getattr(args, flag[2:].replace("-", "_"))
-        if value < 0:
+        if not value >= 0:  # NaN too
             print(f"error: {flag} {value}: {problem}", file=sys.stderr)
             return 2
     try:

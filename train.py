@@ -1,10 +1,8 @@
 """Train a GPT on a prepared corpus, with any attention variant, on one device or under torchrun.
 
-    python train.py --config configs/default.toml [--section.field=value ...] [--out DIR]
-    python train.py --config configs/default.toml --resume
-    torchrun --nproc_per_node=2 train.py --config configs/tiny.toml
-
-`train_step` below is the one training step of this project: the profiler imports it.
+python train.py --config configs/default.toml [--section.field=value ...] [--out DIR]
+python train.py --config configs/default.toml --resume
+torchrun --nproc_per_node=2 train.py --config configs/tiny.toml
 """
 
 from __future__ import annotations
@@ -100,6 +98,7 @@ def compile_blocks(model: GPT) -> None:
 
 
 # --- the training step ----------------------------------------------------------------------------
+# The one training step of this project: profile_train.py imports it, never a copy.
 
 
 def train_step(
@@ -424,7 +423,13 @@ def train(
             if tc.eval_interval and step % tc.eval_interval == 0 and step != last_step:
                 eval_and_save()
         eval_and_save()
-        return RunEnd(out_dir, step, step - first_step, None)
+    if master and step < tc.max_steps:
+        print(
+            f"paused after step {step} of {tc.max_steps} (--stop-after {stop_after}); "
+            "continue with --resume",
+            file=sys.stderr,
+        )
+    return RunEnd(out_dir, step, step - first_step, None)
 
 
 def main(argv: list[str] | None = None) -> int:

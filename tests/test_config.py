@@ -107,6 +107,8 @@ BAD = {
     "str-for-int-file": ('[train]\nbatch_size = "x"\n', [], ["train.batch_size"]),
     "section-not-a-table": ("train = 3\n", [], ["train"]),
     "not-an-override": (None, ["--train.lr"], ["--train.lr", "--section.field=value"]),
+    "mistyped-option": (None, ["--variant=sdpa"], ["unknown option '--variant=sdpa'", "--help"]),
+    "stray-word": (None, ["sdpa"], ["unexpected argument 'sdpa'"]),
     "n_head-not-dividing": (None, ["--model.n_head=3"], ["model.n_embd", "n_head"]),
     "unknown-variant": (
         None,

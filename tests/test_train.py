@@ -181,7 +181,11 @@ def test_checkpoint_holds_the_run_state_and_loads_weights_only(
 
 @pytest.mark.parametrize("dropout", ["0.0", "0.1"])  # with dropout, the torch RNG state matters
 def test_resume_reproduces_the_uninterrupted_run_exactly(
-    base_run: Path, data_root: Path, tmp_path: Path, dropout: str
+    base_run: Path,
+    data_root: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    dropout: str,
 ) -> None:
     overrides = (*SHARED_OVERRIDES, f"--model.dropout={dropout}")
     whole = base_run
@@ -189,8 +193,10 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(
         whole = tmp_path / "whole"
         assert run(data_root, whole, *overrides) == 0
     split = tmp_path / "split"
+    capsys.readouterr()
     assert run(data_root, split, *overrides, "--stop-after", "7") == 0
     assert load_ckpt(split)["step"] == 7
+    assert f"paused after step 7 of {STEPS}" in capsys.readouterr().err
     assert run(data_root, split, *overrides, "--resume", "--stop-after", "6") == 0
     assert load_ckpt(split)["step"] == 13
     assert run(data_root, split, *overrides, "--resume") == 0
@@ -700,6 +706,8 @@ def test_sample_longer_than_the_context(base_run: Path, capsys: pytest.CaptureFi
     [
         (["--tokens", "-3"], "--tokens"),
         (["--top-k", "-5"], "--top-k"),
+        (["--temperature", "-1"], "--temperature"),
+        (["--temperature", "nan"], "--temperature"),
         (["--device", "cuda:x"], "--device"),
     ],
 )
