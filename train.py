@@ -467,6 +467,17 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        # CUDA raises OutOfMemoryError; the CPU allocator a RuntimeError that says so.
+        if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
+            raise
+        print(
+            f"error: out of memory ({str(e).strip().splitlines()[0][:200]}); lower "
+            "train.batch_size (raise train.grad_accum to keep the tokens per step) or the model "
+            "size; the last checkpoint, if any, is as it was",
+            file=sys.stderr,
+        )
+        return 2
     except KeyboardInterrupt:
         print(
             "interrupted: stopped without saving; the last checkpoint, if any, is as it was",
