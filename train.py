@@ -185,6 +185,15 @@ class StopSignal:
         self.received = signal.Signals(signum).name
 
 
+def agreed_signal(received: str | None, device: torch.device, world_size: int) -> str:
+    """The signal that stopped the run, the same on every rank (a collective under DDP), so
+    that all exit with one status: ranks a signal did not reach take the others'."""
+    signum = torch.tensor(signal.Signals[received] if received else 0, device=device)
+    if world_size > 1:
+        dist.all_reduce(signum, op=dist.ReduceOp.MAX)
+    return signal.Signals(int(signum)).name
+
+
 def start_metrics(path: Path, resume_step: int | None) -> None:
     """A fresh run starts a fresh metrics.jsonl; a resumed one drops the lines logged after
     its checkpoint (a crash between checkpoints), since those steps run again, and a line
@@ -214,7 +223,7 @@ class RunEnd:
     run_dir: Path
     step: int  # the run's step count now
     steps_taken: int  # optimizer steps taken by this call
-    stopped_by: str | None  # SIGINT, SIGTERM or "another rank" when stopped before its last step
+    stopped_by: str | None  # the signal's name (SIGINT, SIGTERM) when stopped before its last step
 
 
 def build_model(
@@ -343,23 +352,27 @@ def train(
     def eval_and_save() -> None:
         val_loss = evaluate(model, batches["val"], tc.eval_batches, amp_dtype)
         rngs = rng_states(device, world_size)
-        if not master:
-            return
-        log({"step": step, "val_loss": val_loss, "val_bpb": val_loss * bpb_factor})
-        state = {
-            "model": raw_model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "step": step,
-            "rng": rngs,
-            "data": batches["train"].state_dict(),
-            "config": asdict(config),
-            "tokenizer_sha256": meta["tokenizer_sha256"],
-            "val_loss": val_loss,
-        }
-        save_checkpoint(ckpt_path, state)
-        bar.write(
-            f"step {step}: val loss {val_loss:.4f}, {val_loss * bpb_factor:.3f} bits/byte; saved {ckpt_path}"
-        )
+        if master:
+            log({"step": step, "val_loss": val_loss, "val_bpb": val_loss * bpb_factor})
+            state = {
+                "model": raw_model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "step": step,
+                "rng": rngs,
+                "data": batches["train"].state_dict(),
+                "config": asdict(config),
+                "tokenizer_sha256": meta["tokenizer_sha256"],
+                "val_loss": val_loss,
+            }
+            save_checkpoint(ckpt_path, state)
+            bar.write(
+                f"step {step}: val loss {val_loss:.4f}, {val_loss * bpb_factor:.3f} bits/byte; "
+                f"saved {ckpt_path}"
+            )
+        if world_size > 1:
+            # No rank leaves before rank 0 has saved: torchrun ends the others when one exits
+            # with an error status, which a stopped run does.
+            dist.barrier()
 
     first_step = step
     last_step = tc.max_steps if stop_after is None else min(tc.max_steps, step + stop_after)
@@ -412,7 +425,7 @@ def train(
                 )
             if stop_requested and step < last_step:  # on the last step, the run ends as planned
                 eval_and_save()
-                stopped_by = stop.received or "another rank"
+                stopped_by = agreed_signal(stop.received, device, world_size)
                 bar.close()
                 if master:
                     print(
@@ -489,10 +502,8 @@ def main(argv: list[str] | None = None) -> int:
             dist.destroy_process_group()
     if end.stopped_by is not None:
         # Saved, but not finished: a shell's `train && sample` must not go on. 128 + the signal
-        # number, as the shell reports a process killed by it; 1 when a peer rank's signal
-        # stopped this one.
-        signum = signal.Signals.__members__.get(end.stopped_by)
-        return 128 + signum if signum is not None else 1
+        # number, as the shell reports a process killed by it.
+        return 128 + signal.Signals[end.stopped_by]
     tc = config.train
     # A sample only when the run has just reached its end: not after a split.
     finished = end.steps_taken > 0 and end.step == tc.max_steps

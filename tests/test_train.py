@@ -792,6 +792,59 @@ def test_two_ranks_match_one_process_with_twice_the_batch(
         torch.testing.assert_close(a["model"][name], tensor, atol=1e-5, rtol=0, msg=name)
 
 
+def rank_pids(launcher: int) -> dict[int, int]:
+    """{rank: pid} of torchrun's workers, from /proc."""
+    ranks = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            env = (stat.parent / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        rank = [e for e in env if e.startswith(b"RANK=")]
+        if ppid == launcher and rank:
+            ranks[int(rank[0][5:])] = int(stat.parent.name)
+    return ranks
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the ranks in /proc")
+def test_sigterm_to_one_rank_stops_both_after_rank_0_saved(data_root: Path, tmp_path: Path) -> None:
+    """Rank 1 alone is signalled (rank 0 is the one that saves): both ranks stop at the same
+    step, rank 0 saves, and both exit with SIGTERM's status, which torchrun reports."""
+    out = tmp_path / "ddp"
+    overrides = ["--train.max_steps=100000", "--train.eval_interval=0", "--train.eval_batches=1"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone"]
+    proc = subprocess.Popen(
+        [*launcher, "train.py", *run_argv(data_root, out, *overrides)],
+        cwd=ROOT,
+        env=env | {"OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        metrics = out / "metrics.jsonl"
+        while not (metrics.is_file() and metrics.read_text().strip()):
+            assert proc.poll() is None, proc.communicate()[0][-6000:]
+            assert time.monotonic() < deadline, "no step logged within 90 s"
+            time.sleep(0.05)
+        os.kill(rank_pids(proc.pid)[1], signal.SIGTERM)
+        log = proc.communicate(timeout=90)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0, "torchrun reports a stopped run as not finished"
+    assert "stopped by SIGTERM" in log, log[-6000:]
+    assert log.count("exitcode  : 143") == 2, log[-6000:]  # torchrun's report, per rank
+    stopped_at = load_ckpt(out)["step"]
+    assert stopped_at >= 1
+    assert train_lines(out)[-1]["step"] == stopped_at
+
+
 def test_lr_warms_up_to_the_peak_once_then_decays_to_min_lr() -> None:
     tc = TrainConfig(lr=1e-3, min_lr=1e-4, warmup_steps=4, max_steps=20)
     lrs = [train.lr_at(step, tc) for step in range(tc.max_steps + 1)]
