@@ -441,7 +441,8 @@ def _unattributed_lines(rows: list[dict[str, Any]]) -> list[str]:
         return []
     worst = max(lost, key=lost.__getitem__)
     return [
-        f"- **Kernels not attributed**: in {len(lost)} cells some kernels' launching call was in "
+        f"- **Kernels not attributed**: in {len(lost)} cell{'s' * (len(lost) != 1)} some "
+        "kernels' launching call was in "
         f"no region or missing from the trace (most: {lost[worst]:g} per step in {worst}). They "
         "count in device time and in the backend check, not in the per-region kernel counts; "
         "`kernels_unattributed_per_step` in results.json names them."

@@ -42,6 +42,7 @@ def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
         "page_faults_per_step",
         "ops_per_step",
         "kernels_per_step",
+        "kernels_unattributed_per_step",
         "backend",
         "reason",
     ]
@@ -52,6 +53,7 @@ def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
         for r in rows:
             t = r["step_ms"] or {}
             total = lambda counts: sum(sum(c.values()) for c in counts.values()) if counts else None
+            unattributed = r.get("kernels_unattributed_per_step")  # absent before; None on CPU
             writer.writerow(
                 [
                     r["variant"],
@@ -69,6 +71,7 @@ def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
                     r.get("page_faults_per_step"),
                     total(r["ops_per_step"]),
                     total(r["kernels_per_step"]),
+                    None if unattributed is None else sum(unattributed.values()),
                     r["backend"],
                     r["reason"],
                 ]

@@ -387,6 +387,33 @@ def test_cuda_sweep_counts_kernels(tmp_path: Path) -> None:
         assert forward_kernels("naive", n) - forward_kernels("inplace", n) == n
 
 
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_every_op_of_a_training_step_is_in_a_region(grad_accum: int) -> None:
+    """Ops and kernels are counted by region: work outside forward/backward/optimizer would be
+    missing from the counts (and, on CUDA, reported as kernels with no region)."""
+    from torch.profiler import profile
+
+    from config import TrainConfig
+    from model import GPT, GPTConfig
+    from profiling.analysis import REGIONS
+    from train import build_optimizer, train_step
+
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16))
+    optimizer = build_optimizer(model, TrainConfig(), torch.device("cpu"))
+    xy = torch.randint(64, (2, 17))
+    micro = [(xy[:, :-1], xy[:, 1:])] * grad_accum
+    with profile(acc_events=True) as prof:
+        train_step(model, optimizer, micro, grad_clip=1.0)
+    events = prof.profiler.kineto_results.events()
+    regions = [(e.start_ns(), e.end_ns()) for e in events if e.name() in REGIONS]
+    outside = [
+        e.name()
+        for e in events
+        if e.name().startswith("aten::") and not any(a <= e.start_ns() <= b for a, b in regions)
+    ]
+    assert outside == []
+
+
 class FakeEvent:
     """The parts of a kineto event that parse_events reads."""
 
