@@ -22,7 +22,9 @@ import argparse
 import datetime as dt
 import json
 import math
+import os
 import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -103,7 +105,23 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     return p.parse_known_args(argv)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`timeout`, a job scheduler), handled as Ctrl-C is: the rows and plots stay."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        return _main(argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: list[str] | None) -> int:
     args, overrides = parse_args(argv)
     ours: Path | None = None  # --out once known to be new or empty: what it holds is this sweep's
     out_existed = False
@@ -138,6 +156,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"--trace-layers={sorted(args.trace_layers)}: not all are among --layers={layers}"
             )
         device = pick_device(config.train.device)
+        if device.type == "cpu":
+            # libkineto prints "USDT: profiler_start/stop" to stderr for every profiled cell,
+            # through the progress bar; on CPU it has nothing else to say. On CUDA its messages
+            # stay: they explain missing kernels (CUPTI errors). Read once per process, at the
+            # first profile; a user's own setting wins.
+            os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         dtype = autocast_dtype(config.train.dtype, device) or torch.float32
         if args.variants is not None:
             variants = _csv_list(args.variants, str, "--variants")
@@ -159,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
         if args.out is not None and (args.out / "results.json").exists():
             print(f"interrupted; the cells measured so far are in {args.out}", file=sys.stderr)
         elif ours is not None and ours.is_dir():
@@ -177,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         else:
             print("interrupted", file=sys.stderr)
-        return 130
+        return 128 + (signal.SIGTERM if isinstance(stop, Terminated) else signal.SIGINT)
     print((args.out / "summary.txt").read_text())
     print(f"report: {args.out / 'report.md'}")
     return 0

@@ -275,11 +275,6 @@ def profiled_steps(
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
-    else:
-        # libkineto prints "USDT: profiler_start/stop" to stderr for every window, through the
-        # progress bar; on CPU it has nothing else to say. On CUDA its messages stay, since
-        # they explain missing kernels (CUPTI errors). A user's own setting wins.
-        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     results: list[StepProfile] = []
 
     def on_ready(prof: profile) -> None:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU check, in one go (at most 9 minutes: each part has a time limit, and a sweep cut
-# short keeps the cells it finished; a device session has 15 minutes, machine start included):
+# The GPU check, in one go (at most 9 minutes: each part has a time limit; a sweep that
+# `timeout` stops with SIGTERM keeps the cells it finished, with their report and plots; a
+# device session has 15 minutes, machine start included):
 #   1. the CUDA-marked tests;
 #   2. profile_train.py over all eight variants at GPT-2-small width, n_layer 1..12, bf16;
 #      then naive, sdpa and flex compiled and not, at fewer depths (the first depth pays
@@ -46,7 +47,7 @@ if [ -n "$missing" ]; then
 fi
 
 echo "== 1. CUDA tests"
-timeout 170 "$PY" -m pytest -m cuda -p no:cacheprovider -q -rs --durations=8 \
+timeout -k 20 170 "$PY" -m pytest -m cuda -p no:cacheprovider -q -rs --durations=8 \
   tests/test_model.py tests/test_profile.py \
   | tee "$OUT/cuda_tests.txt"
 tests_rc=${PIPESTATUS[0]}
@@ -55,13 +56,13 @@ tests_rc=${PIPESTATUS[0]}
 case ",$LAYERS," in *,2,*) TRACE_LAYERS=2 ;; *) TRACE_LAYERS=${LAYERS%%,*} ;; esac
 
 echo "== 2. sweep: eight variants x n_layer $LAYERS, eager"
-timeout 200 "$PY" profile_train.py --config configs/profile-gpu.toml --out "$OUT/eager" \
+timeout -k 20 200 "$PY" profile_train.py --config configs/profile-gpu.toml --out "$OUT/eager" \
   --variants naive,inplace,sdpa,sdpa-math,sdpa-flash,sdpa-efficient,sdpa-cudnn,flex \
   --layers "$LAYERS" --steps "$STEPS" --compile off --trace-layers "$TRACE_LAYERS"
 eager_rc=$?
 
 echo "== 3. sweep: naive, sdpa, flex compiled and not, n_layer $COMPILED_LAYERS"
-timeout 170 "$PY" profile_train.py --config configs/profile-gpu.toml --out "$OUT/compiled" \
+timeout -k 20 170 "$PY" profile_train.py --config configs/profile-gpu.toml --out "$OUT/compiled" \
   --variants naive,sdpa,flex --layers "$COMPILED_LAYERS" --steps "$STEPS" --compile both --no-traces
 compiled_rc=$?
 
