@@ -47,7 +47,8 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def load_checkpoint(path: Path) -> dict[str, Any]:
+def load_checkpoint(path: Path, needs: tuple[str, ...] = KEYS) -> dict[str, Any]:
+    """The checkpoint at `path`, holding at least `needs` (resuming needs all of KEYS)."""
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path} (train first, or check --out/--run)")
     try:
@@ -58,11 +59,15 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
             f"checkpoint {path} is unreadable (truncated or corrupt?): {e}"
         ) from None
     # A file torch can read may still be another program's (a nanoGPT ckpt.pt, say).
-    missing = [k for k in KEYS if k not in ckpt] if isinstance(ckpt, dict) else list(KEYS)
-    if missing or not isinstance(ckpt["config"], dict) or "model" not in ckpt["config"]:
+    missing = [k for k in needs if k not in ckpt] if isinstance(ckpt, dict) else list(needs)
+    if not missing and "config" in needs:
+        saved = ckpt["config"]
+        if not (isinstance(saved, dict) and isinstance(saved.get("model"), dict)):
+            missing = ["config.model"]
+    if missing:
         raise CheckpointError(
             f"checkpoint {path} was not written by this project's train.py "
-            f"(missing: {', '.join(missing) or 'config.model'})"
+            f"(missing: {', '.join(missing)})"
         )
     return ckpt
 

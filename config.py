@@ -151,10 +151,12 @@ def _build(cls: type, values: dict[str, Any], section: str) -> Any:
 def parse_override(arg: str) -> tuple[str, str, Any]:
     """'--train.lr=3e-4' -> ('train', 'lr', 0.0003). Bare words are strings: --model.attention=sdpa"""
     body = arg.removeprefix("--")
+    if not arg.startswith("--"):  # a stray word, or a config file given without --config
+        hint = f"; did you mean --config {arg}?" if arg.endswith(".toml") else " (see --help)"
+        raise ConfigError(f"unexpected argument {arg!r}{hint}")
     if "." not in body.split("=", 1)[0]:  # not an override at all: a mistyped option, say
-        what = "unknown option" if arg.startswith("-") else "unexpected argument"
         raise ConfigError(
-            f"{what} {arg!r} (see --help); a config override reads --section.field=value"
+            f"unknown option {arg!r} (see --help); a config override reads --section.field=value"
         )
     if "=" not in body:
         raise ConfigError(f"override {arg!r}: expected --section.field=value")

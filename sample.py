@@ -29,7 +29,7 @@ def load_run(run_dir: Path, device: torch.device) -> tuple[GPT, Tokenizer]:
             raise TrainError(f"{run_dir} has no {name}; is it a run directory written by train.py?")
     config = load_config(run_dir / "config.toml")
     tokenizer_path = run_dir / "tokenizer.json"
-    ckpt = load_checkpoint(run_dir / CHECKPOINT)
+    ckpt = load_checkpoint(run_dir / CHECKPOINT, needs=("model",))  # config: config.toml
     model = GPT(config.model)
     try:
         model.load_state_dict(ckpt["model"])

@@ -277,9 +277,9 @@ def train(
     onednn = check_runnable(config, device, amp_dtype)
 
     if out_dir.exists() and not out_dir.is_dir():
-        raise TrainError(f"--out {out_dir} is a file; give a folder for the run")
+        raise TrainError(f"--out {out_dir} is a file; give a run directory")
     if out_dir.resolve() == data_dir.resolve():
-        raise TrainError(f"--out {out_dir} is the corpus folder; give the run a folder of its own")
+        raise TrainError(f"--out {out_dir} is the corpus directory; give the run its own")
     ckpt_path = out_dir / CHECKPOINT
     if ckpt_path.exists() and not resume:
         raise TrainError(
@@ -441,7 +441,7 @@ def train(
     if master and step < tc.max_steps:
         print(
             f"paused after step {step} of {tc.max_steps} (--stop-after {stop_after}); "
-            "continue with --resume",
+            "resume with --resume",
             file=sys.stderr,
         )
     return RunEnd(out_dir, step, step - first_step, None)
@@ -488,8 +488,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(
             f"error: out of memory ({str(e).strip().splitlines()[0][:200]}); lower "
-            "train.batch_size (raise train.grad_accum to keep the tokens per step) or the model "
-            "size; the last checkpoint, if any, is as it was",
+            "train.batch_size (raise train.grad_accum to keep the tokens per step), or the "
+            "model's size (model.block_size, n_layer, n_embd); the last checkpoint, if any, is "
+            "as it was",
             file=sys.stderr,
         )
         return 2

@@ -109,6 +109,11 @@ BAD = {
     "not-an-override": (None, ["--train.lr"], ["--train.lr", "--section.field=value"]),
     "mistyped-option": (None, ["--variant=sdpa"], ["unknown option '--variant=sdpa'", "--help"]),
     "stray-word": (None, ["sdpa"], ["unexpected argument 'sdpa'"]),
+    "config-without-flag": (
+        None,
+        ["configs/tiny.toml"],
+        ["did you mean --config configs/tiny.toml"],
+    ),
     "n_head-not-dividing": (None, ["--model.n_head=3"], ["model.n_embd", "n_head"]),
     "unknown-variant": (
         None,
