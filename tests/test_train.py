@@ -15,6 +15,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,28 @@ def error_of(err: str) -> str:
 
 def load_ckpt(run_dir: Path) -> dict[str, Any]:
     return torch.load(run_dir / train.CHECKPOINT, map_location="cpu", weights_only=True)
+
+
+def misbehave_at(
+    monkeypatch: pytest.MonkeyPatch,
+    call: int,
+    before: Callable[[], None] | None = None,
+    loss: float | None = None,
+) -> list[int]:
+    """Replace train.train_step with the real step that, at its `call`-th call, first runs
+    `before` (raise, send a signal) and/or returns `loss` instead. Returns the list of calls."""
+    real_step = train.train_step
+    calls: list[int] = []
+
+    def step(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(1)
+        if len(calls) == call and before is not None:
+            before()
+        real = real_step(*args, **kwargs)
+        return torch.tensor(loss) if len(calls) == call and loss is not None else real
+
+    monkeypatch.setattr(train, "train_step", step)
+    return calls
 
 
 def copy_run(run_dir: Path, to: Path) -> Path:
@@ -377,15 +400,7 @@ def test_non_finite_loss_stops_the_run_without_saving(
     capsys: pytest.CaptureFixture[str],
     bad: float,
 ) -> None:
-    real_step = train.train_step
-    calls = []
-
-    def step_that_diverges_at_3(*args: Any, **kwargs: Any) -> torch.Tensor:
-        calls.append(1)
-        loss = real_step(*args, **kwargs)
-        return torch.tensor(bad) if len(calls) == 3 else loss
-
-    monkeypatch.setattr(train, "train_step", step_that_diverges_at_3)
+    calls = misbehave_at(monkeypatch, 3, loss=bad)
     out = tmp_path / "run"
     assert run(data_root, out, "--train.max_steps=6", "--train.eval_interval=2") == 2
     err = error_of(capsys.readouterr().err)
@@ -532,10 +547,10 @@ def test_out_of_memory_is_an_error_that_says_what_to_lower(
     capsys: pytest.CaptureFixture[str],
     error: Exception,
 ) -> None:
-    def step_out_of_memory(*args: Any, **kwargs: Any) -> torch.Tensor:
+    def out_of_memory() -> None:
         raise error
 
-    monkeypatch.setattr(train, "train_step", step_out_of_memory)
+    misbehave_at(monkeypatch, 1, before=out_of_memory)
     assert run(data_root, tmp_path / "run") == 2
     err = error_of(capsys.readouterr().err)
     assert "out of memory" in err and "train.batch_size" in err and "model.block_size" in err
@@ -544,10 +559,10 @@ def test_out_of_memory_is_an_error_that_says_what_to_lower(
 def test_another_runtime_error_is_not_called_out_of_memory(
     data_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def step_that_breaks(*args: Any, **kwargs: Any) -> torch.Tensor:
+    def breaks() -> None:
         raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
 
-    monkeypatch.setattr(train, "train_step", step_that_breaks)
+    misbehave_at(monkeypatch, 1, before=breaks)
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
         run(data_root, tmp_path / "run")
 
@@ -632,18 +647,12 @@ class Crash(Exception):
 def test_resume_after_a_crash_logs_each_step_once(
     data_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_step = train.train_step
-    calls = []
-
-    def step_that_crashes_at_7(*args: Any, **kwargs: Any) -> torch.Tensor:
-        calls.append(1)
-        if len(calls) == 7:
-            raise Crash("stands in for a kill -9 or an OOM between checkpoints")
-        return real_step(*args, **kwargs)
+    def crash() -> None:
+        raise Crash("stands in for a kill -9 or an OOM between checkpoints")
 
     out = tmp_path / "run"
     overrides = ["--train.max_steps=8", "--train.eval_interval=5"]
-    monkeypatch.setattr(train, "train_step", step_that_crashes_at_7)
+    misbehave_at(monkeypatch, 7, before=crash)
     with pytest.raises(Crash):
         run(data_root, out, *overrides)
     monkeypatch.undo()
@@ -655,15 +664,7 @@ def test_resume_after_a_crash_logs_each_step_once(
 def test_fresh_run_starts_a_fresh_metrics_file(
     data_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_step = train.train_step
-    calls = []
-
-    def step_that_diverges_at_2(*args: Any, **kwargs: Any) -> torch.Tensor:
-        calls.append(1)
-        loss = real_step(*args, **kwargs)
-        return torch.tensor(math.nan) if len(calls) == 2 else loss
-
-    monkeypatch.setattr(train, "train_step", step_that_diverges_at_2)
+    misbehave_at(monkeypatch, 2, loss=math.nan)
     out = tmp_path / "run"
     overrides = ["--train.max_steps=3", "--train.eval_interval=0", "--train.eval_batches=1"]
     assert run(data_root, out, *overrides) == 2  # step 1 logged, dies at step 2: no checkpoint
@@ -684,16 +685,8 @@ def test_ctrl_c_saves_and_exits_130_unless_it_came_on_the_last_step(
     status: int,
     saved_at: int,
 ) -> None:
-    real_step = train.train_step
-    calls = []
-
-    def step_with_ctrl_c(*args: Any, **kwargs: Any) -> torch.Tensor:
-        calls.append(1)
-        if len(calls) == signal_at:
-            os.kill(os.getpid(), signal.SIGINT)  # caught by train's handler, not pytest's
-        return real_step(*args, **kwargs)
-
-    monkeypatch.setattr(train, "train_step", step_with_ctrl_c)
+    # SIGINT to this process: caught by train's handler, not pytest's.
+    misbehave_at(monkeypatch, signal_at, before=lambda: os.kill(os.getpid(), signal.SIGINT))
     out = tmp_path / "run"
     overrides = ["--train.max_steps=4", "--train.eval_interval=0", "--train.sample_tokens=3"]
     assert run(data_root, out, *overrides) == status
