@@ -459,7 +459,11 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         help="TOML file with [model], [data], [train] (with --resume: default the run's config.toml)",
     )
-    parser.add_argument("--out", type=Path, help="run directory (default: runs/<config name>)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="run directory (default: runs/<config name>, or runs/builtin without --config)",
+    )
     parser.add_argument(
         "--resume", action="store_true", help="continue the run in --out from its checkpoint"
     )
@@ -473,7 +477,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.stop_after is not None and args.stop_after < 1:
             raise TrainError(f"--stop-after {args.stop_after}: must be at least 1 step")
-        out = args.out or Path("runs") / (args.config.stem if args.config else "default")
+        # runs/<config name>; the built-in defaults are not configs/default.toml, so not
+        # runs/default, where `make train` keeps that config's run.
+        out = args.out or Path("runs") / (args.config.stem if args.config else "builtin")
         config_file = args.config
         if config_file is None and args.resume and (out / "config.toml").is_file():
             config_file = out / "config.toml"  # resume what was run, not the built-in defaults

@@ -483,6 +483,19 @@ def test_resume_reads_a_checkpoint_with_the_older_single_rng_state(
     assert load_ckpt(out)["step"] == STEPS + 1
 
 
+def test_without_config_the_run_goes_to_runs_builtin(
+    data_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not runs/default, where `make train` keeps the run of configs/default.toml."""
+    monkeypatch.chdir(tmp_path)
+    small = ["--model.block_size=32", "--model.n_layer=1", "--model.n_embd=32"]
+    once = ["--train.max_steps=1", "--train.batch_size=2", "--train.eval_batches=1"]
+    corpus = [f"--data.root={data_root}", "--data.name=tiny", "--train.sample_tokens=0"]
+    assert train.main([*small, *once, *corpus]) == 0
+    assert (tmp_path / "runs" / "builtin" / train.CHECKPOINT).is_file()
+    assert not (tmp_path / "runs" / "default").exists()
+
+
 @pytest.mark.parametrize("n", ["0", "-2"])
 def test_stop_after_must_be_positive(
     data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], n: str
