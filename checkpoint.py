@@ -6,7 +6,9 @@ the step, the RNG and data-sampler state, the full config and the tokenizer's sh
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -72,25 +74,50 @@ def load_checkpoint(path: Path, needs: tuple[str, ...] = KEYS) -> dict[str, Any]
     return ckpt
 
 
+def model_config_diff(ckpt: dict[str, Any], current: dict[str, Any], now: str = "now") -> str:
+    """The model fields whose values differ between the checkpoint and `current`, or ''."""
+    saved = ckpt["config"]["model"]
+    return "; ".join(
+        f"{k}: {saved.get(k)!r} in checkpoint, {v!r} {now}"
+        for k, v in current.items()
+        if saved.get(k) != v
+    )
+
+
 def check_compatible(
     ckpt: dict[str, Any], config: Config, tokenizer_sha256: str, path: Path
 ) -> None:
     """Resuming needs the same model config and the same tokenizer as the checkpoint."""
-    saved, current = ckpt["config"]["model"], asdict(config.model)
-    diff = [
-        f"{k}: {saved.get(k)!r} in checkpoint, {v!r} now"
-        for k, v in current.items()
-        if saved.get(k) != v
-    ]
+    diff = model_config_diff(ckpt, asdict(config.model))
     if diff:
+        raise CheckpointError(f"checkpoint {path} was made with another model config: {diff}")
+    if not isinstance(ckpt["tokenizer_sha256"], str):
         raise CheckpointError(
-            f"checkpoint {path} was made with another model config: " + "; ".join(diff)
+            f"checkpoint {path}: its 'tokenizer_sha256' entry is not what train.py writes "
+            f"({ckpt['tokenizer_sha256']!r:.60})"
         )
     if ckpt["tokenizer_sha256"] != tokenizer_sha256:
         raise CheckpointError(
             f"checkpoint {path} was made with another tokenizer (sha256 "
             f"{ckpt['tokenizer_sha256'][:12]}, corpus '{config.data.name}' has {tokenizer_sha256[:12]})"
         )
+
+
+@contextlib.contextmanager
+def restoring(path: Path, entry: str | None = None) -> Iterator[None]:
+    """Turns a failure to restore state from a checkpoint that loaded into an error naming
+    it (and the entry): not what train.py writes (edited by hand, or another program's)."""
+    try:
+        yield
+    except (CheckpointError, torch.OutOfMemoryError):
+        raise  # already says what is wrong; or not the checkpoint's fault
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as e:
+        detail = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+        what = f"its '{entry}' entry is" if entry else "it holds"
+        raise CheckpointError(
+            f"checkpoint {path}: {what} not what train.py writes "
+            f"({type(e).__name__}: {detail[:300] or 'no detail'})"
+        ) from None
 
 
 def rng_states(device: torch.device, world_size: int) -> list[dict[str, Tensor]]:

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
 
-from checkpoint import CHECKPOINT, load_checkpoint
+from checkpoint import CHECKPOINT, CheckpointError, load_checkpoint, model_config_diff, restoring
 from config import load_config
 from model import GPT
 from runtime import pick_device
@@ -29,15 +30,19 @@ def load_run(run_dir: Path, device: torch.device) -> tuple[GPT, Tokenizer]:
             raise TrainError(f"{run_dir} has no {name}; is it a run directory written by train.py?")
     config = load_config(run_dir / "config.toml")
     tokenizer_path = run_dir / "tokenizer.json"
-    ckpt = load_checkpoint(run_dir / CHECKPOINT, needs=("model",))  # config: config.toml
-    model = GPT(config.model)
-    try:
+    ckpt_path = run_dir / CHECKPOINT
+    ckpt = load_checkpoint(ckpt_path, needs=("model",))  # the rest is resuming's
+    with restoring(ckpt_path, "model"):
+        # The weights may fit a config.toml edited after training (n_head, say) and still
+        # compute another function: the checkpoint's own config, if it has one, decides.
+        if isinstance(ckpt.get("config"), dict) and isinstance(ckpt["config"].get("model"), dict):
+            diff = model_config_diff(ckpt, asdict(config.model), now="in config.toml")
+            if diff:
+                raise CheckpointError(
+                    f"{run_dir / 'config.toml'} does not match {ckpt_path}: {diff}"
+                )
+        model = GPT(config.model)
         model.load_state_dict(ckpt["model"])
-    except RuntimeError as e:  # config.toml edited, or a checkpoint copied from another run
-        first = str(e).strip().splitlines()[0]
-        raise TrainError(
-            f"{run_dir / CHECKPOINT} does not fit the model in {run_dir / 'config.toml'}: {first}"
-        ) from None
     return model.to(device).eval(), Tokenizer.from_file(str(tokenizer_path))
 
 

@@ -35,6 +35,7 @@ from checkpoint import (
     check_compatible,
     load_checkpoint,
     restore_rng,
+    restoring,
     rng_states,
     save_checkpoint,
 )
@@ -278,8 +279,9 @@ def train(
 
     if out_dir.exists() and not out_dir.is_dir():
         raise TrainError(f"--out {out_dir} is a file; give a run directory")
-    if out_dir.resolve() == data_dir.resolve():
-        raise TrainError(f"--out {out_dir} is the corpus directory; give the run its own")
+    if (out_dir / "meta.json").exists() or out_dir.resolve() == Path(config.data.root).resolve():
+        # Writing a run there would overwrite a corpus's tokenizer.json with this one's.
+        raise TrainError(f"--out {out_dir} holds prepared corpora; give the run its own directory")
     ckpt_path = out_dir / CHECKPOINT
     if ckpt_path.exists() and not resume:
         raise TrainError(
@@ -287,7 +289,8 @@ def train(
         )
     ckpt = load_checkpoint(ckpt_path) if resume else None
     if ckpt is not None:
-        check_compatible(ckpt, config, meta["tokenizer_sha256"], ckpt_path)
+        with restoring(ckpt_path):
+            check_compatible(ckpt, config, meta["tokenizer_sha256"], ckpt_path)
 
     # Per rank, as in nanoGPT: ranks must draw different dropout masks. Initial weights may
     # differ too; DDP broadcasts rank 0's when it wraps the model.
@@ -307,15 +310,22 @@ def train(
     }
     step = 0
     if ckpt is not None:
-        raw_model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        batches["train"].load_state_dict(ckpt["data"])
+        with restoring(ckpt_path, "step"):
+            if type(ckpt["step"]) is not int or ckpt["step"] < 0:
+                raise ValueError(f"{ckpt['step']!r} is not a step count")
+        with restoring(ckpt_path, "model"):
+            raw_model.load_state_dict(ckpt["model"])
+        with restoring(ckpt_path, "optimizer"):
+            optimizer.load_state_dict(ckpt["optimizer"])
+        with restoring(ckpt_path, "data"):
+            batches["train"].load_state_dict(ckpt["data"])
         step = ckpt["step"]
         if step >= tc.max_steps:
             if master:
                 print(f"{out_dir} is complete (step {step} of train.max_steps={tc.max_steps})")
             return RunEnd(out_dir, step, 0, None)
-        restore_rng(ckpt["rng"], tc.seed, step, device, rank, world_size)
+        with restoring(ckpt_path, "rng"):
+            restore_rng(ckpt["rng"], tc.seed, step, device, rank, world_size)
     model: torch.nn.Module = raw_model
     if world_size > 1:
         # The only buffer is the constant causal mask: no need to re-send it every forward.
@@ -331,7 +341,10 @@ def train(
 
     tokens_per_step = tc.batch_size * tc.grad_accum * world_size * config.model.block_size
     if master:
-        out_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a file on the path, a dangling link, no permission
+            raise TrainError(f"--out {out_dir}: cannot make the directory ({e.strerror})") from None
         (out_dir / "config.toml").write_text(dump_toml(config))
         start_metrics(out_dir / "metrics.jsonl", step if ckpt is not None else None)
         shutil.copyfile(data_dir / "tokenizer.json", out_dir / "tokenizer.json")
@@ -488,12 +501,14 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except (torch.OutOfMemoryError, RuntimeError) as e:
-        # CUDA raises OutOfMemoryError; the CPU allocator a RuntimeError that says so.
-        if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
+    except (torch.OutOfMemoryError, RuntimeError, MemoryError) as e:
+        # CUDA raises OutOfMemoryError; the CPU allocator a RuntimeError that says so; Python
+        # (NumPy, the batch loader) MemoryError.
+        oom = isinstance(e, (torch.OutOfMemoryError, MemoryError))
+        if not oom and "can't allocate memory" not in str(e):
             raise
         print(
-            f"error: out of memory ({str(e).strip().splitlines()[0][:200]}); lower "
+            f"error: out of memory ({(str(e).strip() or type(e).__name__).splitlines()[0][:200]}); lower "
             "train.batch_size (raise train.grad_accum to keep the tokens per step), or the "
             "model's size (model.block_size, n_layer, n_embd); the last checkpoint, if any, is "
             "as it was",

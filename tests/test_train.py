@@ -287,21 +287,56 @@ def test_checkpoint_from_another_program_is_an_error_for_resume_and_sample(
     # Sampling needs only the weights: a 'model' entry of another shape is named as such.
     assert sample.main(["--run", str(out)]) == 2
     err = error_of(capsys.readouterr().err)
-    expect = "does not fit the model" if foreign == "nanogpt" else "not written by this project"
+    expect = (
+        "'model' entry is not what train.py writes" if foreign == "nanogpt" else "not written by"
+    )
     assert str(ckpt) in err and expect in err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
-def test_sample_with_a_config_that_does_not_fit_the_checkpoint(
-    base_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(("edit", "named"), [("n_layer = 3", "n_layer"), ("n_head = 1", "n_head")])
+def test_sample_with_a_config_toml_edited_after_training_is_an_error(
+    base_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], edit: str, named: str
 ) -> None:
+    """n_head = 1 still fits the weights, but computes another function."""
     out = copy_run(base_run, tmp_path / "run")
     toml = out / "config.toml"
-    toml.write_text(toml.read_text().replace("n_layer = 2", "n_layer = 3"))
-    assert "n_layer = 3" in toml.read_text()
+    field = edit.split(" =")[0]
+    text = toml.read_text()
+    edited = "\n".join(
+        edit if line.startswith(f"{field} =") else line for line in text.splitlines()
+    )
+    assert edited != text
+    toml.write_text(edited + "\n")
     assert sample.main(["--run", str(out)]) == 2
     err = error_of(capsys.readouterr().err)
-    assert "does not fit the model in" in err and str(toml) in err
+    assert "does not match" in err and f"{named}: " in err and "in config.toml" in err
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["model", "optimizer", "data", "rng", "step", "tokenizer_sha256", "config.model"],
+)
+def test_checkpoint_with_our_keys_but_other_contents_is_an_error(
+    base_run: Path, data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: str
+) -> None:
+    """Edited by hand, say: an error naming the checkpoint, not a traceback; nothing changes."""
+    out = copy_run(base_run, tmp_path / "run")
+    ckpt = load_ckpt(out)
+    if damage == "step":
+        ckpt["step"] = "5"
+    elif damage == "config.model":
+        ckpt["config"]["model"] = None
+    elif damage == "tokenizer_sha256":
+        ckpt["tokenizer_sha256"] = None
+    else:
+        ckpt[damage] = {}
+    torch.save(ckpt, out / train.CHECKPOINT)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert run(data_root, out, f"--train.max_steps={STEPS + 1}", "--resume") == 2
+    err = error_of(capsys.readouterr().err)
+    assert str(out / train.CHECKPOINT) in err and damage.split(".")[0] in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
 def test_resume_drops_a_metrics_line_cut_short(
@@ -315,19 +350,24 @@ def test_resume_drops_a_metrics_line_cut_short(
     assert [r["step"] for r in train_lines(out)] == list(range(1, STEPS + 3))
 
 
-def test_out_that_is_a_file_or_the_corpus_is_refused(
+def test_out_that_is_a_file_or_holds_corpora_is_refused(
     data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """A run written into a corpus would overwrite its tokenizer.json with the run's."""
     a_file = tmp_path / "notes.txt"
     a_file.write_text("mine")
-    corpus = data_root / "tiny"
-    corpus_before = sorted(p.name for p in corpus.iterdir())
-    assert run(data_root, a_file) == 2
-    assert "is a file" in error_of(capsys.readouterr().err)
-    assert run(data_root, corpus) == 2
-    assert "corpus directory" in error_of(capsys.readouterr().err)
+    before = {p: p.read_bytes() for p in data_root.rglob("*") if p.is_file()}
+    for out, named in [
+        (a_file, "is a file"),
+        (a_file / "run", "cannot make the directory"),
+        (data_root / "tiny", "holds prepared corpora"),  # the corpus trained on
+        (data_root / "other", "holds prepared corpora"),  # another one
+        (data_root, "holds prepared corpora"),
+    ]:
+        assert run(data_root, out) == 2, out
+        assert named in error_of(capsys.readouterr().err), out
     assert a_file.read_text() == "mine"
-    assert sorted(p.name for p in corpus.iterdir()) == corpus_before
+    assert {p: p.read_bytes() for p in data_root.rglob("*") if p.is_file()} == before
 
 
 def test_resume_without_checkpoint_is_an_error(
@@ -551,6 +591,7 @@ def short_val_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
         RuntimeError(
             "[enforce fail at alloc_cpu.cpp:121] DefaultCPUAllocator: can't allocate memory"
         ),
+        MemoryError(),  # NumPy, or the batch loader's Python lists
     ],
 )
 def test_out_of_memory_is_an_error_that_says_what_to_lower(
