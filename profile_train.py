@@ -236,8 +236,15 @@ def _rerender(args: argparse.Namespace) -> int:
             print(diff_text(results["rows"], a, b))
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ConfigError(f"{path} is damaged ({type(e).__name__}: {e})") from None
         return 0
-    write_results(args.report, results["meta"], results["rows"])
+    try:
+        write_results(args.report, results["meta"], results["rows"])
+    except (KeyError, TypeError, AttributeError, ValueError) as e:  # parsed, but hand-edited
+        raise ConfigError(
+            f"{path} is damaged ({type(e).__name__}: {e}); was it edited by hand?"
+        ) from None
     print((args.report / "summary.txt").read_text())
     return 0
 

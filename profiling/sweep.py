@@ -180,7 +180,10 @@ class Sweep:
     # --- the sweep ------------------------------------------------------------------------------
 
     def run(self, variants: list[str], layers: list[int], compile_modes: list[bool]) -> None:
-        self.out.mkdir(parents=True, exist_ok=True)
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a file on the path, a dangling link, no permission
+            raise ConfigError(f"--out {self.out}: cannot make the folder ({e.strerror})") from None
         self.other_load = OtherLoad()
         print(
             f"measuring the {self.dtype} matmul peak of {self.meta['device_name']} ...",
@@ -205,12 +208,12 @@ class Sweep:
                     synchronize(self.device)
                     if self.device.type == "cuda":
                         torch.cuda.empty_cache()
+            # A second reading of the peak: the MFU denominator is the higher of the two.
+            end = matmul_peaks(self.device, self.dtype, self.args.peak_seconds)
         except BaseException:  # Ctrl-C above all: the plots of what was measured, then stop
             if self.rows:
                 self._write(plots=True)
             raise
-        # A second reading of the peak: the MFU denominator is the higher of the two.
-        end = matmul_peaks(self.device, self.dtype, self.args.peak_seconds)
         self.meta["peak_flops_end"] = max(end.values())
         self.meta["peak_flops"] = max(self.meta["peak_flops_start"], self.meta["peak_flops_end"])
         self.meta["peak_flops_by_path"] = {

@@ -214,6 +214,27 @@ def test_interrupted_sweep_keeps_what_it_measured(
         assert (tmp_path / "sweep" / name).is_file(), f"{name} not written on Ctrl-C"
 
 
+def test_ctrl_c_during_the_closing_peak_reading_still_draws_the_plots(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import profiling.sweep
+
+    real_peaks = profiling.sweep.matmul_peaks
+    readings = []
+
+    def peaks_then_interrupt(*args, **kwargs):
+        readings.append(1)
+        if len(readings) == 2:  # the second reading, after the last cell
+            raise KeyboardInterrupt
+        return real_peaks(*args, **kwargs)
+
+    monkeypatch.setattr(profiling.sweep, "matmul_peaks", peaks_then_interrupt)
+    rc, results = sweep(tmp_path, "--variants", "naive", "--layers", "1")
+    assert rc == 130 and len(results["rows"]) == 1
+    for name in ("step_time_vs_layers.png", "memory_vs_layers.png"):
+        assert (tmp_path / "sweep" / name).is_file(), name
+
+
 @pytest.mark.parametrize("made_by_user", [False, True])
 def test_ctrl_c_before_any_cell_leaves_no_half_sweep(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, made_by_user: bool
@@ -243,6 +264,8 @@ def test_damaged_results_json_is_an_error_not_a_traceback(
         ('{"meta": {', "not valid JSON"),
         ("[1, 2]", "no 'meta'"),
         ('{"meta": {}, "rows": []}', "no rows"),
+        ('{"meta": {}, "rows": [{}]}', "damaged"),
+        ('{"meta": {}, "rows": [1, 2]}', "damaged"),
     ]:
         (tmp_path / "results.json").write_text(text)
         assert profile_train.main(["--report", str(tmp_path)]) == 2
