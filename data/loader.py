@@ -64,6 +64,14 @@ class TokenBatches:
                 f"{path} holds {len(self.tokens)} tokens, fewer than block_size + 1 = "
                 f"{block_size + 1}: prepare a larger corpus or lower model.block_size"
             )
+        if batch_size * world_size * block_size > len(self.tokens):
+            # Not wrong as sampling, but surely a typo: and the rows are gathered in host
+            # memory before the device, which a batch of 10^8 rows fills.
+            raise DataError(
+                f"train.batch_size={batch_size} x {world_size} rank(s) x model.block_size="
+                f"{block_size} is {batch_size * world_size * block_size:,} tokens a batch, more "
+                f"than {path} holds ({len(self.tokens):,}): lower train.batch_size"
+            )
         self.block_size, self.batch_size = block_size, batch_size
         self.rank, self.world_size, self.device = rank, world_size, device
         self.seed = seed

@@ -630,6 +630,15 @@ def test_corpus_shorter_than_a_block_is_an_error(
     assert "val.bin" in err and "block_size" in err
 
 
+def test_a_batch_larger_than_the_corpus_is_an_error(
+    data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A typo'd batch_size (10^8) would gather its rows in host memory until it runs out."""
+    assert run(data_root, tmp_path / "run", "--train.batch_size=100000000") == 2
+    err = error_of(capsys.readouterr().err)
+    assert "train.batch_size=100000000" in err and "lower train.batch_size" in err
+
+
 def test_data_vocab_larger_than_the_model_is_an_error(
     data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
