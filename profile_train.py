@@ -19,6 +19,7 @@ This file is the command line; the sweep itself is profiling/sweep.py.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import math
@@ -129,7 +130,7 @@ def _main(argv: list[str] | None) -> int:
         if args.report is not None:
             return _rerender(args)
         config = load_config(args.config, overrides)
-        default_out = args.out is None
+        args.out_was_default = args.out is None
         args.out = args.out or _default_out(args.config)
         if (args.out / "results.json").exists():
             raise ConfigError(f"--out {args.out} holds an earlier sweep; choose another folder")
@@ -178,7 +179,7 @@ def _main(argv: list[str] | None) -> int:
             )
         compile_modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
         sweep = Sweep(config, args)  # the last check of the input; nothing is written before
-        sweep.link_latest = default_out
+        sweep.link_latest = args.out_was_default
         sweep.run(variants, layers, compile_modes)
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
@@ -194,6 +195,10 @@ def _main(argv: list[str] | None) -> int:
                     shutil.rmtree(path)
                 else:
                     path.unlink()
+            if args.out_was_default:  # and profiles/<config>/, profiles/ when now empty
+                for parent in ours.parents[:2]:
+                    with contextlib.suppress(OSError):  # not empty: other sweeps are there
+                        parent.rmdir()
             print(
                 f"interrupted before the first cell was measured; "
                 f"{'the files written in ' if out_existed else ''}{ours} removed",

@@ -257,6 +257,20 @@ def test_ctrl_c_before_any_cell_leaves_no_half_sweep(
     assert not made_by_user or not any(out.iterdir())
 
 
+def test_ctrl_c_before_any_cell_of_a_default_folder_sweep_leaves_no_profiles_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def interrupt(self, cells, bar):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Sweep, "_time", interrupt)
+    monkeypatch.chdir(tmp_path)
+    config = str(ROOT / "configs" / "profile.toml")
+    argv = ["--config", config, "--variants", "naive", "--layers", "1", "--peak-seconds", "0.05"]
+    assert profile_train.main([*argv, *TINY]) == 130
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_damaged_results_json_is_an_error_not_a_traceback(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
