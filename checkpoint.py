@@ -62,21 +62,43 @@ def load_checkpoint(path: Path, needs: tuple[str, ...] = KEYS) -> dict[str, Any]
         ) from None
     # A file torch can read may still be another program's (a nanoGPT ckpt.pt, say).
     missing = [k for k in needs if k not in ckpt] if isinstance(ckpt, dict) else list(needs)
-    if not missing and "config" in needs:
-        saved = ckpt["config"]
-        if not (isinstance(saved, dict) and isinstance(saved.get("model"), dict)):
-            missing = ["config.model"]
     if missing:
         raise CheckpointError(
             f"checkpoint {path} was not written by this project's train.py "
             f"(missing: {', '.join(missing)})"
         )
+    # The plain entries are checked here; the model, optimizer, data and RNG states when
+    # they are restored (see `restoring`).
+    plain = {
+        "step": lambda v: type(v) is int and v >= 0,
+        "tokenizer_sha256": lambda v: isinstance(v, str),
+        "config": lambda _: _saved_model_config(ckpt) is not None,
+    }
+    for entry, valid in plain.items():
+        if entry in needs and not valid(ckpt[entry]):
+            raise _not_ours(path, entry, repr(ckpt[entry])[:60])
     return ckpt
 
 
+def _saved_model_config(ckpt: dict[str, Any]) -> dict[str, Any] | None:
+    """The model section of the config the checkpoint was written with, if it holds one."""
+    config = ckpt.get("config")
+    model = config.get("model") if isinstance(config, dict) else None
+    return model if isinstance(model, dict) else None
+
+
+def _not_ours(path: Path, entry: str, detail: str) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint {path}: its '{entry}' entry is not what train.py writes ({detail})"
+    )
+
+
 def model_config_diff(ckpt: dict[str, Any], current: dict[str, Any], now: str = "now") -> str:
-    """The model fields whose values differ between the checkpoint and `current`, or ''."""
-    saved = ckpt["config"]["model"]
+    """The model fields whose values differ between the checkpoint and `current`, or ''
+    (also when the checkpoint records no config)."""
+    saved = _saved_model_config(ckpt)
+    if saved is None:
+        return ""
     return "; ".join(
         f"{k}: {saved.get(k)!r} in checkpoint, {v!r} {now}"
         for k, v in current.items()
@@ -91,11 +113,6 @@ def check_compatible(
     diff = model_config_diff(ckpt, asdict(config.model))
     if diff:
         raise CheckpointError(f"checkpoint {path} was made with another model config: {diff}")
-    if not isinstance(ckpt["tokenizer_sha256"], str):
-        raise CheckpointError(
-            f"checkpoint {path}: its 'tokenizer_sha256' entry is not what train.py writes "
-            f"({ckpt['tokenizer_sha256']!r:.60})"
-        )
     if ckpt["tokenizer_sha256"] != tokenizer_sha256:
         raise CheckpointError(
             f"checkpoint {path} was made with another tokenizer (sha256 "
@@ -104,20 +121,16 @@ def check_compatible(
 
 
 @contextlib.contextmanager
-def restoring(path: Path, entry: str | None = None) -> Iterator[None]:
-    """Turns a failure to restore state from a checkpoint that loaded into an error naming
-    it (and the entry): not what train.py writes (edited by hand, or another program's)."""
+def restoring(path: Path, entry: str) -> Iterator[None]:
+    """Turns a failure to restore `entry` from a checkpoint that loaded into an error naming
+    both: not what train.py writes (edited by hand, or another program's)."""
     try:
         yield
     except (CheckpointError, torch.OutOfMemoryError):
         raise  # already says what is wrong; or not the checkpoint's fault
     except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as e:
         detail = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
-        what = f"its '{entry}' entry is" if entry else "it holds"
-        raise CheckpointError(
-            f"checkpoint {path}: {what} not what train.py writes "
-            f"({type(e).__name__}: {detail[:300] or 'no detail'})"
-        ) from None
+        raise _not_ours(path, entry, f"{type(e).__name__}: {detail[:300] or 'no detail'}") from None
 
 
 def rng_states(device: torch.device, world_size: int) -> list[dict[str, Tensor]]:

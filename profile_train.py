@@ -125,12 +125,12 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     args, overrides = parse_args(argv)
     ours: Path | None = None  # --out once known to be new or empty: what it holds is this sweep's
-    out_existed = False
+    out_existed = default_out = False
     try:
         if args.report is not None:
             return _rerender(args)
         config = load_config(args.config, overrides)
-        args.out_was_default = args.out is None
+        default_out = args.out is None
         args.out = args.out or _default_out(args.config)
         if (args.out / "results.json").exists():
             raise ConfigError(f"--out {args.out} holds an earlier sweep; choose another folder")
@@ -179,7 +179,7 @@ def _main(argv: list[str] | None) -> int:
             )
         compile_modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
         sweep = Sweep(config, args)  # the last check of the input; nothing is written before
-        sweep.link_latest = args.out_was_default
+        sweep.link_latest = default_out
         sweep.run(variants, layers, compile_modes)
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
@@ -195,7 +195,7 @@ def _main(argv: list[str] | None) -> int:
                     shutil.rmtree(path)
                 else:
                     path.unlink()
-            if args.out_was_default:  # and profiles/<config>/, profiles/ when now empty
+            if default_out:  # and profiles/<config>/, profiles/ when now empty
                 for parent in ours.parents[:2]:
                     with contextlib.suppress(OSError):  # not empty: other sweeps are there
                         parent.rmdir()

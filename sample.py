@@ -32,16 +32,13 @@ def load_run(run_dir: Path, device: torch.device) -> tuple[GPT, Tokenizer]:
     tokenizer_path = run_dir / "tokenizer.json"
     ckpt_path = run_dir / CHECKPOINT
     ckpt = load_checkpoint(ckpt_path, needs=("model",))  # the rest is resuming's
+    # The weights may fit a config.toml edited after training (n_head, say) and still compute
+    # another function: the checkpoint's own config, if it has one, decides.
+    diff = model_config_diff(ckpt, asdict(config.model), now="in config.toml")
+    if diff:
+        raise CheckpointError(f"{run_dir / 'config.toml'} does not match {ckpt_path}: {diff}")
+    model = GPT(config.model)
     with restoring(ckpt_path, "model"):
-        # The weights may fit a config.toml edited after training (n_head, say) and still
-        # compute another function: the checkpoint's own config, if it has one, decides.
-        if isinstance(ckpt.get("config"), dict) and isinstance(ckpt["config"].get("model"), dict):
-            diff = model_config_diff(ckpt, asdict(config.model), now="in config.toml")
-            if diff:
-                raise CheckpointError(
-                    f"{run_dir / 'config.toml'} does not match {ckpt_path}: {diff}"
-                )
-        model = GPT(config.model)
         model.load_state_dict(ckpt["model"])
     return model.to(device).eval(), Tokenizer.from_file(str(tokenizer_path))
 

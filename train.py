@@ -1,8 +1,10 @@
 """Train a GPT on a prepared corpus, with any attention variant, on one device or under torchrun.
 
-python train.py --config configs/default.toml [--section.field=value ...] [--out DIR]
-python train.py --config configs/default.toml --resume
-torchrun --nproc_per_node=2 train.py --config configs/tiny.toml
+    python train.py --config configs/default.toml [--section.field=value ...] [--out DIR]
+    python train.py --config configs/default.toml --resume
+    torchrun --nproc_per_node=2 train.py --config configs/tiny.toml
+
+A run directory holds ckpt.pt, config.toml, metrics.jsonl and the corpus's tokenizer.json.
 """
 
 from __future__ import annotations
@@ -289,8 +291,7 @@ def train(
         )
     ckpt = load_checkpoint(ckpt_path) if resume else None
     if ckpt is not None:
-        with restoring(ckpt_path):
-            check_compatible(ckpt, config, meta["tokenizer_sha256"], ckpt_path)
+        check_compatible(ckpt, config, meta["tokenizer_sha256"], ckpt_path)
 
     # Per rank, as in nanoGPT: ranks must draw different dropout masks. Initial weights may
     # differ too; DDP broadcasts rank 0's when it wraps the model.
@@ -310,9 +311,6 @@ def train(
     }
     step = 0
     if ckpt is not None:
-        with restoring(ckpt_path, "step"):
-            if type(ckpt["step"]) is not int or ckpt["step"] < 0:
-                raise ValueError(f"{ckpt['step']!r} is not a step count")
         with restoring(ckpt_path, "model"):
             raw_model.load_state_dict(ckpt["model"])
         with restoring(ckpt_path, "optimizer"):
