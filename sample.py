@@ -62,7 +62,12 @@ def sample_run(
     generator = torch.Generator(device=dev).manual_seed(seed)
     idx = torch.tensor([ids], dtype=torch.long, device=dev)
     out = model.generate(
-        idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator
+        idx,
+        max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        generator=generator,
+        vocab_limit=tokenizer.get_vocab_size(),
     )
     return tokenizer.decode(out[0].tolist(), skip_special_tokens=False)
 

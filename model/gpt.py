@@ -143,20 +143,32 @@ class GPT(nn.Module):
         temperature: float = 1.0,
         top_k: int | None = None,
         generator: torch.Generator | None = None,
+        vocab_limit: int | None = None,
     ) -> Tensor:
-        """Extend idx (B, T) by max_new_tokens sampled tokens; temperature 0 is greedy."""
+        """Extend idx (B, T) by max_new_tokens sampled tokens; temperature 0 is greedy.
+
+        vocab_limit: sample only ids below it, for a tokenizer with fewer tokens than the
+        model's (padded) vocab_size; the rows above it have no text to decode to.
+        """
         if temperature < 0:
             raise ValueError(f"temperature={temperature}: must be >= 0")
         if top_k is not None and top_k <= 0:
             raise ValueError(f"top_k={top_k}: must be a positive integer or None")
+        if vocab_limit is not None and not 0 < vocab_limit <= self.config.vocab_size:
+            raise ValueError(
+                f"vocab_limit={vocab_limit}: must be in 1..vocab_size ({self.config.vocab_size})"
+            )
         for _ in range(max_new_tokens):
             context = idx[:, -self.config.block_size :]
             # Only the last position's scores are needed: (B, C) @ (C, V), not (B, T, C) @ (C, V).
             logits = self.lm_head(self.features(context)[:, -1, :])  # (B, V)
+            if vocab_limit is not None:
+                logits[:, vocab_limit:] = float("-inf")
             if temperature == 0:
                 next_id = logits.argmax(dim=-1, keepdim=True)
             else:
-                logits = logits / temperature
+                # Shifted so the largest is 0: a tiny temperature then gives 0 and -inf, not inf.
+                logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
                 if top_k is not None:
                     kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
                     logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -238,6 +238,27 @@ def test_generate() -> None:
     assert sampled.shape == (2, 25) and int(sampled.max()) < 97
 
 
+def test_generate_tiny_temperature_is_greedy_not_nan() -> None:
+    torch.manual_seed(0)
+    model = GPT(tiny_config()).eval()
+    prompt = torch.randint(0, 97, (2, 5))
+    # 1e-45 overflows unshifted logits to inf, and softmax to NaN.
+    assert torch.equal(model.generate(prompt, 10, temperature=1e-45), model.generate(prompt, 10, 0))
+
+
+def test_generate_vocab_limit_samples_only_ids_the_tokenizer_has() -> None:
+    torch.manual_seed(0)
+    model = GPT(tiny_config()).eval()  # vocab_size 97, as if the tokenizer had only 10
+    prompt = torch.randint(0, 10, (4, 3))
+    unlimited = model.generate(prompt, 30, temperature=1.0)
+    assert int(unlimited[:, 3:].max()) >= 10, "an untrained model samples the unused rows"
+    for kwargs in ({"temperature": 1.0}, {"temperature": 1.0, "top_k": 50}, {"temperature": 0}):
+        limited = model.generate(prompt, 30, vocab_limit=10, **kwargs)
+        assert int(limited.max()) < 10, kwargs
+    with pytest.raises(ValueError, match="vocab_limit=98"):
+        model.generate(prompt, 1, vocab_limit=98)
+
+
 # --- CUDA: these run only where a GPU is present -------------------------------------------
 
 
