@@ -32,13 +32,14 @@ Decisions, so that a reader need not reverse-engineer them:
   corpus is fixed and the user cannot fix it.
 * `--files`: an empty file is an error (a glob that picked one up is more likely a mistake
   than intent), and so is non-UTF-8 input, naming the file and byte offset;
-  `--encoding-errors replace` instead replaces each undecodable byte by U+FFFD and counts
-  them in meta.json. Hub documents that are empty or None are skipped and counted.
+  `--encoding-errors replace` instead decodes with Python's "replace" handler, which puts
+  one U+FFFD for each invalid sequence (one or more bytes), and meta.json counts the
+  undecodable bytes. Hub documents that are empty or None are skipped and counted.
 * `--max-bytes N` keeps the longest prefix of whole documents, in input order, that fits in
   N bytes (raw file bytes for --files/--stdlib, UTF-8 bytes for --hub).
 * meta.json bytes are the UTF-8 bytes of the documents as tokenized. The `text` builder
-  reads files with universal newlines, so "\\r\\n" counts as one byte. Tokens include one
-  <|endoftext|> per document, bytes include nothing for it.
+  reads files with universal newlines, so "\\r\\n" and a lone "\\r" both become one "\\n".
+  Tokens include one <|endoftext|> per document, bytes include nothing for it.
 * Reuse: content_sha256 covers the settings (with the output format and `tokenizers`
   versions) and the inputs (--files/--stdlib: relative names and raw bytes; --hub: the text of
   every kept document). If meta.json has the same hash and the files it describes are
@@ -372,7 +373,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--encoding-errors",
         choices=["strict", "replace"],
         default="strict",
-        help="--files: fail on non-UTF-8 input, or replace bad bytes with U+FFFD",
+        help="--files: fail on non-UTF-8 input, or replace each invalid sequence with U+FFFD",
     )
     parser.add_argument("--seed", type=int, default=0, help="for the train/val document split")
     parser.add_argument(

@@ -203,7 +203,7 @@ def test_stdlib_skips_non_utf8_and_empty_files(
 
 def test_non_utf8_file_fails_by_default_and_replace_counts(tmp_path: Path) -> None:
     folder = _write(
-        tmp_path / "corpus", {"good.txt": "fine text\n", "bad.txt": b"abcde\xff\xfez\n"}
+        tmp_path / "corpus", {"good.txt": "fine text\n", "bad.txt": b"abcde\xff\xfez \xe2\x82!\n"}
     )
     with pytest.raises(PrepareError, match=r"bad\.txt is not UTF-8 \(first bad byte at offset 5\)"):
         prepare("enc", files=[str(folder / "*.txt")], out_root=tmp_path)
@@ -216,9 +216,10 @@ def test_non_utf8_file_fails_by_default_and_replace_counts(tmp_path: Path) -> No
         vocab_size=300,
         out_root=tmp_path,
     )
-    assert _meta(out)["replaced_invalid_utf8_bytes"] == 2
+    # Four undecodable bytes; Python's "replace" gives one U+FFFD per invalid sequence.
+    assert _meta(out)["replaced_invalid_utf8_bytes"] == 4
     documents = _decode_split(out, "train") + _decode_split(out, "val")
-    assert "abcde\ufffd\ufffdz\n" in documents
+    assert "abcde\ufffd\ufffdz \ufffd!\n" in documents
 
 
 @pytest.mark.parametrize(
