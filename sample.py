@@ -3,6 +3,9 @@
     python sample.py --run runs/default --prompt "def " [--tokens 200] [--temperature 0.8] [--top-k 50]
 
 Reads the run's checkpoint, config and tokenizer (train.py copies it into the run directory).
+In a prompt, "<|endoftext|>" is the document separator (in the corpus the same characters were
+plain text), so `--prompt "<|endoftext|>"` starts a new document. Generation runs on past a
+sampled separator into the next document, as training saw them.
 """
 
 from __future__ import annotations
@@ -79,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         allow_abbrev=False,
     )
     parser.add_argument("--run", type=Path, required=True, help="run directory written by train.py")
-    parser.add_argument("--prompt", default="\n")
+    parser.add_argument(
+        "--prompt", default="\n", help='text to continue; "<|endoftext|>" starts a new document'
+    )
     parser.add_argument("--tokens", type=int, default=200, help="tokens to generate")
     parser.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
     parser.add_argument(
