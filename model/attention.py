@@ -78,6 +78,10 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dropout_p: float) -> Ten
 
 
 def _pinned(backend: SDPBackend) -> AttentionFn:
+    # Kept out of torch.compile's graphs: there the backend is chosen when the graph is built,
+    # and a pinned sdpa_kernel is not honoured (a compiled SDPA-math block ran the CPU flash
+    # kernel). Eager, the pin holds; the rest of a compiled block stays compiled around it.
+    @torch.compiler.disable
     def fn(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dropout_p: float) -> Tensor:
         # sdpa_kernel with a single backend: if it cannot take these inputs, torch raises
         # instead of quietly using another kernel.

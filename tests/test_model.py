@@ -210,6 +210,27 @@ def test_flex_compiles_for_a_second_length_once_not_for_every_length() -> None:
     assert counters["stats"]["unique_graphs"] <= 2, "flex recompiled for each new length"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["sdpa-math", "sdpa-flash"])
+def test_pinned_backend_holds_inside_compiled_blocks(name: str) -> None:
+    """torch.compile picks its own SDPA backend; a pinned variant must still run its own."""
+    from torch.profiler import profile
+
+    from profiling.measure import BACKEND_OPS
+
+    model = GPT(tiny_config(name))
+    for block in model.blocks:
+        block.compile()
+    idx = torch.randint(0, 97, (2, 16))
+    model(idx, idx)[1].backward()  # compiles
+    with profile() as prof:
+        model(idx, idx)[1].backward()
+    ran = {e.name for e in prof.events()}
+    pinned = VARIANTS[name].backend.name
+    for backend, ops in BACKEND_OPS.items():
+        assert (backend == pinned) == bool(ran.intersection(ops)), (backend, sorted(ran))
+
+
 def test_sequence_longer_than_block_size() -> None:
     model = GPT(tiny_config(block_size=8))
     with pytest.raises(ValueError, match="exceeds block_size 8"):
