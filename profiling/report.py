@@ -285,7 +285,8 @@ def _cell_table(rows: list[dict[str, Any]]) -> list[str]:
                     _fmt(r["tokens_per_s"], ",.0f"),
                     _fmt(r["mfu"] * 100 if r["mfu"] else None) + "%" * bool(r["mfu"]),
                     _fmt(r["peak_mem_bytes"] / MiB if r["peak_mem_bytes"] else None),
-                    _fmt(r["compile_s"]),
+                    _fmt(r["compile_s"])
+                    + (" (cached)" if r.get("compile_cache") == "cached" else ""),
                     r["backend"] or "–",
                     regions(r["ops_per_step"]),
                     regions(r["kernels_per_step"]),
@@ -376,9 +377,13 @@ def _report_md(results: dict[str, Any]) -> str:
             "- **Step**: `train.train_step`, imported from train.py: forward, backward, gradient clipping "
             "and a fused AdamW step over one global batch. Batches are drawn before timing and cycled.",
             "- **Step time**: no profiler attached; warm-up steps excluded; the device synchronised before "
-            "and after each step; the variants of one depth run interleaved round by round (A B C A B C …) "
-            "so machine drift hits all alike. Median with 10th/90th percentiles over the timed steps.",
-            "- **Compile time**: for `+compile` cells, the first step's time minus the median step.",
+            "and after each step; the variants of one depth run interleaved round by round, each round "
+            "starting one later (A B C, B C A, C A B, …), so machine drift, and whatever the first step "
+            "of a round pays, hits all alike. Median with 10th/90th percentiles over the timed steps.",
+            "- **Compile time**: for `+compile` cells, the first step's time minus the median "
+            "step. Dynamo's caches are cleared before each depth, so every cell compiles its own "
+            "graphs; `(cached)` marks a cell whose graphs Inductor found in its on-disk cache, "
+            "from an earlier depth or run (the time is then mostly Dynamo's tracing).",
             *_host_memory_lines(meta, rows),
             "- **Ops and kernels**: separate steps under torch.profiler with a wait=1/warmup=1/active schedule; "
             "ATen ops (and the oneDNN linear's `cpu_linear::linear`/`mkldnn::_linear_pointwise`) counted (nested calls included, so `aten::masked_fill` and the `aten::clone` it makes both "

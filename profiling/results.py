@@ -39,6 +39,7 @@ def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
         "mfu",
         "peak_mem_bytes",
         "compile_s",
+        "compile_cache",
         "page_faults_per_step",
         "ops_per_step",
         "kernels_per_step",
@@ -68,6 +69,7 @@ def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
                     r["mfu"],
                     r["peak_mem_bytes"],
                     r["compile_s"],
+                    r.get("compile_cache"),  # absent in sweeps written before it
                     r.get("page_faults_per_step"),
                     total(r["ops_per_step"]),
                     total(r["kernels_per_step"]),

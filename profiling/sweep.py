@@ -60,6 +60,7 @@ class Cell:
     times: list[float] = dataclasses.field(default_factory=list)
     page_faults: int = 0  # minor page faults of this process during the timed steps
     first_step_s: float | None = None
+    compile_cache: str | None = None  # compiled cells: what Inductor's cache held (see below)
     status: str = "ok"
     reason: str | None = None
 
@@ -76,6 +77,20 @@ class Cell:
 def _minor_faults() -> int:
     """Minor page faults of this process so far: pages the OS had to map in and zero."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _compile_counters() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+
+    return {k: counters["inductor"][k] for k in ("fxgraph_cache_hit", "fxgraph_cache_miss")}
+
+
+def _compile_cache(before: dict[str, int], after: dict[str, int]) -> str:
+    """'cold' if Inductor compiled any graph of the step, 'cached' if its on-disk cache held
+    them all (the compile time is then mostly Dynamo's tracing), 'none' if nothing compiled."""
+    hits = after["fxgraph_cache_hit"] - before["fxgraph_cache_hit"]
+    misses = after["fxgraph_cache_miss"] - before["fxgraph_cache_miss"]
+    return "cold" if misses else "cached" if hits else "none"
 
 
 def _one_line(error: BaseException) -> str:
@@ -195,9 +210,16 @@ class Sweep:
         self.meta["peak_flops_by_path"] = start
         total = len(variants) * len(layers) * len(compile_modes)
         self.meta["cells_planned"] = total
+        # A depth's variants share Block.forward, and each adds a Dynamo cache entry to it. Past
+        # the limit Dynamo would run the block eager with only a warning, under a "+compile"
+        # label: the limit leaves room for them all, and hitting it fails the cell instead.
+        no_silent_eager = torch._dynamo.config.patch(
+            recompile_limit=max(8, 2 * len(variants)), fail_on_recompile_limit_hit=True
+        )
         try:
             # The bar closes on Ctrl-C too, so the message after it starts on a line of its own.
-            with tqdm(total=total, desc="cells", unit="cell", dynamic_ncols=True) as bar:
+            bar = tqdm(total=total, desc="cells", unit="cell", dynamic_ncols=True)
+            with no_silent_eager, bar:
                 for n_layer in layers:
                     cells = [Cell(v, n_layer, c) for v in variants for c in compile_modes]
                     flops = self._model_flops(n_layer)
@@ -241,18 +263,27 @@ class Sweep:
         return 0, 0
 
     def _time(self, cells: list[Cell], bar: tqdm) -> None:
+        if any(cell.compiled for cell in cells):
+            # Every depth compiles its own graphs: identical blocks would otherwise reuse the
+            # last depth's, and its compile time would read ~0.
+            torch._dynamo.reset()
         for cell in cells:
             bar.set_postfix_str(f"warm-up {cell.name}")
             with self._guard(cell):
                 self._build(cell)
                 if cell.step is None:
                     continue
+                before = _compile_counters()
                 cell.first_step_s = timed(cell.step, self.device)  # includes compilation
+                if cell.compiled:
+                    cell.compile_cache = _compile_cache(before, _compile_counters())
                 for _ in range(self.args.warmup - 1):
                     timed(cell.step, self.device)
         for r in range(self.args.steps):
             bar.set_postfix_str(f"L{cells[0].n_layer} round {r + 1}/{self.args.steps}")
-            for cell in cells:  # A B C A B C ...: drift hits every variant alike
+            # A B C, B C A, C A B, ...: drift hits every variant alike, and so does whatever the
+            # first step of a round pays (page faults, after the last cell's different memory).
+            for cell in cells[r % len(cells) :] + cells[: r % len(cells)]:
                 if cell.step is None:
                     continue
                 with self._guard(cell):
@@ -287,6 +318,7 @@ class Sweep:
             "mfu": None,
             "peak_mem_bytes": None,
             "compile_s": None,
+            "compile_cache": cell.compile_cache,
             "backend": None,
             "ops_per_step": None,
             "kernels_per_step": None,

@@ -169,6 +169,52 @@ def test_backend_mismatch_fails_the_cell(tmp_path: Path, monkeypatch: pytest.Mon
     )
 
 
+def test_each_round_starts_one_variant_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the first step of a round pays (page faults after the last cell) is shared by all."""
+    import profiling.sweep
+
+    ran: list[str] = []
+    timing = [False]
+
+    def timed(fn, device):
+        timing[0] = True
+        try:
+            return real_timed(fn, device)
+        finally:
+            timing[0] = False
+
+    def recording(name: str):
+        fn = attention.VARIANTS[name].fn
+
+        def attend(q, k, v, mask, dropout_p):
+            if timing[0]:
+                ran.append(name)
+            return fn(q, k, v, mask, dropout_p)
+
+        return attention.Variant(name, attend, "recorded")
+
+    real_timed = profiling.sweep.timed
+    monkeypatch.setattr(profiling.sweep, "timed", timed)
+    for name in ("naive", "inplace", "sdpa"):
+        monkeypatch.setitem(attention.VARIANTS, name, recording(name))
+    rc, _ = sweep(tmp_path, "--variants", "naive,inplace,sdpa", "--layers", "1", "--steps", "3")
+    assert rc == 0
+    a, b, c = "naive", "inplace", "sdpa"
+    assert ran[-9:] == [a, b, c, b, c, a, c, a, b]  # after the warm-up steps: 3 rounds
+
+
+@pytest.mark.slow
+def test_every_depth_compiles_its_own_graphs(tmp_path: Path) -> None:
+    """Identical blocks would reuse the first depth's graphs, and read ~0 s of compile time."""
+    rc, results = sweep(tmp_path, "--variants", "naive", "--layers", "1,2", "--compile", "on")
+    assert rc == 0
+    for row in results["rows"]:
+        assert row["status"] == "ok" and row["compile_s"] is not None
+        assert row["compile_cache"] in ("cold", "cached"), row["n_layer"]
+
+
 def test_failing_cells_do_not_stop_the_sweep(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
