@@ -25,7 +25,8 @@ Decisions, so that a reader need not reverse-engineer them:
   never moves the others; val gets about val_fraction of the distinct texts, not exactly.
   If no document falls in val, the identical documents with the smallest hash go there; if
   all do, those with the largest go to train. Both splits keep input order, and at least two
-  different documents are required.
+  different documents are required. meta.json's duplicate_documents counts the documents
+  whose text equals an earlier one's (web corpora have many).
 * `<|endoftext|>` is the only special token and always has id 0 (EOT_ID): the BPE trainer
   places special tokens before the 256 byte tokens. A literal "<|endoftext|>" inside a
   document is encoded as ordinary text, so the separator only ever comes from us.
@@ -97,7 +98,7 @@ MAX_VOCAB_SIZE = 2**16  # ids are stored as uint16
 DEFAULT_VAL_FRACTION = 0.1
 DEFAULT_OUT_ROOT = Path("data")  # relative to the working directory, as data.root is
 # Bump when the files written, or how they are derived, change, so old data is rebuilt.
-FORMAT_VERSION = 2  # 2: train/val chosen by content hash
+FORMAT_VERSION = 2  # 2: train/val chosen by content hash, meta.json duplicate_documents
 OUTPUT_FILES = ("tokenizer.json", "train.bin", "val.bin")
 HF_CACHE_DIR = ".hf_cache"
 BATCH_DOCUMENTS = 64  # per encode_batch call: enough for tokenizers' threads, small in memory
@@ -160,7 +161,9 @@ def prepare(
         splits = {"train": documents.select(split.train), "val": documents.select(split.val)}
         print(f"training a {vocab_size}-token byte-level BPE on {len(split.train)} documents")
         tokenizer = _train_tokenizer(splits["train"], vocab_size)
-        meta = _write_outputs(out_dir, tokenizer, splits, name, corpus, content_sha256, settings)
+        meta = _write_outputs(
+            out_dir, tokenizer, splits, name, corpus, content_sha256, settings, split.duplicates
+        )
     counts = meta["splits"]
     print(
         f"prepared {out_dir}: vocab {meta['vocab_size']}, "
@@ -319,6 +322,7 @@ def _write_outputs(
     corpus: Corpus,
     content_sha256: str,
     settings: dict[str, Any],
+    duplicates: int,
 ) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     temporary = {final: out_dir / f".{final}.{os.getpid()}.tmp" for final in OUTPUT_FILES}
@@ -338,6 +342,7 @@ def _write_outputs(
             "content_sha256": content_sha256,
             "tokenizer_sha256": _file_sha256(temporary["tokenizer.json"]),
             "splits": counts,
+            "duplicate_documents": duplicates,  # copies of an earlier document's text
             "skipped": corpus.skipped,
             "replaced_invalid_utf8_bytes": corpus.replaced_bytes,
             "settings": settings,

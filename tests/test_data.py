@@ -76,6 +76,7 @@ def test_files_glob_writes_uint16_tokens_split_by_document(corpus: Path, tmp_pat
     originals = list(texts.values())
     expected = split_documents(originals, prepare_module.DEFAULT_VAL_FRACTION, seed=0)
     assert sorted(decoded["val"]) == sorted(originals[i] for i in expected.val)
+    assert meta["duplicate_documents"] == 0
     for split, documents in decoded.items():
         counts = meta["splits"][split]
         size = (out / f"{split}.bin").stat().st_size
@@ -262,7 +263,7 @@ def test_bad_input_fails_clearly_and_keeps_prepared_data(
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
-def test_identical_documents_share_a_split(tmp_path: Path) -> None:
+def test_identical_documents_share_a_split_and_are_counted(tmp_path: Path) -> None:
     texts = {f"{i:02}.txt": f"document {i}\nsecond line\n" for i in range(12)}
     # Each copy has Windows line endings: the same document once read with universal newlines.
     copies = {f"copy-{name}": text.replace("\n", "\r\n") for name, text in texts.items()}
@@ -273,6 +274,7 @@ def test_identical_documents_share_a_split(tmp_path: Path) -> None:
     train, val = _decode_split(out, "train"), _decode_split(out, "val")
     assert sorted(train + val) == sorted([*texts.values()] * 2)
     assert not set(train) & set(val), "val holds no copy of a train document"
+    assert _meta(out)["duplicate_documents"] == 12
 
 
 def test_adding_a_document_moves_no_other(tmp_path: Path) -> None:
