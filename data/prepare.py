@@ -18,9 +18,15 @@ so importing `prepare`/`PrepareError` from here stays cheap.
 
 Decisions, so that a reader need not reverse-engineer them:
 
-* Split by document, never by token: a permutation seeded by `--seed` picks
-  round(val_fraction * n) documents (at least one, at most n - 1) for val; both splits keep
-  input order. So at least two documents are required.
+* Split by document, never by token, and by content: a document goes to val iff the first 8
+  bytes of sha256(f"{seed}\\0{text}") (the text as tokenized), read as a fraction of 2**64,
+  are below val_fraction. So identical documents always share a split (val loss is never
+  measured on a copy of a training document), and adding, removing or capping documents
+  never moves the others; val gets about val_fraction of the distinct texts, not exactly.
+  If no document falls in val, the identical documents with the smallest hash go there; if
+  all do, those with the largest go to train. Both splits keep input order, and at least two
+  different documents are required. meta.json's duplicate_documents counts the documents
+  whose text equals an earlier one's (web corpora have many).
 * `<|endoftext|>` is the only special token and always has id 0 (EOT_ID): the BPE trainer
   places special tokens before the 256 byte tokens. A literal "<|endoftext|>" inside a
   document is encoded as ordinary text, so the separator only ever comes from us.
@@ -54,13 +60,14 @@ import argparse
 import hashlib
 import itertools
 import json
+import math
 import os
 import re
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import tokenizers
@@ -91,7 +98,7 @@ MAX_VOCAB_SIZE = 2**16  # ids are stored as uint16
 DEFAULT_VAL_FRACTION = 0.1
 DEFAULT_OUT_ROOT = Path("data")  # relative to the working directory, as data.root is
 # Bump when the files written, or how they are derived, change, so old data is rebuilt.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: train/val chosen by content hash, meta.json duplicate_documents
 OUTPUT_FILES = ("tokenizer.json", "train.bin", "val.bin")
 HF_CACHE_DIR = ".hf_cache"
 BATCH_DOCUMENTS = 64  # per encode_batch call: enough for tokenizers' threads, small in memory
@@ -149,11 +156,14 @@ def prepare(
         documents = corpus.documents
         if documents is None:
             documents = load_text_files(corpus.paths, encoding_errors, Path(cache_dir))
-        train_ids, val_ids = split_indices(len(documents), val_fraction, seed)
-        splits = {"train": documents.select(train_ids), "val": documents.select(val_ids)}
-        print(f"training a {vocab_size}-token byte-level BPE on {len(train_ids)} documents")
+        texts = itertools.chain.from_iterable(_text_batches(documents))
+        split = split_documents(texts, val_fraction, seed)
+        splits = {"train": documents.select(split.train), "val": documents.select(split.val)}
+        print(f"training a {vocab_size}-token byte-level BPE on {len(split.train)} documents")
         tokenizer = _train_tokenizer(splits["train"], vocab_size)
-        meta = _write_outputs(out_dir, tokenizer, splits, name, corpus, content_sha256, settings)
+        meta = _write_outputs(
+            out_dir, tokenizer, splits, name, corpus, content_sha256, settings, split.duplicates
+        )
     counts = meta["splits"]
     print(
         f"prepared {out_dir}: vocab {meta['vocab_size']}, "
@@ -163,15 +173,42 @@ def prepare(
     return out_dir
 
 
-def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    """Row numbers of the train and val documents: a seeded choice of whole documents."""
-    if n < 2:
+class Split(NamedTuple):
+    """Row numbers of the train and val documents, each in input order."""
+
+    train: list[int]
+    val: list[int]
+    duplicates: int  # documents whose text equals an earlier document's
+
+
+def split_documents(texts: Iterable[str], val_fraction: float, seed: int) -> Split:
+    """Choose each document's split from a seeded hash of its text (see module docstring)."""
+    keys = np.fromiter((_content_key(text, seed) for text in texts), dtype=np.uint64)
+    if len(keys) < 2:
         raise PrepareError(
-            f"need at least 2 non-empty documents to split train/val by document, got {n}"
+            f"need at least 2 non-empty documents to split train/val by document, got {len(keys)}"
         )
-    n_val = min(n - 1, max(1, round(n * val_fraction)))
-    order = np.random.default_rng(seed).permutation(n)
-    return sorted(order[n_val:].tolist()), sorted(order[:n_val].tolist())
+    # Equal keys stand for equal texts: two different texts share a 64-bit key with
+    # probability about n**2 / 2**65, 3e-6 for ten million documents.
+    distinct = np.unique(keys)  # sorted
+    if len(distinct) < 2:
+        raise PrepareError(
+            f"all {len(keys)} documents are identical; identical documents share a split, "
+            "so train and val need at least 2 different documents"
+        )
+    # key / 2**64 < val_fraction, exactly: val_fraction * 2**64 only shifts the float's exponent.
+    in_val = keys < np.uint64(math.ceil(val_fraction * 2**64))
+    if not in_val.any():
+        in_val = keys == distinct[0]
+    elif in_val.all():
+        in_val = keys != distinct[-1]
+    train, val = np.flatnonzero(~in_val).tolist(), np.flatnonzero(in_val).tolist()
+    return Split(train, val, duplicates=len(keys) - len(distinct))
+
+
+def _content_key(text: str, seed: int) -> int:
+    digest = hashlib.sha256(f"{seed}\0{text}".encode()).digest()
+    return int.from_bytes(digest[:8], "big")
 
 
 # --- checking arguments -------------------------------------------------------------------
@@ -285,6 +322,7 @@ def _write_outputs(
     corpus: Corpus,
     content_sha256: str,
     settings: dict[str, Any],
+    duplicates: int,
 ) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     temporary = {final: out_dir / f".{final}.{os.getpid()}.tmp" for final in OUTPUT_FILES}
@@ -304,6 +342,7 @@ def _write_outputs(
             "content_sha256": content_sha256,
             "tokenizer_sha256": _file_sha256(temporary["tokenizer.json"]),
             "splits": counts,
+            "duplicate_documents": duplicates,  # copies of an earlier document's text
             "skipped": corpus.skipped,
             "replaced_invalid_utf8_bytes": corpus.replaced_bytes,
             "settings": settings,

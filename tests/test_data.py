@@ -12,7 +12,7 @@ from tokenizers import Tokenizer
 
 from data import corpus as corpus_module
 from data import prepare as prepare_module
-from data.prepare import EOT, EOT_ID, PrepareError, prepare, split_indices
+from data.prepare import EOT, EOT_ID, PrepareError, prepare, split_documents
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 400  # small: fast to train, still room to merge every test word
@@ -73,7 +73,10 @@ def test_files_glob_writes_uint16_tokens_split_by_document(corpus: Path, tmp_pat
     decoded = {split: _decode_split(out, split) for split in ("train", "val")}
     # Whole documents, each in exactly one split, decoding back to the original text.
     assert sorted(decoded["train"] + decoded["val"]) == sorted(texts.values())
-    assert len(decoded["val"]) == 1  # round(6 * 0.1) = 1
+    originals = list(texts.values())
+    expected = split_documents(originals, prepare_module.DEFAULT_VAL_FRACTION, seed=0)
+    assert sorted(decoded["val"]) == sorted(originals[i] for i in expected.val)
+    assert meta["duplicate_documents"] == 0
     for split, documents in decoded.items():
         counts = meta["splits"][split]
         size = (out / f"{split}.bin").stat().st_size
@@ -260,12 +263,59 @@ def test_bad_input_fails_clearly_and_keeps_prepared_data(
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
-def test_split_indices_is_seeded_and_covers_every_document() -> None:
-    train, val = split_indices(10, 0.25, seed=3)
-    assert (train, val) == split_indices(10, 0.25, seed=3)
-    assert sorted(train + val) == list(range(10)) and len(val) == 2
-    assert split_indices(2, 0.9, seed=0)[0] != [], "train keeps at least one document"
-    assert len(split_indices(50, 0.001, seed=0)[1]) == 1, "val gets at least one document"
+def test_identical_documents_share_a_split_and_are_counted(tmp_path: Path) -> None:
+    texts = {f"{i:02}.txt": f"document {i}\nsecond line\n" for i in range(12)}
+    # Each copy has Windows line endings: the same document once read with universal newlines.
+    copies = {f"copy-{name}": text.replace("\n", "\r\n") for name, text in texts.items()}
+    folder = _write(tmp_path / "corpus", texts | copies)
+    out = prepare(
+        "dups", files=[str(folder / "*.txt")], val_fraction=0.5, vocab_size=300, out_root=tmp_path
+    )
+    train, val = _decode_split(out, "train"), _decode_split(out, "val")
+    assert sorted(train + val) == sorted([*texts.values()] * 2)
+    assert not set(train) & set(val), "val holds no copy of a train document"
+    assert _meta(out)["duplicate_documents"] == 12
+
+
+def test_adding_a_document_moves_no_other(tmp_path: Path) -> None:
+    folder = _write(tmp_path / "corpus", {f"{i:02}.txt": f"document {i}\n" for i in range(20)})
+    kwargs = {"files": [str(folder / "*.txt")], "val_fraction": 0.3, "vocab_size": 300}
+    before = set(_decode_split(prepare("grow", out_root=tmp_path, **kwargs), "val"))
+    _write(folder, {"00-new.txt": "a new document\n"})  # first in input order
+    after = set(_decode_split(prepare("grow", out_root=tmp_path, **kwargs), "val"))
+    assert after - {"a new document\n"} == before
+
+
+@pytest.mark.parametrize("val_fraction", [0.001, 0.999])
+@pytest.mark.parametrize(
+    "texts", [["a", "b"], ["a", "b", "c"], ["a", "a", "b"], ["b", "a", "c", "a", "b"]]
+)
+def test_split_keeps_a_document_on_each_side(texts: list[str], val_fraction: float) -> None:
+    split = split_documents(texts, val_fraction, seed=0)
+    assert split.train and split.val
+    assert sorted(split.train + split.val) == list(range(len(texts)))
+    assert split.train == sorted(split.train) and split.val == sorted(split.val), "input order"
+    train, val = {texts[i] for i in split.train}, {texts[i] for i in split.val}
+    assert not train & val, "identical documents move together"
+    assert len(val if val_fraction < 0.5 else train) == 1, "one text moves, with its copies"
+    assert split.duplicates == len(texts) - len(set(texts))
+
+
+def test_all_identical_documents_are_an_error(tmp_path: Path) -> None:
+    folder = _write(tmp_path / "corpus", {f"{i}.txt": "same text\n" for i in range(3)})
+    with pytest.raises(PrepareError, match=r"all 3 documents are identical"):
+        prepare("same", files=[str(folder / "*.txt")], vocab_size=300, out_root=tmp_path)
+    assert not (tmp_path / "same").exists(), "nothing is written for bad input"
+
+
+def test_split_follows_the_seed_not_the_input_order() -> None:
+    texts = [f"document {i}\n" for i in range(40)]
+
+    def val_texts(texts: list[str], seed: int) -> set[str]:
+        return {texts[i] for i in split_documents(texts, 0.5, seed).val}
+
+    assert val_texts(texts, seed=0) == val_texts(texts[::-1], seed=0)
+    assert val_texts(texts, seed=0) != val_texts(texts, seed=1)
 
 
 def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -26,7 +26,7 @@ import torch
 import sample
 import train
 from config import TrainConfig, load_config
-from data.prepare import prepare, split_indices
+from data.prepare import prepare, split_documents
 from model import GPT, VARIANTS, available_variants, unavailable_reason
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -576,10 +576,13 @@ def short_val_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("short")
     docs = tmp / "docs"
     docs.mkdir()
-    _, (val_index,) = split_indices(2, 0.1, seed=0)  # prepare's defaults choose this document
     long_doc = "".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(200))
-    for index, name in enumerate(["a.py", "b.py"]):
-        (docs / name).write_text("x = 1\n" if index == val_index else long_doc)
+    # The split follows the text: take the first short document that prepare's defaults
+    # (val_fraction 0.1, seed 0) put in val.
+    shorts = (f"x = {i}\n" for i in itertools.count())
+    short = next(t for t in shorts if split_documents([t, long_doc], 0.1, seed=0).val == [0])
+    (docs / "a.py").write_text(short)
+    (docs / "b.py").write_text(long_doc)
     prepare("short", files=[str(docs / "*.py")], vocab_size=300, out_root=tmp / "root")
     return tmp / "root"
 
