@@ -22,7 +22,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -104,16 +104,21 @@ def compile_blocks(model: GPT) -> None:
 # The one training step of this project: profile_train.py imports it, never a copy.
 
 
+class StepResult(NamedTuple):
+    loss: Tensor  # the mean loss over the global batch
+    grad_norm: Tensor | None  # the gradients' total norm before clipping; None without clipping
+
+
 def train_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     micro_batches: Sequence[tuple[Tensor, Tensor]],
     grad_clip: float = 0.0,
     amp_dtype: torch.dtype | None = None,
-) -> Tensor:
-    """Forward, backward and optimizer update over one global batch; returns the mean loss.
+) -> StepResult:
+    """Forward, backward and optimizer update over one global batch.
 
-    The regions are named for the profiler. The loss comes back as a device tensor, so the
+    The regions are named for the profiler. Loss and norm come back as device tensors, so the
     caller decides when to synchronise.
     """
     device = next(model.parameters()).device
@@ -135,12 +140,13 @@ def train_step(
             with record_function("backward"):
                 loss.backward()
     assert total is not None, "train_step needs at least one micro-batch"
+    grad_norm = None
     with record_function("optimizer"):
         if grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip, foreach=True)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip, foreach=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return total
+    return StepResult(total, grad_norm)
 
 
 @torch.no_grad()
@@ -338,6 +344,7 @@ def train(
         )
 
     tokens_per_step = tc.batch_size * tc.grad_accum * world_size * config.model.block_size
+    flops_per_step = raw_model.flops_per_token() * tokens_per_step
     if master:
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
@@ -404,17 +411,19 @@ def train(
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, tc)
             micro = [batches["train"].next() for _ in range(tc.grad_accum)]
-            loss = train_step(model, optimizer, micro, tc.grad_clip, amp_dtype)
+            loss, grad_norm = train_step(model, optimizer, micro, tc.grad_clip, amp_dtype)
             step += 1
             # One small all-reduce carries both the mean loss and "anyone asked to stop", so
-            # every rank stops at the same step and none waits forever on a collective.
-            flags = torch.stack(
-                [loss.float(), torch.tensor(float(stop.received is not None), device=device)]
-            )
+            # every rank stops at the same step and none waits forever on a collective. The
+            # norm rides along: DDP's gradients, and so their norm, are the same on every rank.
+            stop_flag = torch.tensor(float(stop.received is not None), device=device)
+            norm = grad_norm.float() if grad_norm is not None else torch.zeros((), device=device)
+            flags = torch.stack([loss.float(), stop_flag, norm])
             if world_size > 1:
                 dist.all_reduce(flags)
-                flags[0] /= world_size
-            loss_value, stop_requested = flags[0].item(), flags[1].item() > 0  # .item() syncs
+                flags /= torch.tensor([world_size, 1.0, world_size], device=device)
+            loss_value, stops, norm_value = flags.tolist()  # syncs
+            stop_requested = stops > 0
             dt = time.perf_counter() - t0  # the step alone: evaluations and saves not included
             if not math.isfinite(loss_value):
                 last = f"the last good one is {ckpt_path}" if ckpt_path.is_file() else "none yet"
@@ -427,15 +436,22 @@ def train(
                 loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", ms=f"{dt * 1e3:.0f}"
             )
             if master and (step % tc.log_interval == 0 or step == last_step):
-                log(
-                    {
-                        "step": step,
-                        "loss": loss_value,
-                        "lr": lr_at(step - 1, tc),
-                        "ms_per_step": dt * 1e3,
-                        "tokens_per_s": tokens_per_step / dt,
-                    }
-                )
+                record = {
+                    "step": step,
+                    "loss": loss_value,
+                    "lr": lr_at(step - 1, tc),
+                    "ms_per_step": dt * 1e3,
+                    "tokens_per_s": tokens_per_step / dt,
+                    "tflops": flops_per_step / dt / 1e12,
+                }
+                if grad_norm is not None:
+                    record["grad_norm"] = norm_value
+                if tc.peak_tflops > 0:
+                    record["mfu"] = record["tflops"] / tc.peak_tflops
+                if device.type == "cuda":
+                    record["peak_mem_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
+                    torch.cuda.reset_peak_memory_stats(device)
+                log(record)
             if stop_requested and step < last_step:  # on the last step, the run ends as planned
                 eval_and_save()
                 stopped_by = agreed_signal(stop.received, device, world_size)

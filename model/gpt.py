@@ -104,6 +104,13 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.wpe.weight.numel() if non_embedding else n
 
+    def flops_per_token(self) -> int:
+        """Matmul FLOPs of one training step (forward and backward) per token of block_size
+        context: 6N for the weights plus 12 * n_layer * block_size * n_embd for attention's
+        two (T, T) products over the full T x T, as nanoGPT and PaLM count them."""
+        c = self.config
+        return 6 * self.num_params() + 12 * c.n_layer * c.block_size * c.n_embd
+
     def attention_mask(self, T: int) -> Any:
         """The causal mask for length T in the form this model's attention variant takes."""
         if self.variant.make_mask is not None:

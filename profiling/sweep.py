@@ -54,7 +54,7 @@ class Cell:
     variant: str
     n_layer: int
     compiled: bool
-    step: Callable[[], torch.Tensor] | None = None
+    step: Callable[[], object] | None = None
     model: torch.nn.Module | None = None
     optimizer: torch.optim.Optimizer | None = None
     times: list[float] = dataclasses.field(default_factory=list)
@@ -186,7 +186,7 @@ class Sweep:
         )
         turn = itertools.count()
 
-        def step() -> torch.Tensor:
+        def step() -> object:
             micro = self.batches[next(turn) % BATCH_POOL]
             return train_step(cell.model, cell.optimizer, micro, tc.grad_clip, self.amp_dtype)
 

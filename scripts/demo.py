@@ -49,7 +49,7 @@ def main() -> int:
         model_cfg = dataclasses.replace(config, attention=name)
         model, optimizer = build_model(model_cfg, tc, device, onednn=onednn, compile=False)
         t0 = time.perf_counter()
-        loss = train_step(model, optimizer, [(batch[:, :-1], batch[:, 1:])], 1.0, amp).item()
+        loss = train_step(model, optimizer, [(batch[:, :-1], batch[:, 1:])], 1.0, amp).loss.item()
         print(
             f"  {name:15s} loss {loss:.4f}  {1e3 * (time.perf_counter() - t0):7.1f} ms  ({variant.summary})"
         )

@@ -231,6 +231,20 @@ def test_pinned_backend_holds_inside_compiled_blocks(name: str) -> None:
         assert (backend == pinned) == bool(ran.intersection(ops)), (backend, sorted(ran))
 
 
+def test_flops_per_token_agrees_with_the_flop_counter() -> None:
+    """The formula train.py logs TFLOP/s by, against the count the profiler's MFU uses. It
+    counts biases and norms in N as well, so it runs a little above: 1.6% at this width."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = GPT(tiny_config(n_embd=64, n_head=2, vocab_size=128))
+    idx = torch.randint(0, 128, (2, 64))
+    with FlopCounterMode(display=False) as counter:
+        model(idx, idx)[1].backward()
+    assert model.flops_per_token() * idx.numel() == pytest.approx(
+        counter.get_total_flops(), rel=0.02
+    )
+
+
 def test_sequence_longer_than_block_size() -> None:
     model = GPT(tiny_config(block_size=8))
     with pytest.raises(ValueError, match="exceeds block_size 8"):

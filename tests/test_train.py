@@ -35,7 +35,7 @@ STEPS = 30  # of the shared run: enough for the loss to fall clearly
 HEAD_SIZE = 16  # tiny.toml: n_embd 32 / n_head 2
 CPU_VARIANTS = available_variants("cpu", torch.float32, head_size=HEAD_SIZE)
 CUDA_ONLY = [name for name in VARIANTS if name not in CPU_VARIANTS]
-TRAIN_KEYS = {"step", "loss", "lr", "ms_per_step", "tokens_per_s"}
+TRAIN_KEYS = {"step", "loss", "lr", "ms_per_step", "tokens_per_s", "tflops", "grad_norm"}
 EVAL_KEYS = {"step", "val_loss", "val_bpb"}
 
 
@@ -109,12 +109,14 @@ def misbehave_at(
     real_step = train.train_step
     calls: list[int] = []
 
-    def step(*args: Any, **kwargs: Any) -> torch.Tensor:
+    def step(*args: Any, **kwargs: Any) -> train.StepResult:
         calls.append(1)
         if len(calls) == call and before is not None:
             before()
         real = real_step(*args, **kwargs)
-        return torch.tensor(loss) if len(calls) == call and loss is not None else real
+        if len(calls) == call and loss is not None:
+            return real._replace(loss=torch.tensor(loss))
+        return real
 
     monkeypatch.setattr(train, "train_step", step)
     return calls
@@ -163,6 +165,9 @@ def test_metrics_log_every_step_and_every_eval(base_run: Path, data_root: Path) 
         assert set(r) == TRAIN_KEYS
         assert all(math.isfinite(r[k]) for k in TRAIN_KEYS)
         assert r["ms_per_step"] > 0 and r["tokens_per_s"] > 0 and r["lr"] > 0
+        assert r["grad_norm"] > 0  # before clipping: it may exceed train.grad_clip
+        flops_per_token = GPT(load_config(base_run / "config.toml").model).flops_per_token()
+        assert r["tflops"] == pytest.approx(flops_per_token * r["tokens_per_s"] / 1e12)
     assert lines[0]["lr"] < lines[4]["lr"]  # warmup
     evals = eval_lines(base_run)
     assert [r["step"] for r in evals] == [10, 20, 30]
@@ -172,6 +177,16 @@ def test_metrics_log_every_step_and_every_eval(base_run: Path, data_root: Path) 
         bits_per_byte = r["val_loss"] * splits["tokens"] / splits["bytes"] / math.log(2)
         assert r["val_bpb"] == pytest.approx(bits_per_byte)
     assert len(read_metrics(base_run)) == len(lines) + len(evals)  # nothing else in the file
+
+
+def test_mfu_against_a_given_peak_and_no_norm_without_clipping(
+    data_root: Path, tmp_path: Path
+) -> None:
+    argv = ["--train.max_steps=2", "--train.log_interval=1", "--train.grad_clip=0"]
+    assert run(data_root, tmp_path / "r", *argv, "--train.peak_tflops=0.5") == 0
+    for r in train_lines(tmp_path / "r"):
+        assert "grad_norm" not in r  # clip_grad_norm_ is what computes it
+        assert r["mfu"] == pytest.approx(r["tflops"] / 0.5)
 
 
 def test_loss_falls(base_run: Path) -> None:
