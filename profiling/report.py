@@ -7,6 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from profiling.analysis import (
+    CATEGORIES,
+    OTHER,
     PROJECT_AT,
     REGIONS,
     describe_diff,
@@ -186,29 +188,67 @@ def findings(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def where_time_goes(rows: list[dict[str, Any]]) -> list[str]:
-    """For each variant at its deepest measured depth: the ops (CPU) or kernels (CUDA) that
-    take the step's time, and the split between matmuls, the attention kernel and the rest."""
+    """For each variant at its deepest measured depth: the time of the profiled step by category
+    (linear layers, attention, everything else), what lies outside the ops, and the largest ops
+    (CPU) or kernels (CUDA)."""
     deepest: dict[str, dict[str, Any]] = {}
     for r in ok_rows(rows):
         name = label(r["variant"], r["compile"])
         if r.get("cpu_ms_per_step") and r["n_layer"] >= deepest.get(name, {}).get("n_layer", 0):
             deepest[name] = r
-    lines = []
-    for name, r in deepest.items():
-        times = r.get("device_ms_per_step") or r["cpu_ms_per_step"]
-        what = "CUDA kernel time" if r.get("device_ms_per_step") else "CPU self time of ops"
-        total = sum(times.values())
-        split = r.get("time_split") or time_split(times)
-        shares = ", ".join(
-            f"{k} {100 * v:.0f}%" for k, v in sorted(split.items(), key=lambda kv: -kv[1])
-        )
-        top = ", ".join(f"`{n}` {ms:.1f}" for n, ms in list(times.items())[:6])
-        mfu = f", MFU {100 * r['mfu']:.1f}%" if r.get("mfu") else ""
-        lines.append(
-            f"- **{name}** at L{r['n_layer']}{mfu}: {total:.1f} ms of {what} per "
-            f"profiled step; {shares}. Largest (ms): {top}."
-        )
+    lines = [_time_line(name, r) for name, r in deepest.items()]
+    if any(_split_ms(r)[1] for r in deepest.values()):
+        lines += [
+            "",
+            "This results.json predates these categories, so the split comes from the largest "
+            f"ops each cell lists by name, the rest counted as {OTHER}.",
+        ]
     return lines
+
+
+def _time_line(name: str, r: dict[str, Any]) -> str:
+    cuda = bool(r.get("device_ms_per_step"))
+    times = r["device_ms_per_step"] if cuda else r["cpu_ms_per_step"]
+    total = sum(times.values())
+    split, _ = _split_ms(r)
+    median = r["step_ms"]["median"] if r.get("step_ms") else None
+    of = (lambda ms: f" ({100 * ms / median:.0f}%)") if median else (lambda ms: "")
+    parts = ", ".join(f"{k} {ms:.1f} ms{of(ms)}" for k, ms in split.items())
+    what = "Kernel time" if cuda else "Operators' self time"
+    mfu = f", MFU {100 * r['mfu']:.1f}%" if r.get("mfu") else ""
+    line = f"- **{name}** at L{r['n_layer']}{mfu}: "
+    if median:
+        line += f"timed median {median:.1f} ms. "
+    line += f"{what} in the profiled step {total:.1f} ms: {parts}"
+    if median:
+        rest = median - total
+        line += (
+            f"; {'no kernel running' if cuda else 'outside the operators'} {rest:+.1f} ms{of(rest)}"
+        )
+        if rest < 0:
+            line += (
+                f" ({what.lower()} exceeds the timed median: the profiled step ran slower than "
+                "the timed ones, so this says nothing of the time outside them)"
+            )
+    if r["compile"] and not cuda:
+        line += (
+            ". Inductor's fused kernels are not ATen operators: their time is in the remainder, "
+            "not in the categories"
+        )
+    top = ", ".join(f"`{n}` {ms:.1f}" for n, ms in list(times.items())[:6])
+    return line + f". Largest (ms): {top}."
+
+
+def _split_ms(r: dict[str, Any]) -> tuple[dict[str, float], bool]:
+    """ms per category, in CATEGORIES order, over every op or kernel of the profiled step, and
+    whether it had to come from the listed ones only (a results.json from before the current
+    categories, whose stored split used others)."""
+    times = r.get("device_ms_per_step") or r["cpu_ms_per_step"]
+    stored = r.get("time_split")
+    listed_only = not stored or not set(stored) <= set(CATEGORIES)
+    shares = time_split(times) if listed_only else stored
+    total = sum(times.values())
+    return {k: shares[k] * total for k in CATEGORIES if k in shares}, listed_only
 
 
 def diff_text(rows: list[dict[str, Any]], a: str, b: str) -> str:
@@ -310,6 +350,28 @@ def _fits_table(fits: dict[str, dict[str, dict[str, float]]]) -> list[str]:
     return lines
 
 
+WHERE_TIME_GOES_INTRO = [
+    "Each variant's deepest cell, in one profiled step (not one of the timed steps). On CPU the "
+    "self time of every ATen operator is summed, so nothing counts twice; on CUDA each kernel's "
+    "time. By the op's name: **linear layers** (`addmm`/`mm`, the oneDNN linear), **attention** "
+    "(batched matmuls, softmax, the mask, the fused SDPA kernels: the same work whichever variant "
+    "does it) and **everything else** (copies, GELU, LayerNorm, the loss, AdamW). Elementwise ops "
+    "that attention shares with the rest (copies, the scale's multiply, dropout) count as "
+    "everything else. On CUDA a matmul kernel's name does not say which layer launched it, so "
+    "unfused attention's matmuls count with the linear layers there.",
+    "",
+    "The timed median minus that total is the time outside the operators: Python, the autograd "
+    "engine, dispatch between ops (on CUDA: time with no kernel running). The profiler's own "
+    "overhead inflates the ops' times, so the remainder reads smaller than it is, and it can come "
+    "out negative when the profiled step ran slower than the timed ones.",
+    "",
+    "MFU counts matmul FLOPs only, the linear layers' and attention's (inside the fused kernel for "
+    "SDPA), against the rate of one large square matmul. It stays below that peak because these "
+    "matmuls run slower than it at their shapes, and because everything else and the time outside "
+    "the operators take time without counted FLOPs.",
+]
+
+
 def _report_md(results: dict[str, Any]) -> str:
     meta, rows, fits = results["meta"], results["rows"], results["fits"]
     saved = savings(rows)
@@ -351,8 +413,7 @@ def _report_md(results: dict[str, Any]) -> str:
             "",
             "## Where the time goes",
             "",
-            "Measured in the profiled step (profiler overhead included, so totals exceed the timed "
-            "medians). What is not a matmul is what keeps MFU below the matmul peak.",
+            *WHERE_TIME_GOES_INTRO,
             "",
             *where_time_goes(rows),
             "",

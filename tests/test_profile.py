@@ -82,6 +82,8 @@ def test_hidden_copy_through_the_profiler(naive_vs_inplace: dict) -> None:
     assert {"region": "forward", "name": "aten::copy_", "per_layer": -1.0} in diff
     report = (Path(naive_vs_inplace["meta"]["out"]) / "report.md").read_text()
     assert "1 aten::clone fewer (forward)" in report
+    assert "outside the operators" in report and "totals exceed the timed medians" not in report
+    assert "predates these categories" not in report  # a new sweep stores the split it shows
 
 
 def test_results_json_contract(naive_vs_inplace: dict) -> None:
@@ -543,16 +545,67 @@ def test_op_diff_when_one_variant_has_a_single_depth() -> None:
     ]
 
 
-def test_time_categories_cover_every_matmul_path() -> None:
-    """'Where the time goes' counts the oneDNN linear as matmul time, as it does BLAS and cuBLAS."""
+def test_time_categories_compare_across_variants() -> None:
+    """'Where the time goes' puts naive's batched matmuls and softmax in attention, as it does
+    SDPA's fused kernel, and every linear-layer path (BLAS, the oneDNN custom op) in linear."""
     from profiling.analysis import time_category
 
-    for name in ("aten::addmm", "aten::mm", "aten::bmm", "mkldnn::_linear_pointwise"):
-        assert time_category(name) == "matmul", name
-    assert time_category("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n") == "matmul"
-    assert time_category("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention kernel"
-    assert time_category("flash_fwd_kernel") == "attention kernel"
-    assert time_category("aten::gelu") == "other"
+    for name in ("aten::addmm", "aten::mm", "mkldnn::_linear_pointwise", "cpu_linear::linear"):
+        assert time_category(name) == "linear layers", name
+    for name in (
+        "aten::bmm",
+        "aten::baddbmm",
+        "aten::_softmax",
+        "aten::_softmax_backward_data",
+        "aten::masked_fill_",
+        "aten::_scaled_dot_product_flash_attention_for_cpu",
+        "flash_fwd_kernel",
+    ):
+        assert time_category(name) == "attention", name
+    # A GEMM kernel's name does not say who launched it; the loss's log_softmax is not attention.
+    assert time_category("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n").startswith("matmul kernels")
+    for name in ("aten::gelu", "aten::_log_softmax", "aten::copy_", "aten::matmul", "other"):
+        assert time_category(name) == "everything else", name
+
+
+def _timed_row(variant: str, median: float, times: dict, **extra) -> dict:
+    return {
+        "variant": variant,
+        "compile": False,
+        "n_layer": 2,
+        "status": "ok",
+        "step_ms": {"median": median, "p10": median, "p90": median, "n": 3},
+        "mfu": None,
+        "cpu_ms_per_step": times,
+        "time_split": None,
+        **extra,
+    }
+
+
+def test_where_the_time_goes_shows_the_time_outside_the_operators() -> None:
+    """Operators' self time leaves out Python and the autograd engine: the report gives the
+    remainder to the timed median, and says so plainly when the operators exceed it."""
+    from profiling.report import where_time_goes
+
+    naive = {"mkldnn::_linear_pointwise": 40.0, "aten::bmm": 30.0, "aten::gelu": 20.0}
+    sdpa = {"mkldnn::_linear_pointwise": 40.0, "aten::_scaled_dot_product_flash_attention": 30.0}
+    rows = [
+        _timed_row("naive", 100.0, naive),
+        _timed_row("sdpa", 60.0, sdpa, compile=True),
+    ]
+    naive_line, sdpa_line, *note = where_time_goes(rows)
+    assert "90.0 ms: linear layers 40.0 ms (40%), attention 30.0 ms (30%), everything" in naive_line
+    assert "outside the operators +10.0 ms (10%)" in naive_line and "exceeds" not in naive_line
+    assert "attention 30.0 ms (50%)" in sdpa_line
+    assert "outside the operators -10.0 ms (-17%)" in sdpa_line and "exceeds" in sdpa_line
+    assert "Inductor's fused kernels are not ATen operators" in sdpa_line
+    assert "Inductor" not in naive_line
+    assert "predates these categories" in note[-1]  # no stored split in these rows
+
+    # A stored split over every op is used as is, in ms of the listed total.
+    stored = {"linear layers": 0.5, "attention": 0.25, "everything else": 0.25}
+    [line] = where_time_goes([_timed_row("naive", 100.0, naive, time_split=stored)])
+    assert "linear layers 45.0 ms (45%), attention 22.5 ms (22%)" in line
 
 
 def test_headline_marks_cells_timed_on_a_busy_machine() -> None:
