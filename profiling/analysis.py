@@ -152,19 +152,25 @@ def op_slopes(
 def op_diff(
     rows: list[dict[str, Any]], a: str, b: str, kind: str = "ops_per_step", threshold: float = 0.25
 ) -> list[dict[str, Any]]:
-    """Ops whose per-layer per-step count differs between labels a and b (a minus b).
+    """Ops whose per-layer per-step count differs between labels a and b (a minus b), by region,
+    largest first.
 
-    With a single depth measured, the difference of counts divided by n_layer stands in
-    for the difference of slopes.
+    With a single depth measured, each entry also has `one_depth`, that n_layer: its
+    per_layer is the whole step's difference divided by n_layer, so ops outside the layers
+    (embeddings, the loss, the optimizer) count in it too.
     """
     sa, sb = op_slopes(rows, a, kind), op_slopes(rows, b, kind)
     if not sa or not sb:  # a side measured at one depth only: compare counts at a shared depth
         return _single_depth_diff(rows, a, b, kind, threshold)
     diffs = []
-    for key in sorted(set(sa) | set(sb)):
+    for key in set(sa) | set(sb):
         delta = sa.get(key, 0.0) - sb.get(key, 0.0)
         if abs(delta) >= threshold:
             diffs.append({"region": key[0], "name": key[1], "per_layer": round(delta, 2)})
+    return _by_region_and_size(diffs)
+
+
+def _by_region_and_size(diffs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(
         diffs, key=lambda d: (REGIONS.index(d["region"]), -abs(d["per_layer"]), d["name"])
     )
@@ -185,11 +191,18 @@ def _single_depth_diff(
     diffs = []
     for region in REGIONS:
         ca, cb = ra[kind].get(region, {}), rb[kind].get(region, {})
-        for op in sorted(set(ca) | set(cb)):
+        for op in set(ca) | set(cb):
             delta = (ca.get(op, 0.0) - cb.get(op, 0.0)) / n_layer
             if abs(delta) >= threshold:
-                diffs.append({"region": region, "name": op, "per_layer": round(delta, 2)})
-    return diffs
+                diffs.append(
+                    {
+                        "region": region,
+                        "name": op,
+                        "per_layer": round(delta, 2),
+                        "one_depth": n_layer,
+                    }
+                )
+    return _by_region_and_size(diffs)
 
 
 # Ops that only make views or allocate: counted, but summed in words rather than named.
@@ -233,27 +246,39 @@ BOOKKEEPING = frozenset(
 )
 
 
+SHOWN = 12  # ops named in the report's findings
+
+
 def describe_diff(a: str, b: str, diffs: list[dict[str, Any]], unit: str = "op") -> str:
     """'inplace vs naive, per layer per step: 1 aten::clone fewer (forward); ...' in words.
 
-    Ops that do work are named; views and allocations are summed at the end.
+    Ops that do work are named, the SHOWN first; views and allocations are summed at the end.
     """
     if not diffs:
         return f"{a} vs {b}: the same {unit} counts per layer."
+    head = f"{a} vs {b}, per layer per step"
+    if "one_depth" in diffs[0]:
+        n = diffs[0]["one_depth"]
+        head = (
+            f"{a} vs {b}, one depth measured (n_layer={n}): the whole step's difference divided "
+            f"by {n}, ops outside the layers included"
+        )
     named = [d for d in diffs if d["name"] not in BOOKKEEPING]
-    shown = 12
-    parts = []
-    for d in named[:shown]:
-        n = abs(d["per_layer"])
-        amount = f"{n:g}" if n != int(n) else str(int(n))
-        more = "more" if d["per_layer"] > 0 else "fewer"
-        parts.append(f"{amount} {d['name']} {more} ({d['region']})")
-    if len(named) > shown:
-        parts.append(f"{len(named) - shown} more (profile_train.py --report DIR --diff {a},{b})")
+    parts = [_amount(d) for d in named[:SHOWN]]
+    if len(named) > SHOWN:
+        parts.append(f"{len(named) - SHOWN} more (profile_train.py --report DIR --diff {a},{b})")
     views = sum(d["per_layer"] for d in diffs if d["name"] in BOOKKEEPING)
     if views:
         parts.append(f"net {abs(views):g} view/allocation ops {'more' if views > 0 else 'fewer'}")
-    return f"{a} vs {b}, per layer per step: " + "; ".join(parts) + "."
+    return f"{head}: " + "; ".join(parts) + "."
+
+
+def _amount(d: dict[str, Any]) -> str:
+    """'1 aten::clone fewer (forward)'."""
+    n = abs(d["per_layer"])
+    amount = f"{n:g}" if n != int(n) else str(int(n))
+    more = "more" if d["per_layer"] > 0 else "fewer"
+    return f"{amount} {d['name']} {more} ({d['region']})"
 
 
 # Categories of "where the time goes". By the op's name, which in this model says where it came

@@ -526,23 +526,28 @@ def test_cuda_kernels_are_counted_in_the_region_that_launched_them() -> None:
     assert problem is not None and "/cudnn/" in problem
 
 
+def _ops_row(variant: str, n: int, forward: dict, backward: dict | None = None) -> dict:
+    ops = {"forward": forward, "backward": backward or {}, "optimizer": {}}
+    return {"variant": variant, "compile": False, "n_layer": n, "status": "ok", "ops_per_step": ops}
+
+
 def test_op_diff_when_one_variant_has_a_single_depth() -> None:
-    """A sweep cut short leaves some variants at fewer depths: compare at a shared depth."""
+    """A sweep cut short leaves some variants at fewer depths: compare at a shared depth, say
+    that the whole step's difference was divided by n_layer, and order by size as usual."""
+    from profiling.analysis import describe_diff
 
-    def row(variant: str, n: int, clones: int, mm: int) -> dict:
-        ops = {"forward": {"aten::clone": clones, "aten::mm": mm}, "backward": {}, "optimizer": {}}
-        return {
-            "variant": variant,
-            "compile": False,
-            "n_layer": n,
-            "status": "ok",
-            "ops_per_step": ops,
-        }
+    def row(variant: str, n: int, clones: int, adds: int, mm: int) -> dict:
+        return _ops_row(variant, n, {"aten::add": adds, "aten::clone": clones, "aten::mm": mm})
 
-    rows = [row("naive", 1, 5, 4), row("naive", 2, 10, 8), row("sdpa", 2, 8, 8)]
-    assert op_diff(rows, "sdpa", "naive") == [
-        {"region": "forward", "name": "aten::clone", "per_layer": -1.0}
+    rows = [row("naive", 1, 5, 2, 4), row("naive", 2, 10, 4, 8), row("sdpa", 2, 4, 2, 8)]
+    diffs = op_diff(rows, "sdpa", "naive")
+    assert diffs == [
+        {"region": "forward", "name": "aten::clone", "per_layer": -3.0, "one_depth": 2},
+        {"region": "forward", "name": "aten::add", "per_layer": -1.0, "one_depth": 2},
     ]
+    text = describe_diff("sdpa", "naive", diffs)
+    assert "one depth measured (n_layer=2): the whole step's difference divided by 2" in text
+    assert "per layer per step" not in text
 
 
 def test_time_categories_compare_across_variants() -> None:
