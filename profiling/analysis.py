@@ -246,13 +246,16 @@ BOOKKEEPING = frozenset(
 )
 
 
-SHOWN = 12  # ops named in the report's findings
+SHOWN = 12  # ops named in the report's findings; --diff names them all
 
 
-def describe_diff(a: str, b: str, diffs: list[dict[str, Any]], unit: str = "op") -> str:
+def describe_diff(
+    a: str, b: str, diffs: list[dict[str, Any]], unit: str = "op", full: bool = False
+) -> str:
     """'inplace vs naive, per layer per step: 1 aten::clone fewer (forward); ...' in words.
 
     Ops that do work are named, the SHOWN first; views and allocations are summed at the end.
+    full: every op that differs, views included, by region, one a line, no cap (for --diff).
     """
     if not diffs:
         return f"{a} vs {b}: the same {unit} counts per layer."
@@ -263,6 +266,12 @@ def describe_diff(a: str, b: str, diffs: list[dict[str, Any]], unit: str = "op")
             f"{a} vs {b}, one depth measured (n_layer={n}): the whole step's difference divided "
             f"by {n}, ops outside the layers included"
         )
+    if full:
+        lines = [f"{head}, every {unit} that differs:"]
+        for region in REGIONS:
+            these = [f"    {_amount(d, region=False)}" for d in diffs if d["region"] == region]
+            lines += [f"  {region}:", *these] if these else []
+        return "\n".join(lines)
     named = [d for d in diffs if d["name"] not in BOOKKEEPING]
     parts = [_amount(d) for d in named[:SHOWN]]
     if len(named) > SHOWN:
@@ -273,12 +282,12 @@ def describe_diff(a: str, b: str, diffs: list[dict[str, Any]], unit: str = "op")
     return f"{head}: " + "; ".join(parts) + "."
 
 
-def _amount(d: dict[str, Any]) -> str:
+def _amount(d: dict[str, Any], region: bool = True) -> str:
     """'1 aten::clone fewer (forward)'."""
     n = abs(d["per_layer"])
     amount = f"{n:g}" if n != int(n) else str(int(n))
     more = "more" if d["per_layer"] > 0 else "fewer"
-    return f"{amount} {d['name']} {more} ({d['region']})"
+    return f"{amount} {d['name']} {more}" + (f" ({d['region']})" if region else "")
 
 
 # Categories of "where the time goes". By the op's name, which in this model says where it came

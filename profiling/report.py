@@ -267,10 +267,10 @@ def diff_text(rows: list[dict[str, Any]], a: str, b: str) -> str:
             )
     if not depths[a] & depths[b]:
         return f"{a} vs {b}: not measured at a common n_layer, so no per-layer diff."
-    parts = [describe_diff(a, b, op_diff(rows, a, b))]
+    parts = [describe_diff(a, b, op_diff(rows, a, b), full=True)]
     kernels = op_diff(rows, a, b, kind="kernels_per_step")
     if kernels:
-        parts.append(describe_diff(a, b, kernels, unit="kernel"))
+        parts.append(describe_diff(a, b, kernels, unit="kernel", full=True))
     return "\n".join(parts)
 
 

@@ -397,7 +397,8 @@ def test_earlier_sweep_is_not_overwritten(tmp_path: Path, capsys: pytest.Capture
 def test_report_rerender_and_diff(naive_vs_inplace: dict, capsys: pytest.CaptureFixture) -> None:
     out = naive_vs_inplace["meta"]["out"]
     assert profile_train.main(["--report", out, "--diff", "inplace,naive"]) == 0
-    assert "1 aten::clone fewer (forward)" in capsys.readouterr().out
+    printed = capsys.readouterr().out.splitlines()
+    assert printed.index("    1 aten::clone fewer") > printed.index("  forward:")
     assert profile_train.main(["--report", out]) == 0
     capsys.readouterr()
     # A label that was not measured is an error naming the valid ones, not "the same counts".
@@ -548,6 +549,32 @@ def test_op_diff_when_one_variant_has_a_single_depth() -> None:
     text = describe_diff("sdpa", "naive", diffs)
     assert "one depth measured (n_layer=2): the whole step's difference divided by 2" in text
     assert "per layer per step" not in text
+    full = describe_diff("sdpa", "naive", diffs, full=True)
+    assert "one depth measured (n_layer=2)" in full
+
+
+def test_diff_names_every_op_that_differs() -> None:
+    """The report names the largest dozen and points to --diff; --diff shows them all, by
+    region, views included, instead of the same cut list."""
+    from profiling.analysis import describe_diff
+    from profiling.report import diff_text
+
+    extra = {f"aten::op{i:02d}": i for i in range(1, 16)}  # 15 named ops, more per layer in b
+    rows = []
+    for n in (1, 2):
+        rows.append(_ops_row("a", n, {"aten::view": 3 * n}, {"aten::bmm": n}))
+        rows.append(_ops_row("b", n, {k: v * n for k, v in extra.items()}))
+    short = describe_diff("a", "b", op_diff(rows, "a", "b"))
+    assert short.count(" fewer (forward)") == 12 and "4 more (profile_train.py" in short
+    full = diff_text(rows, "a", "b")
+    assert "more (profile_train.py" not in full
+    lines = full.splitlines()
+    assert lines[0] == "a vs b, per layer per step, every op that differs:"
+    forward, backward = lines.index("  forward:"), lines.index("  backward:")
+    assert lines[forward + 1] == "    15 aten::op15 fewer"  # largest first
+    assert all(f"    {i} aten::op{i:02d} fewer" in lines[forward:backward] for i in extra.values())
+    assert "    3 aten::view more" in lines[forward:backward]
+    assert lines[backward + 1 :] == ["    1 aten::bmm more"]
 
 
 def test_time_categories_compare_across_variants() -> None:
