@@ -43,6 +43,25 @@ def fit_line(xs: list[float], ys: list[float]) -> dict[str, float | None] | None
     return {"slope": slope, "intercept": intercept, "r2": r2, "slope_se": slope_se, "points": n}
 
 
+def line_se_at(points: dict[int, float], x: float) -> float | None:
+    """Standard error of the least-squares line through points (n_layer -> value) at x.
+
+    var(a + b x) = s^2 (1/n + (x - mean_x)^2 / Sxx), s^2 the residual variance with n - 2
+    degrees of freedom. None with fewer than three depths. Far beyond the depths measured it
+    says how well the line is pinned down there, not whether the cost stays linear that far.
+    """
+    xs, ys = list(points), list(points.values())
+    fit, n = fit_line(xs, ys), len(xs)
+    if fit is None or n < 3:
+        return None
+    mx = sum(xs) / n
+    sxx = sum((v - mx) ** 2 for v in xs)
+    ss_res = sum(
+        (y - fit["intercept"] - fit["slope"] * v) ** 2 for v, y in zip(xs, ys, strict=True)
+    )
+    return math.sqrt(ss_res / (n - 2) * (1 / n + (x - mx) ** 2 / sxx))
+
+
 def row_metrics(row: dict[str, Any]) -> dict[str, float]:
     """The scalar metrics of one row that are fitted against n_layer."""
     metrics: dict[str, float] = {}
@@ -94,7 +113,9 @@ def savings(
     interleaved, so a disturbance of the machine hits both, and their difference at each depth
     is freer of it than either: the standard error is that of the line fitted to the per-depth
     differences (`se_method` 'paired'). Where the two were not measured at the same depths it
-    is the two slopes' errors combined as if independent ('independent').
+    is the two slopes' errors combined as if independent ('independent'). Each projection
+    carries its standard error the same way (`saving_se`, `percent_se`: None where the fits
+    have no error, i.e. two depths); the percent's treats naive's projected time as exact.
     """
     points = {name: by_metric[metric] for name, by_metric in _points(rows).items()}
     fits = {name: fit_line(list(pts), list(pts.values())) for name, pts in points.items()}
@@ -107,8 +128,8 @@ def savings(
             continue
         ref_points, these = points[baseline], points[name]
         if ref_points.keys() == these.keys():
-            paired = fit_line(list(these), [ref_points[n] - these[n] for n in these])
-            se, method = paired["slope_se"], "paired"
+            diffs = {n: ref_points[n] - these[n] for n in these}
+            se, method = fit_line(list(diffs), list(diffs.values()))["slope_se"], "paired"
         elif base["slope_se"] is not None and fit["slope_se"] is not None:
             se, method = math.sqrt(base["slope_se"] ** 2 + fit["slope_se"] ** 2), "independent"
         else:
@@ -117,7 +138,13 @@ def savings(
         for layers in PROJECT_AT:
             ref = base["intercept"] + base["slope"] * layers
             this = fit["intercept"] + fit["slope"] * layers
-            projected[str(layers)] = {"saving": ref - this, "percent": 100 * (ref - this) / ref}
+            saving_se = _saving_se_at(ref_points, these, method, layers)
+            projected[str(layers)] = {
+                "saving": ref - this,
+                "percent": 100 * (ref - this) / ref,
+                "saving_se": saving_se,
+                "percent_se": None if saving_se is None else 100 * saving_se / ref,
+            }
         out[name] = {
             "per_layer": base["slope"] - fit["slope"],
             "per_layer_se": se,
@@ -125,6 +152,17 @@ def savings(
             "projected": projected,
         }
     return out
+
+
+def _saving_se_at(
+    ref: dict[int, float], these: dict[int, float], method: str | None, x: float
+) -> float | None:
+    """The standard error of a projected saving at x layers, as `savings` takes the slope's."""
+    if method == "paired":
+        return line_se_at({n: ref[n] - these[n] for n in these}, x)
+    if method == "independent":
+        return math.hypot(line_se_at(ref, x), line_se_at(these, x))
+    return None
 
 
 def op_slopes(

@@ -59,6 +59,20 @@ def _pm(value: float, se: float | None, spec: str = ".2f", unit: str = "") -> st
     return f"{value:{spec}} ± {se:.2f}{unit}"
 
 
+def _projected(p: dict[str, float | None]) -> str:
+    """'+45.5 ± 0.9 ms (+19.8 ± 0.4%)', or, with no standard error (two depths), the numbers
+    marked as such: not a bare figure that reads as known."""
+    if p["saving_se"] is None:
+        return f"{p['saving']:+.1f} ms ({p['percent']:+.1f}%), 2 depths: no se"
+    return f"{p['saving']:+.1f} ± {p['saving_se']:.1f} ms ({_projected_percent(p)})"
+
+
+def _projected_percent(p: dict[str, float | None]) -> str:
+    if p["percent_se"] is None:
+        return f"{p['percent']:+.1f}% (no se)"
+    return f"{p['percent']:+.1f} ± {p['percent_se']:.1f}%"
+
+
 def _fmt(x: float | None, spec: str = ".1f", none: str = "–") -> str:
     return none if x is None else format(x, spec)
 
@@ -101,7 +115,7 @@ def headline_table(results: dict[str, Any]) -> list[str]:
         cells.append(_pm(step_fit["slope"], step_fit["slope_se"]) if step_fit else "–")
         s = saved.get(name)
         cells.append(_pm(s["per_layer"], s["per_layer_se"], "+.2f", " ms") if s else "–")
-        cells.append(f"{s['projected'][str(PROJECT_AT[-1])]['percent']:+.1f}%" if s else "–")
+        cells.append(_projected_percent(s["projected"][str(PROJECT_AT[-1])]) if s else "–")
         last = by.get((name, layers[-1]))
         cells.append(
             _fmt(last["mfu"] * 100 if last and last["mfu"] else None, ".1f")
@@ -376,12 +390,7 @@ def _report_md(results: dict[str, Any]) -> str:
     meta, rows, fits = results["meta"], results["rows"], results["fits"]
     saved = savings(rows)
     projected = [
-        f"| {name} | "
-        + " | ".join(
-            f"{s['projected'][str(n)]['saving']:+.1f} ms ({s['projected'][str(n)]['percent']:+.1f}%)"
-            for n in PROJECT_AT
-        )
-        + " |"
+        f"| {name} | " + " | ".join(_projected(s["projected"][str(n)]) for n in PROJECT_AT) + " |"
         for name, s in saved.items()
     ]
     problems = [
@@ -418,6 +427,11 @@ def _report_md(results: dict[str, Any]) -> str:
             *where_time_goes(rows),
             "",
             "## Projected savings against naive (from the fitted lines)",
+            "",
+            "± the standard error of the fitted line of per-depth differences at that depth (for "
+            "variants not measured at naive's depths, of the two lines combined). It says how well "
+            "the line is pinned down there, not whether a layer's cost stays the same that far "
+            "beyond the depths measured.",
             "",
             "| variant | " + " | ".join(f"at {n} layers" for n in PROJECT_AT) + " |",
             "|---|" + "---|" * len(PROJECT_AT),

@@ -345,6 +345,52 @@ def test_fits_recover_known_slopes() -> None:
     assert saved["se_method"] == "independent" and saved["per_layer_se"] > 0.3
 
 
+def test_projected_savings_carry_their_standard_error() -> None:
+    """The saving at 12/24/48 layers comes with the se of the fitted difference line there,
+    s^2 [1 L] (X'X)^-1 [1 L]'; with two depths there is none, and the report says so."""
+    from profiling.report import _projected
+
+    def row(variant: str, n: int, ms: float) -> dict:
+        return {
+            "variant": variant,
+            "compile": False,
+            "n_layer": n,
+            "status": "ok",
+            "step_ms": {"median": ms, "p10": ms, "p90": ms, "n": 5},
+            "mfu": None,
+            "peak_mem_bytes": None,
+            "ops_per_step": None,
+        }
+
+    depths, noise = [1, 2, 4, 8], [0.3, -0.5, 0.1, 0.2]
+    rows = [row("naive", n, 10 + 5 * n) for n in depths] + [
+        row("sdpa", n, 10 + 3 * n + e) for n, e in zip(depths, noise, strict=True)
+    ]
+    diffs = torch.tensor(
+        [2.0 * n - e for n, e in zip(depths, noise, strict=True)], dtype=torch.float64
+    )
+    X = torch.tensor([[1.0, n] for n in depths], dtype=torch.float64)
+    coef = torch.linalg.solve(X.T @ X, X.T @ diffs)
+    s2 = ((diffs - X @ coef) ** 2).sum() / (len(depths) - 2)
+    saved = savings(rows)["sdpa"]
+    for layers in (12, 24, 48):
+        x = torch.tensor([1.0, layers], dtype=torch.float64)
+        expected = torch.sqrt(s2 * x @ torch.linalg.solve(X.T @ X, x)).item()
+        p = saved["projected"][str(layers)]
+        assert p["saving"] == pytest.approx((x @ coef).item())
+        assert p["saving_se"] == pytest.approx(expected)
+        assert p["percent_se"] == pytest.approx(100 * expected / (10 + 5 * layers))
+    assert "±" in _projected(saved["projected"]["48"])
+    table = "\n".join(headline_table({"rows": rows, "fits": fits_by_label(rows)}))
+    assert f"{saved['projected']['48']['percent']:+.1f} ± " in table
+
+    two = [r for r in rows if r["n_layer"] in (1, 2)]
+    p = savings(two)["sdpa"]["projected"]["48"]
+    assert p["saving_se"] is None and p["percent_se"] is None
+    assert _projected(p).endswith("2 depths: no se")
+    assert "% (no se)" in "\n".join(headline_table({"rows": two, "fits": fits_by_label(two)}))
+
+
 def test_bad_arguments_name_the_problem(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     rc, _ = sweep(tmp_path, "--variants", "naive,flash9")
     assert rc == 2 and "flash9" in capsys.readouterr().err
