@@ -534,8 +534,10 @@ def _causal_note(rows: list[dict[str, Any]]) -> str:
     share = best["attention_flops_per_step"] / best["flops_per_step"]
     causal = best["mfu"] * (1 - share / 2)
     return (
-        f" Attention's T×T products are {share:.1%} of the count at L{deepest}; a causal kernel "
-        f"does about half of them, so with only that half counted, "
-        f"{label(best['variant'], best['compile'])} at L{deepest} would read {causal:.1%} MFU "
-        f"instead of {best['mfu']:.1%}."
+        f" Attention's T×T products are {share:.1%} of the count at L{deepest}; with only their "
+        f"causal half counted, {label(best['variant'], best['compile'])} at L{deepest} would "
+        f"read {causal:.1%} MFU instead of {best['mfu']:.1%}. The half is a convention, not "
+        "what a kernel does: a causal kernel skips only the blocks wholly above the diagonal, "
+        "so it computes more than half, how much more depending on its block sizes and the "
+        "sequence length."
     )

@@ -391,6 +391,24 @@ def test_projected_savings_carry_their_standard_error() -> None:
     assert "% (no se)" in "\n".join(headline_table({"rows": two, "fits": fits_by_label(two)}))
 
 
+def test_causal_mfu_is_called_a_convention() -> None:
+    """The causal-half MFU is a counting convention, not the work a causal kernel does."""
+    from profiling.report import _causal_note
+
+    row = {
+        "variant": "sdpa",
+        "compile": False,
+        "n_layer": 8,
+        "status": "ok",
+        "mfu": 0.45,
+        "flops_per_step": 100,
+        "attention_flops_per_step": 20,
+    }
+    note = _causal_note([row])
+    assert "would read 40.5% MFU instead of 45.0%" in note
+    assert "convention" in note and "block sizes" in note and "about half" not in note
+
+
 def test_bad_arguments_name_the_problem(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     rc, _ = sweep(tmp_path, "--variants", "naive,flash9")
     assert rc == 2 and "flash9" in capsys.readouterr().err
