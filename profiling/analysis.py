@@ -43,6 +43,25 @@ def fit_line(xs: list[float], ys: list[float]) -> dict[str, float | None] | None
     return {"slope": slope, "intercept": intercept, "r2": r2, "slope_se": slope_se, "points": n}
 
 
+def line_se_at(points: dict[int, float], x: float) -> float | None:
+    """Standard error of the least-squares line through points (n_layer -> value) at x.
+
+    var(a + b x) = s^2 (1/n + (x - mean_x)^2 / Sxx), s^2 the residual variance with n - 2
+    degrees of freedom. None with fewer than three depths. Far beyond the depths measured it
+    says how well the line is pinned down there, not whether the cost stays linear that far.
+    """
+    xs, ys = list(points), list(points.values())
+    fit, n = fit_line(xs, ys), len(xs)
+    if fit is None or n < 3:
+        return None
+    mx = sum(xs) / n
+    sxx = sum((v - mx) ** 2 for v in xs)
+    ss_res = sum(
+        (y - fit["intercept"] - fit["slope"] * v) ** 2 for v, y in zip(xs, ys, strict=True)
+    )
+    return math.sqrt(ss_res / (n - 2) * (1 / n + (x - mx) ** 2 / sxx))
+
+
 def row_metrics(row: dict[str, Any]) -> dict[str, float]:
     """The scalar metrics of one row that are fitted against n_layer."""
     metrics: dict[str, float] = {}
@@ -94,7 +113,9 @@ def savings(
     interleaved, so a disturbance of the machine hits both, and their difference at each depth
     is freer of it than either: the standard error is that of the line fitted to the per-depth
     differences (`se_method` 'paired'). Where the two were not measured at the same depths it
-    is the two slopes' errors combined as if independent ('independent').
+    is the two slopes' errors combined as if independent ('independent'). Each projection
+    carries its standard error the same way (`saving_se`, `percent_se`: None where the fits
+    have no error, i.e. two depths); the percent's treats naive's projected time as exact.
     """
     points = {name: by_metric[metric] for name, by_metric in _points(rows).items()}
     fits = {name: fit_line(list(pts), list(pts.values())) for name, pts in points.items()}
@@ -107,8 +128,8 @@ def savings(
             continue
         ref_points, these = points[baseline], points[name]
         if ref_points.keys() == these.keys():
-            paired = fit_line(list(these), [ref_points[n] - these[n] for n in these])
-            se, method = paired["slope_se"], "paired"
+            diffs = {n: ref_points[n] - these[n] for n in these}
+            se, method = fit_line(list(diffs), list(diffs.values()))["slope_se"], "paired"
         elif base["slope_se"] is not None and fit["slope_se"] is not None:
             se, method = math.sqrt(base["slope_se"] ** 2 + fit["slope_se"] ** 2), "independent"
         else:
@@ -117,7 +138,13 @@ def savings(
         for layers in PROJECT_AT:
             ref = base["intercept"] + base["slope"] * layers
             this = fit["intercept"] + fit["slope"] * layers
-            projected[str(layers)] = {"saving": ref - this, "percent": 100 * (ref - this) / ref}
+            saving_se = _saving_se_at(ref_points, these, method, layers)
+            projected[str(layers)] = {
+                "saving": ref - this,
+                "percent": 100 * (ref - this) / ref,
+                "saving_se": saving_se,
+                "percent_se": None if saving_se is None else 100 * saving_se / ref,
+            }
         out[name] = {
             "per_layer": base["slope"] - fit["slope"],
             "per_layer_se": se,
@@ -125,6 +152,17 @@ def savings(
             "projected": projected,
         }
     return out
+
+
+def _saving_se_at(
+    ref: dict[int, float], these: dict[int, float], method: str | None, x: float
+) -> float | None:
+    """The standard error of a projected saving at x layers, as `savings` takes the slope's."""
+    if method == "paired":
+        return line_se_at({n: ref[n] - these[n] for n in these}, x)
+    if method == "independent":
+        return math.hypot(line_se_at(ref, x), line_se_at(these, x))
+    return None
 
 
 def op_slopes(
@@ -152,19 +190,25 @@ def op_slopes(
 def op_diff(
     rows: list[dict[str, Any]], a: str, b: str, kind: str = "ops_per_step", threshold: float = 0.25
 ) -> list[dict[str, Any]]:
-    """Ops whose per-layer per-step count differs between labels a and b (a minus b).
+    """Ops whose per-layer per-step count differs between labels a and b (a minus b), by region,
+    largest first.
 
-    With a single depth measured, the difference of counts divided by n_layer stands in
-    for the difference of slopes.
+    With a single depth measured, each entry also has `one_depth`, that n_layer: its
+    per_layer is the whole step's difference divided by n_layer, so ops outside the layers
+    (embeddings, the loss, the optimizer) count in it too.
     """
     sa, sb = op_slopes(rows, a, kind), op_slopes(rows, b, kind)
     if not sa or not sb:  # a side measured at one depth only: compare counts at a shared depth
         return _single_depth_diff(rows, a, b, kind, threshold)
     diffs = []
-    for key in sorted(set(sa) | set(sb)):
+    for key in set(sa) | set(sb):
         delta = sa.get(key, 0.0) - sb.get(key, 0.0)
         if abs(delta) >= threshold:
             diffs.append({"region": key[0], "name": key[1], "per_layer": round(delta, 2)})
+    return _by_region_and_size(diffs)
+
+
+def _by_region_and_size(diffs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(
         diffs, key=lambda d: (REGIONS.index(d["region"]), -abs(d["per_layer"]), d["name"])
     )
@@ -185,11 +229,18 @@ def _single_depth_diff(
     diffs = []
     for region in REGIONS:
         ca, cb = ra[kind].get(region, {}), rb[kind].get(region, {})
-        for op in sorted(set(ca) | set(cb)):
+        for op in set(ca) | set(cb):
             delta = (ca.get(op, 0.0) - cb.get(op, 0.0)) / n_layer
             if abs(delta) >= threshold:
-                diffs.append({"region": region, "name": op, "per_layer": round(delta, 2)})
-    return diffs
+                diffs.append(
+                    {
+                        "region": region,
+                        "name": op,
+                        "per_layer": round(delta, 2),
+                        "one_depth": n_layer,
+                    }
+                )
+    return _by_region_and_size(diffs)
 
 
 # Ops that only make views or allocate: counted, but summed in words rather than named.
@@ -233,44 +284,80 @@ BOOKKEEPING = frozenset(
 )
 
 
-def describe_diff(a: str, b: str, diffs: list[dict[str, Any]], unit: str = "op") -> str:
+SHOWN = 12  # ops named in the report's findings; --diff names them all
+
+
+def describe_diff(
+    a: str, b: str, diffs: list[dict[str, Any]], unit: str = "op", full: bool = False
+) -> str:
     """'inplace vs naive, per layer per step: 1 aten::clone fewer (forward); ...' in words.
 
-    Ops that do work are named; views and allocations are summed at the end.
+    Ops that do work are named, the SHOWN first; views and allocations are summed at the end.
+    full: every op that differs, views included, by region, one a line, no cap (for --diff).
     """
     if not diffs:
         return f"{a} vs {b}: the same {unit} counts per layer."
+    head = f"{a} vs {b}, per layer per step"
+    if "one_depth" in diffs[0]:
+        n = diffs[0]["one_depth"]
+        head = (
+            f"{a} vs {b}, one depth measured (n_layer={n}): the whole step's difference divided "
+            f"by {n}, ops outside the layers included"
+        )
+    if full:
+        lines = [f"{head}, every {unit} that differs:"]
+        for region in REGIONS:
+            these = [f"    {_amount(d, region=False)}" for d in diffs if d["region"] == region]
+            lines += [f"  {region}:", *these] if these else []
+        return "\n".join(lines)
     named = [d for d in diffs if d["name"] not in BOOKKEEPING]
-    shown = 12
-    parts = []
-    for d in named[:shown]:
-        n = abs(d["per_layer"])
-        amount = f"{n:g}" if n != int(n) else str(int(n))
-        more = "more" if d["per_layer"] > 0 else "fewer"
-        parts.append(f"{amount} {d['name']} {more} ({d['region']})")
-    if len(named) > shown:
-        parts.append(f"{len(named) - shown} more (profile_train.py --report DIR --diff {a},{b})")
+    parts = [_amount(d) for d in named[:SHOWN]]
+    if len(named) > SHOWN:
+        parts.append(f"{len(named) - SHOWN} more (profile_train.py --report DIR --diff {a},{b})")
     views = sum(d["per_layer"] for d in diffs if d["name"] in BOOKKEEPING)
     if views:
         parts.append(f"net {abs(views):g} view/allocation ops {'more' if views > 0 else 'fewer'}")
-    return f"{a} vs {b}, per layer per step: " + "; ".join(parts) + "."
+    return f"{head}: " + "; ".join(parts) + "."
 
 
-_ATTENTION = re.compile(r"scaled_dot_product|flash|fmha|attention|sdpa", re.I)
-_MATMUL = re.compile(
-    r"^aten::(mm|addmm|bmm|baddbmm|matmul|linear)$|_linear_pointwise"
-    r"|gemm|gemv|xmma|nvjet|cublas|cutlass",
+def _amount(d: dict[str, Any], region: bool = True) -> str:
+    """'1 aten::clone fewer (forward)'."""
+    n = abs(d["per_layer"])
+    amount = f"{n:g}" if n != int(n) else str(int(n))
+    more = "more" if d["per_layer"] > 0 else "fewer"
+    return f"{amount} {d['name']} {more}" + (f" ({d['region']})" if region else "")
+
+
+# Categories of "where the time goes". By the op's name, which in this model says where it came
+# from: every linear layer is addmm/mm/linear (PyTorch's path) or the oneDNN custom op, and only
+# attention makes batched matmuls, softmax and masked_fill (the loss uses log_softmax). So naive's
+# bmm and softmax count as attention, as the fused SDPA kernel that does the same work does.
+# aten::matmul only dispatches to mm or bmm: its own time is the dispatch, counted as the rest.
+LINEAR = "linear layers"
+ATTENTION = "attention"
+GEMM_KERNELS = "matmul kernels (linear layers; attention's too unless fused)"
+OTHER = "everything else"
+CATEGORIES = (LINEAR, ATTENTION, GEMM_KERNELS, OTHER)
+
+_ATTENTION = re.compile(
+    r"scaled_dot_product|flash|fmha|attention|sdpa"
+    r"|^aten::(bmm|baddbmm|_?softmax|_safe_softmax|_softmax_backward_data|masked_fill_?)$",
     re.I,
 )
+_LINEAR = re.compile(r"^aten::(mm|addmm|linear)$|^mkldnn::_linear_pointwise$|^cpu_linear::", re.I)
+# A CUDA GEMM kernel's name does not say whether a linear layer or attention launched it.
+_GEMM_KERNEL = re.compile(r"gemm|gemv|xmma|nvjet|cublas|cutlass", re.I)
 
 
 def time_category(name: str) -> str:
-    """'attention kernel', 'matmul' or 'other', from an ATen op or CUDA kernel name."""
+    """The category of an ATen op or CUDA kernel name: one of CATEGORIES."""
     if _ATTENTION.search(name):
-        return "attention kernel"
-    if _MATMUL.search(name):
-        return "matmul"
-    return "other"
+        return ATTENTION
+    if _LINEAR.search(name):
+        return LINEAR
+    if _GEMM_KERNEL.search(name):
+        return GEMM_KERNELS
+    return OTHER
 
 
 def time_split(times: dict[str, float]) -> dict[str, float]:

@@ -7,6 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from profiling.analysis import (
+    CATEGORIES,
+    OTHER,
     PROJECT_AT,
     REGIONS,
     describe_diff,
@@ -57,6 +59,20 @@ def _pm(value: float, se: float | None, spec: str = ".2f", unit: str = "") -> st
     return f"{value:{spec}} ± {se:.2f}{unit}"
 
 
+def _projected(p: dict[str, float | None]) -> str:
+    """'+45.5 ± 0.9 ms (+19.8 ± 0.4%)', or, with no standard error (two depths), the numbers
+    marked as such: not a bare figure that reads as known."""
+    if p["saving_se"] is None:
+        return f"{p['saving']:+.1f} ms ({p['percent']:+.1f}%), 2 depths: no se"
+    return f"{p['saving']:+.1f} ± {p['saving_se']:.1f} ms ({_projected_percent(p)})"
+
+
+def _projected_percent(p: dict[str, float | None]) -> str:
+    if p["percent_se"] is None:
+        return f"{p['percent']:+.1f}% (no se)"
+    return f"{p['percent']:+.1f} ± {p['percent_se']:.1f}%"
+
+
 def _fmt(x: float | None, spec: str = ".1f", none: str = "–") -> str:
     return none if x is None else format(x, spec)
 
@@ -99,7 +115,7 @@ def headline_table(results: dict[str, Any]) -> list[str]:
         cells.append(_pm(step_fit["slope"], step_fit["slope_se"]) if step_fit else "–")
         s = saved.get(name)
         cells.append(_pm(s["per_layer"], s["per_layer_se"], "+.2f", " ms") if s else "–")
-        cells.append(f"{s['projected'][str(PROJECT_AT[-1])]['percent']:+.1f}%" if s else "–")
+        cells.append(_projected_percent(s["projected"][str(PROJECT_AT[-1])]) if s else "–")
         last = by.get((name, layers[-1]))
         cells.append(
             _fmt(last["mfu"] * 100 if last and last["mfu"] else None, ".1f")
@@ -186,29 +202,67 @@ def findings(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def where_time_goes(rows: list[dict[str, Any]]) -> list[str]:
-    """For each variant at its deepest measured depth: the ops (CPU) or kernels (CUDA) that
-    take the step's time, and the split between matmuls, the attention kernel and the rest."""
+    """For each variant at its deepest measured depth: the time of the profiled step by category
+    (linear layers, attention, everything else), what lies outside the ops, and the largest ops
+    (CPU) or kernels (CUDA)."""
     deepest: dict[str, dict[str, Any]] = {}
     for r in ok_rows(rows):
         name = label(r["variant"], r["compile"])
         if r.get("cpu_ms_per_step") and r["n_layer"] >= deepest.get(name, {}).get("n_layer", 0):
             deepest[name] = r
-    lines = []
-    for name, r in deepest.items():
-        times = r.get("device_ms_per_step") or r["cpu_ms_per_step"]
-        what = "CUDA kernel time" if r.get("device_ms_per_step") else "CPU self time of ops"
-        total = sum(times.values())
-        split = r.get("time_split") or time_split(times)
-        shares = ", ".join(
-            f"{k} {100 * v:.0f}%" for k, v in sorted(split.items(), key=lambda kv: -kv[1])
-        )
-        top = ", ".join(f"`{n}` {ms:.1f}" for n, ms in list(times.items())[:6])
-        mfu = f", MFU {100 * r['mfu']:.1f}%" if r.get("mfu") else ""
-        lines.append(
-            f"- **{name}** at L{r['n_layer']}{mfu}: {total:.1f} ms of {what} per "
-            f"profiled step; {shares}. Largest (ms): {top}."
-        )
+    lines = [_time_line(name, r) for name, r in deepest.items()]
+    if any(_split_ms(r)[1] for r in deepest.values()):
+        lines += [
+            "",
+            "This results.json predates these categories, so the split comes from the largest "
+            f"ops each cell lists by name, the rest counted as {OTHER}.",
+        ]
     return lines
+
+
+def _time_line(name: str, r: dict[str, Any]) -> str:
+    cuda = bool(r.get("device_ms_per_step"))
+    times = r["device_ms_per_step"] if cuda else r["cpu_ms_per_step"]
+    total = sum(times.values())
+    split, _ = _split_ms(r)
+    median = r["step_ms"]["median"] if r.get("step_ms") else None
+    of = (lambda ms: f" ({100 * ms / median:.0f}%)") if median else (lambda ms: "")
+    parts = ", ".join(f"{k} {ms:.1f} ms{of(ms)}" for k, ms in split.items())
+    what = "Kernel time" if cuda else "Operators' self time"
+    mfu = f", MFU {100 * r['mfu']:.1f}%" if r.get("mfu") else ""
+    line = f"- **{name}** at L{r['n_layer']}{mfu}: "
+    if median:
+        line += f"timed median {median:.1f} ms. "
+    line += f"{what} in the profiled step {total:.1f} ms: {parts}"
+    if median:
+        rest = median - total
+        line += (
+            f"; {'no kernel running' if cuda else 'outside the operators'} {rest:+.1f} ms{of(rest)}"
+        )
+        if rest < 0:
+            line += (
+                f" ({what.lower()} exceeds the timed median: the profiled step ran slower than "
+                "the timed ones, so this says nothing of the time outside them)"
+            )
+    if r["compile"] and not cuda:
+        line += (
+            ". Inductor's fused kernels are not ATen operators: their time is in the remainder, "
+            "not in the categories"
+        )
+    top = ", ".join(f"`{n}` {ms:.1f}" for n, ms in list(times.items())[:6])
+    return line + f". Largest (ms): {top}."
+
+
+def _split_ms(r: dict[str, Any]) -> tuple[dict[str, float], bool]:
+    """ms per category, in CATEGORIES order, over every op or kernel of the profiled step, and
+    whether it had to come from the listed ones only (a results.json from before the current
+    categories, whose stored split used others)."""
+    times = r.get("device_ms_per_step") or r["cpu_ms_per_step"]
+    stored = r.get("time_split")
+    listed_only = not stored or not set(stored) <= set(CATEGORIES)
+    shares = time_split(times) if listed_only else stored
+    total = sum(times.values())
+    return {k: shares[k] * total for k in CATEGORIES if k in shares}, listed_only
 
 
 def diff_text(rows: list[dict[str, Any]], a: str, b: str) -> str:
@@ -227,10 +281,10 @@ def diff_text(rows: list[dict[str, Any]], a: str, b: str) -> str:
             )
     if not depths[a] & depths[b]:
         return f"{a} vs {b}: not measured at a common n_layer, so no per-layer diff."
-    parts = [describe_diff(a, b, op_diff(rows, a, b))]
+    parts = [describe_diff(a, b, op_diff(rows, a, b), full=True)]
     kernels = op_diff(rows, a, b, kind="kernels_per_step")
     if kernels:
-        parts.append(describe_diff(a, b, kernels, unit="kernel"))
+        parts.append(describe_diff(a, b, kernels, unit="kernel", full=True))
     return "\n".join(parts)
 
 
@@ -311,16 +365,33 @@ def _fits_table(fits: dict[str, dict[str, dict[str, float]]]) -> list[str]:
     return lines
 
 
+WHERE_TIME_GOES_INTRO = [
+    "Each variant's deepest cell, in one profiled step (not one of the timed steps). On CPU the "
+    "self time of every ATen operator is summed, so nothing counts twice; on CUDA each kernel's "
+    "time. By the op's name: **linear layers** (`addmm`/`mm`, the oneDNN linear), **attention** "
+    "(batched matmuls, softmax, the mask, the fused SDPA kernels: the same work whichever variant "
+    "does it) and **everything else** (copies, GELU, LayerNorm, the loss, AdamW). Elementwise ops "
+    "that attention shares with the rest (copies, the scale's multiply, dropout) count as "
+    "everything else. On CUDA a matmul kernel's name does not say which layer launched it, so "
+    "unfused attention's matmuls count with the linear layers there.",
+    "",
+    "The timed median minus that total is the time outside the operators: Python, the autograd "
+    "engine, dispatch between ops (on CUDA: time with no kernel running). The profiler's own "
+    "overhead inflates the ops' times, so the remainder reads smaller than it is, and it can come "
+    "out negative when the profiled step ran slower than the timed ones.",
+    "",
+    "MFU counts matmul FLOPs only, the linear layers' and attention's (inside the fused kernel for "
+    "SDPA), against the rate of one large square matmul. It stays below that peak because these "
+    "matmuls run slower than it at their shapes, and because everything else and the time outside "
+    "the operators take time without counted FLOPs.",
+]
+
+
 def _report_md(results: dict[str, Any]) -> str:
     meta, rows, fits = results["meta"], results["rows"], results["fits"]
     saved = savings(rows)
     projected = [
-        f"| {name} | "
-        + " | ".join(
-            f"{s['projected'][str(n)]['saving']:+.1f} ms ({s['projected'][str(n)]['percent']:+.1f}%)"
-            for n in PROJECT_AT
-        )
-        + " |"
+        f"| {name} | " + " | ".join(_projected(s["projected"][str(n)]) for n in PROJECT_AT) + " |"
         for name, s in saved.items()
     ]
     problems = [
@@ -352,12 +423,16 @@ def _report_md(results: dict[str, Any]) -> str:
             "",
             "## Where the time goes",
             "",
-            "Measured in the profiled step (profiler overhead included, so totals exceed the timed "
-            "medians). What is not a matmul is what keeps MFU below the matmul peak.",
+            *WHERE_TIME_GOES_INTRO,
             "",
             *where_time_goes(rows),
             "",
             "## Projected savings against naive (from the fitted lines)",
+            "",
+            "± the standard error of the fitted line of per-depth differences at that depth (for "
+            "variants not measured at naive's depths, of the two lines combined). It says how well "
+            "the line is pinned down there, not whether a layer's cost stays the same that far "
+            "beyond the depths measured.",
             "",
             "| variant | " + " | ".join(f"at {n} layers" for n in PROJECT_AT) + " |",
             "|---|" + "---|" * len(PROJECT_AT),
@@ -464,8 +539,10 @@ def _causal_note(rows: list[dict[str, Any]]) -> str:
     share = best["attention_flops_per_step"] / best["flops_per_step"]
     causal = best["mfu"] * (1 - share / 2)
     return (
-        f" Attention's T×T products are {share:.1%} of the count at L{deepest}; a causal kernel "
-        f"does about half of them, so with only that half counted, "
-        f"{label(best['variant'], best['compile'])} at L{deepest} would read {causal:.1%} MFU "
-        f"instead of {best['mfu']:.1%}."
+        f" Attention's T×T products are {share:.1%} of the count at L{deepest}; with only their "
+        f"causal half counted, {label(best['variant'], best['compile'])} at L{deepest} would "
+        f"read {causal:.1%} MFU instead of {best['mfu']:.1%}. The half is a convention, not "
+        "what a kernel does: a causal kernel skips only the blocks wholly above the diagonal, "
+        "so it computes more than half, how much more depending on its block sizes and the "
+        "sequence length."
     )

@@ -82,6 +82,8 @@ def test_hidden_copy_through_the_profiler(naive_vs_inplace: dict) -> None:
     assert {"region": "forward", "name": "aten::copy_", "per_layer": -1.0} in diff
     report = (Path(naive_vs_inplace["meta"]["out"]) / "report.md").read_text()
     assert "1 aten::clone fewer (forward)" in report
+    assert "outside the operators" in report and "totals exceed the timed medians" not in report
+    assert "predates these categories" not in report  # a new sweep stores the split it shows
 
 
 def test_results_json_contract(naive_vs_inplace: dict) -> None:
@@ -389,6 +391,70 @@ def test_fits_recover_known_slopes() -> None:
     assert saved["se_method"] == "independent" and saved["per_layer_se"] > 0.3
 
 
+def test_projected_savings_carry_their_standard_error() -> None:
+    """The saving at 12/24/48 layers comes with the se of the fitted difference line there,
+    s^2 [1 L] (X'X)^-1 [1 L]'; with two depths there is none, and the report says so."""
+    from profiling.report import _projected
+
+    def row(variant: str, n: int, ms: float) -> dict:
+        return {
+            "variant": variant,
+            "compile": False,
+            "n_layer": n,
+            "status": "ok",
+            "step_ms": {"median": ms, "p10": ms, "p90": ms, "n": 5},
+            "mfu": None,
+            "peak_mem_bytes": None,
+            "ops_per_step": None,
+        }
+
+    depths, noise = [1, 2, 4, 8], [0.3, -0.5, 0.1, 0.2]
+    rows = [row("naive", n, 10 + 5 * n) for n in depths] + [
+        row("sdpa", n, 10 + 3 * n + e) for n, e in zip(depths, noise, strict=True)
+    ]
+    diffs = torch.tensor(
+        [2.0 * n - e for n, e in zip(depths, noise, strict=True)], dtype=torch.float64
+    )
+    X = torch.tensor([[1.0, n] for n in depths], dtype=torch.float64)
+    coef = torch.linalg.solve(X.T @ X, X.T @ diffs)
+    s2 = ((diffs - X @ coef) ** 2).sum() / (len(depths) - 2)
+    saved = savings(rows)["sdpa"]
+    for layers in (12, 24, 48):
+        x = torch.tensor([1.0, layers], dtype=torch.float64)
+        expected = torch.sqrt(s2 * x @ torch.linalg.solve(X.T @ X, x)).item()
+        p = saved["projected"][str(layers)]
+        assert p["saving"] == pytest.approx((x @ coef).item())
+        assert p["saving_se"] == pytest.approx(expected)
+        assert p["percent_se"] == pytest.approx(100 * expected / (10 + 5 * layers))
+    assert "±" in _projected(saved["projected"]["48"])
+    table = "\n".join(headline_table({"rows": rows, "fits": fits_by_label(rows)}))
+    assert f"{saved['projected']['48']['percent']:+.1f} ± " in table
+
+    two = [r for r in rows if r["n_layer"] in (1, 2)]
+    p = savings(two)["sdpa"]["projected"]["48"]
+    assert p["saving_se"] is None and p["percent_se"] is None
+    assert _projected(p).endswith("2 depths: no se")
+    assert "% (no se)" in "\n".join(headline_table({"rows": two, "fits": fits_by_label(two)}))
+
+
+def test_causal_mfu_is_called_a_convention() -> None:
+    """The causal-half MFU is a counting convention, not the work a causal kernel does."""
+    from profiling.report import _causal_note
+
+    row = {
+        "variant": "sdpa",
+        "compile": False,
+        "n_layer": 8,
+        "status": "ok",
+        "mfu": 0.45,
+        "flops_per_step": 100,
+        "attention_flops_per_step": 20,
+    }
+    note = _causal_note([row])
+    assert "would read 40.5% MFU instead of 45.0%" in note
+    assert "convention" in note and "block sizes" in note and "about half" not in note
+
+
 def test_bad_arguments_name_the_problem(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     rc, _ = sweep(tmp_path, "--variants", "naive,flash9")
     assert rc == 2 and "flash9" in capsys.readouterr().err
@@ -441,7 +507,8 @@ def test_earlier_sweep_is_not_overwritten(tmp_path: Path, capsys: pytest.Capture
 def test_report_rerender_and_diff(naive_vs_inplace: dict, capsys: pytest.CaptureFixture) -> None:
     out = naive_vs_inplace["meta"]["out"]
     assert profile_train.main(["--report", out, "--diff", "inplace,naive"]) == 0
-    assert "1 aten::clone fewer (forward)" in capsys.readouterr().out
+    printed = capsys.readouterr().out.splitlines()
+    assert printed.index("    1 aten::clone fewer") > printed.index("  forward:")
     assert profile_train.main(["--report", out]) == 0
     capsys.readouterr()
     # A label that was not measured is an error naming the valid ones, not "the same counts".
@@ -570,35 +637,117 @@ def test_cuda_kernels_are_counted_in_the_region_that_launched_them() -> None:
     assert problem is not None and "/cudnn/" in problem
 
 
+def _ops_row(variant: str, n: int, forward: dict, backward: dict | None = None) -> dict:
+    ops = {"forward": forward, "backward": backward or {}, "optimizer": {}}
+    return {"variant": variant, "compile": False, "n_layer": n, "status": "ok", "ops_per_step": ops}
+
+
 def test_op_diff_when_one_variant_has_a_single_depth() -> None:
-    """A sweep cut short leaves some variants at fewer depths: compare at a shared depth."""
+    """A sweep cut short leaves some variants at fewer depths: compare at a shared depth, say
+    that the whole step's difference was divided by n_layer, and order by size as usual."""
+    from profiling.analysis import describe_diff
 
-    def row(variant: str, n: int, clones: int, mm: int) -> dict:
-        ops = {"forward": {"aten::clone": clones, "aten::mm": mm}, "backward": {}, "optimizer": {}}
-        return {
-            "variant": variant,
-            "compile": False,
-            "n_layer": n,
-            "status": "ok",
-            "ops_per_step": ops,
-        }
+    def row(variant: str, n: int, clones: int, adds: int, mm: int) -> dict:
+        return _ops_row(variant, n, {"aten::add": adds, "aten::clone": clones, "aten::mm": mm})
 
-    rows = [row("naive", 1, 5, 4), row("naive", 2, 10, 8), row("sdpa", 2, 8, 8)]
-    assert op_diff(rows, "sdpa", "naive") == [
-        {"region": "forward", "name": "aten::clone", "per_layer": -1.0}
+    rows = [row("naive", 1, 5, 2, 4), row("naive", 2, 10, 4, 8), row("sdpa", 2, 4, 2, 8)]
+    diffs = op_diff(rows, "sdpa", "naive")
+    assert diffs == [
+        {"region": "forward", "name": "aten::clone", "per_layer": -3.0, "one_depth": 2},
+        {"region": "forward", "name": "aten::add", "per_layer": -1.0, "one_depth": 2},
     ]
+    text = describe_diff("sdpa", "naive", diffs)
+    assert "one depth measured (n_layer=2): the whole step's difference divided by 2" in text
+    assert "per layer per step" not in text
+    full = describe_diff("sdpa", "naive", diffs, full=True)
+    assert "one depth measured (n_layer=2)" in full
 
 
-def test_time_categories_cover_every_matmul_path() -> None:
-    """'Where the time goes' counts the oneDNN linear as matmul time, as it does BLAS and cuBLAS."""
+def test_diff_names_every_op_that_differs() -> None:
+    """The report names the largest dozen and points to --diff; --diff shows them all, by
+    region, views included, instead of the same cut list."""
+    from profiling.analysis import describe_diff
+    from profiling.report import diff_text
+
+    extra = {f"aten::op{i:02d}": i for i in range(1, 16)}  # 15 named ops, more per layer in b
+    rows = []
+    for n in (1, 2):
+        rows.append(_ops_row("a", n, {"aten::view": 3 * n}, {"aten::bmm": n}))
+        rows.append(_ops_row("b", n, {k: v * n for k, v in extra.items()}))
+    short = describe_diff("a", "b", op_diff(rows, "a", "b"))
+    assert short.count(" fewer (forward)") == 12 and "4 more (profile_train.py" in short
+    full = diff_text(rows, "a", "b")
+    assert "more (profile_train.py" not in full
+    lines = full.splitlines()
+    assert lines[0] == "a vs b, per layer per step, every op that differs:"
+    forward, backward = lines.index("  forward:"), lines.index("  backward:")
+    assert lines[forward + 1] == "    15 aten::op15 fewer"  # largest first
+    assert all(f"    {i} aten::op{i:02d} fewer" in lines[forward:backward] for i in extra.values())
+    assert "    3 aten::view more" in lines[forward:backward]
+    assert lines[backward + 1 :] == ["    1 aten::bmm more"]
+
+
+def test_time_categories_compare_across_variants() -> None:
+    """'Where the time goes' puts naive's batched matmuls and softmax in attention, as it does
+    SDPA's fused kernel, and every linear-layer path (BLAS, the oneDNN custom op) in linear."""
     from profiling.analysis import time_category
 
-    for name in ("aten::addmm", "aten::mm", "aten::bmm", "mkldnn::_linear_pointwise"):
-        assert time_category(name) == "matmul", name
-    assert time_category("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n") == "matmul"
-    assert time_category("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention kernel"
-    assert time_category("flash_fwd_kernel") == "attention kernel"
-    assert time_category("aten::gelu") == "other"
+    for name in ("aten::addmm", "aten::mm", "mkldnn::_linear_pointwise", "cpu_linear::linear"):
+        assert time_category(name) == "linear layers", name
+    for name in (
+        "aten::bmm",
+        "aten::baddbmm",
+        "aten::_softmax",
+        "aten::_softmax_backward_data",
+        "aten::masked_fill_",
+        "aten::_scaled_dot_product_flash_attention_for_cpu",
+        "flash_fwd_kernel",
+    ):
+        assert time_category(name) == "attention", name
+    # A GEMM kernel's name does not say who launched it; the loss's log_softmax is not attention.
+    assert time_category("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n").startswith("matmul kernels")
+    for name in ("aten::gelu", "aten::_log_softmax", "aten::copy_", "aten::matmul", "other"):
+        assert time_category(name) == "everything else", name
+
+
+def _timed_row(variant: str, median: float, times: dict, **extra) -> dict:
+    return {
+        "variant": variant,
+        "compile": False,
+        "n_layer": 2,
+        "status": "ok",
+        "step_ms": {"median": median, "p10": median, "p90": median, "n": 3},
+        "mfu": None,
+        "cpu_ms_per_step": times,
+        "time_split": None,
+        **extra,
+    }
+
+
+def test_where_the_time_goes_shows_the_time_outside_the_operators() -> None:
+    """Operators' self time leaves out Python and the autograd engine: the report gives the
+    remainder to the timed median, and says so plainly when the operators exceed it."""
+    from profiling.report import where_time_goes
+
+    naive = {"mkldnn::_linear_pointwise": 40.0, "aten::bmm": 30.0, "aten::gelu": 20.0}
+    sdpa = {"mkldnn::_linear_pointwise": 40.0, "aten::_scaled_dot_product_flash_attention": 30.0}
+    rows = [
+        _timed_row("naive", 100.0, naive),
+        _timed_row("sdpa", 60.0, sdpa, compile=True),
+    ]
+    naive_line, sdpa_line, *note = where_time_goes(rows)
+    assert "90.0 ms: linear layers 40.0 ms (40%), attention 30.0 ms (30%), everything" in naive_line
+    assert "outside the operators +10.0 ms (10%)" in naive_line and "exceeds" not in naive_line
+    assert "attention 30.0 ms (50%)" in sdpa_line
+    assert "outside the operators -10.0 ms (-17%)" in sdpa_line and "exceeds" in sdpa_line
+    assert "Inductor's fused kernels are not ATen operators" in sdpa_line
+    assert "Inductor" not in naive_line
+    assert "predates these categories" in note[-1]  # no stored split in these rows
+
+    # A stored split over every op is used as is, in ms of the listed total.
+    stored = {"linear layers": 0.5, "attention": 0.25, "everything else": 0.25}
+    [line] = where_time_goes([_timed_row("naive", 100.0, naive, time_split=stored)])
+    assert "linear layers 45.0 ms (45%), attention 22.5 ms (22%)" in line
 
 
 def test_headline_marks_cells_timed_on_a_busy_machine() -> None:
