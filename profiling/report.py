@@ -453,8 +453,8 @@ def _report_md(results: dict[str, Any]) -> str:
             "and a fused AdamW step over one global batch. Batches are drawn before timing and cycled.",
             "- **Step time**: no profiler attached; warm-up steps excluded; the device synchronised before "
             "and after each step; the variants of one depth run interleaved round by round, each round "
-            "starting one later (A B C, B C A, C A B, …), so machine drift, and whatever the first step "
-            "of a round pays, hits all alike. Median with 10th/90th percentiles over the timed steps.",
+            "starting one later (A B C, B C A, C A B, …), so machine drift hits all alike and no variant "
+            "always follows the same one. Median with 10th/90th percentiles over the timed steps.",
             "- **Compile time**: for `+compile` cells, the first step's time minus the median "
             "step. Dynamo's caches are cleared before each depth, so every cell compiles its own "
             "graphs; `(cached)` marks a cell whose graphs Inductor found in its on-disk cache, "

@@ -281,8 +281,9 @@ class Sweep:
                     timed(cell.step, self.device)
         for r in range(self.args.steps):
             bar.set_postfix_str(f"L{cells[0].n_layer} round {r + 1}/{self.args.steps}")
-            # A B C, B C A, C A B, ...: drift hits every variant alike, and so does whatever the
-            # first step of a round pays (page faults, after the last cell's different memory).
+            # A B C, B C A, C A B, ...: drift hits every variant alike, and no variant always
+            # follows the same one, so what a step inherits from the one before (caches, the
+            # heap's layout) is shared too.
             for cell in cells[r % len(cells) :] + cells[: r % len(cells)]:
                 if cell.step is None:
                     continue
