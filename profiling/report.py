@@ -495,9 +495,11 @@ def _report_md(results: dict[str, Any]) -> str:
 
 def _host_memory_lines(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
     """How freed host memory was handled, and the page faults the timed steps took."""
-    faults = [r["page_faults_per_step"] for r in rows if r.get("page_faults_per_step") is not None]
-    if not faults or meta["device"] != "cpu" or "host_memory" not in meta:
+    counted = [r for r in rows if r.get("page_faults_per_step") is not None]
+    if not counted or meta["device"] != "cpu" or "host_memory" not in meta:
         return []
+    faults = [r["page_faults_per_step"] for r in counted]
+    most = max(counted, key=lambda r: r["page_faults_per_step"])
     how = (
         "kept in the heap for the next step (glibc's mmap and trim thresholds raised, as "
         "`train.py` does on CPU)"
@@ -506,7 +508,14 @@ def _host_memory_lines(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list
     )
     return [
         f"- **Host memory**: memory that tensors free was {how}; minor page faults per timed "
-        f"step: median {statistics.median(faults):,.0f}, at most {max(faults):,.0f} over the cells."
+        f"step: median {statistics.median(faults):,.0f}, at most {max(faults):,.0f} over the cells "
+        f"({label(most['variant'], most['compile'])} L{most['n_layer']})."
+        + (
+            " With memory kept they come in sporadic bursts, a whole tensor's pages at once when "
+            "the heap takes fresh ones; a cell with many per step paid for them in its step times."
+            if meta["host_memory"] == "keep"
+            else ""
+        )
     ]
 
 

@@ -750,6 +750,19 @@ def test_where_the_time_goes_shows_the_time_outside_the_operators() -> None:
     assert "linear layers 45.0 ms (45%), attention 22.5 ms (22%)" in line
 
 
+def test_host_memory_line_names_the_cell_with_most_page_faults() -> None:
+    from profiling.report import _host_memory_lines
+
+    rows = [
+        {"variant": v, "compile": False, "n_layer": 4, "page_faults_per_step": f}
+        for v, f in (("naive", 871.0), ("inplace", 0.4), ("sdpa", 0.3))
+    ]
+    [line] = _host_memory_lines({"device": "cpu", "host_memory": "keep"}, rows)
+    assert "median 0, at most 871 over the cells (naive L4)" in line and "bursts" in line
+    [line] = _host_memory_lines({"device": "cpu", "host_memory": "release"}, rows)
+    assert "bursts" not in line
+
+
 def test_headline_marks_cells_timed_on_a_busy_machine() -> None:
     def row(variant: str, n: int, p10: float, p90: float) -> dict:
         return {
