@@ -107,7 +107,8 @@ def savings(
     rows: list[dict[str, Any]], baseline: str = "naive", metric: str = "step_ms"
 ) -> dict[str, dict[str, Any]]:
     """Per-layer saving of each label against baseline, +- its standard error, and the saving
-    the two fitted lines project at 12, 24 and 48 layers.
+    the two fitted lines project at 12, 24 and 48 layers. Compiled labels are compared with the
+    compiled baseline ('sdpa+compile' with 'naive+compile'): like against like.
 
     The saving is the difference of the two slopes. The variants of one depth are timed
     interleaved, so a disturbance of the machine hits both, and their difference at each depth
@@ -119,14 +120,14 @@ def savings(
     """
     points = {name: by_metric[metric] for name, by_metric in _points(rows).items()}
     fits = {name: fit_line(list(pts), list(pts.values())) for name, pts in points.items()}
-    base = fits.get(baseline)
-    if base is None:
-        return {}
+    compiled = {label(r["variant"], r["compile"]): r["compile"] for r in rows}
     out = {}
     for name, fit in fits.items():
-        if name == baseline or fit is None:
+        reference = label(baseline, compiled[name])
+        base = fits.get(reference)
+        if name == reference or fit is None or base is None:
             continue
-        ref_points, these = points[baseline], points[name]
+        ref_points, these = points[reference], points[name]
         if ref_points.keys() == these.keys():
             diffs = {n: ref_points[n] - these[n] for n in these}
             se, method = fit_line(list(diffs), list(diffs.values()))["slope_se"], "paired"

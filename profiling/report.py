@@ -478,7 +478,8 @@ def _report_md(results: dict[str, Any]) -> str:
             "(and, on CUDA, a kernel whose name matches it); otherwise the cell is marked failed.",
             "- **Fits**: least squares of each metric against n_layer; the slope is the per-layer cost, "
             "± its standard error, which has n − 2 degrees of freedom for n depths (2 with 4 depths: "
-            "a 95% interval is ± 4.3 se). Savings are the difference of slopes against naive, ± the "
+            "a 95% interval is ± 4.3 se). Savings are the difference of slopes against naive (a "
+            "`+compile` variant's against `naive+compile`), ± the "
             "standard error of the line fitted to the per-depth differences: the variants of a depth "
             "are timed interleaved, so a disturbance they share cancels there.",
             "",

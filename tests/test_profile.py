@@ -345,6 +345,9 @@ def test_a_variant_or_depth_given_twice_is_an_error(
     assert not (tmp_path / "s").exists()
 
 
+VARIANTS_SLOPES = [("naive", 5, False), ("sdpa", 3, False), ("naive", 4, True), ("sdpa", 3, True)]
+
+
 def test_fits_recover_known_slopes() -> None:
     fit = fit_line([1, 2, 4, 8], [3 + 2 * x for x in (1, 2, 4, 8)])
     assert fit["slope"] == pytest.approx(2) and fit["intercept"] == pytest.approx(3)
@@ -354,10 +357,10 @@ def test_fits_recover_known_slopes() -> None:
     assert fit_line([1, 2], [1, 2])["slope_se"] is None  # two points: no error estimate, not NaN
     assert fit_line([4, 4], [1, 2]) is None
 
-    def row(variant: str, n: int, ms: float) -> dict:
+    def row(variant: str, n: int, ms: float, compiled: bool = False) -> dict:
         return {
             "variant": variant,
-            "compile": False,
+            "compile": compiled,
             "n_layer": n,
             "status": "ok",
             "step_ms": {"median": ms},
@@ -390,16 +393,25 @@ def test_fits_recover_known_slopes() -> None:
     saved = savings(rows[:-1])["sdpa"]
     assert saved["se_method"] == "independent" and saved["per_layer_se"] > 0.3
 
+    # Compiled variants are compared with compiled naive, like against like.
+    rows = [row(v, n, 10 + k * n, c) for v, k, c in VARIANTS_SLOPES for n in (1, 2, 4)]
+    saved = savings(rows)
+    assert saved["sdpa"]["per_layer"] == pytest.approx(2)  # 5 - 3
+    assert saved["sdpa+compile"]["per_layer"] == pytest.approx(1)  # 4 - 3, not 5 - 3
+    assert "naive+compile" not in saved
+    no_compiled_naive = [r for r in rows if r["variant"] != "naive" or not r["compile"]]
+    assert "sdpa+compile" not in savings(no_compiled_naive), "never against eager naive"
+
 
 def test_projected_savings_carry_their_standard_error() -> None:
     """The saving at 12/24/48 layers comes with the se of the fitted difference line there,
     s^2 [1 L] (X'X)^-1 [1 L]'; with two depths there is none, and the report says so."""
     from profiling.report import _projected
 
-    def row(variant: str, n: int, ms: float) -> dict:
+    def row(variant: str, n: int, ms: float, compiled: bool = False) -> dict:
         return {
             "variant": variant,
-            "compile": False,
+            "compile": compiled,
             "n_layer": n,
             "status": "ok",
             "step_ms": {"median": ms, "p10": ms, "p90": ms, "n": 5},
