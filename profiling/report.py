@@ -186,18 +186,19 @@ def _busy_warning(meta: dict[str, Any]) -> list[str]:
 
 
 def findings(rows: list[dict[str, Any]]) -> list[str]:
-    """The op and kernel differences of every variant against naive, in words."""
+    """The op and kernel differences of every variant against naive (a compiled variant's
+    against compiled naive), in words."""
     lines = []
     measured = labels(ok_rows(rows))
+    compiled = {label(r["variant"], r["compile"]): r["compile"] for r in rows}
     for name in measured:
-        if name == "naive" or "naive" not in measured:
+        base = label("naive", compiled[name])
+        if name == base or base not in measured:
             continue
-        lines.append("- " + describe_diff(name, "naive", op_diff(rows, name, "naive")))
-        kernels = op_diff(rows, name, "naive", kind="kernels_per_step")
+        lines.append("- " + describe_diff(name, base, op_diff(rows, name, base)))
+        kernels = op_diff(rows, name, base, kind="kernels_per_step")
         if kernels:
-            lines.append(
-                "  - CUDA kernels: " + describe_diff(name, "naive", kernels, unit="kernel")
-            )
+            lines.append("  - CUDA kernels: " + describe_diff(name, base, kernels, unit="kernel"))
     return lines
 
 

@@ -762,6 +762,31 @@ def test_where_the_time_goes_shows_the_time_outside_the_operators() -> None:
     assert "linear layers 45.0 ms (45%), attention 22.5 ms (22%)" in line
 
 
+def test_findings_compare_compiled_variants_with_compiled_naive() -> None:
+    from profiling.report import findings
+
+    def row(variant: str, compiled: bool, n: int) -> dict:
+        ops = {"naive": {"aten::bmm": 2 * n}, "sdpa": {"aten::_flash": n}}[variant]
+        if compiled:
+            ops = {**ops, "aten::mm": 3 * n}  # what compiling changes, shared by both
+        return {
+            "variant": variant,
+            "compile": compiled,
+            "n_layer": n,
+            "status": "ok",
+            "ops_per_step": {"forward": ops, "backward": {}, "optimizer": {}},
+            "kernels_per_step": None,
+        }
+
+    rows = [row(v, c, n) for v in ("naive", "sdpa") for c in (False, True) for n in (1, 2)]
+    lines = findings(rows)
+    assert [line.split(",")[0] for line in lines] == [
+        "- sdpa vs naive",
+        "- sdpa+compile vs naive+compile",
+    ]
+    assert "aten::mm" not in lines[1], "what compiling changes cancels against compiled naive"
+
+
 def test_host_memory_line_names_the_cell_with_most_page_faults() -> None:
     from profiling.report import _host_memory_lines
 
