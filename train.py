@@ -305,7 +305,7 @@ def train(
     raw_model, optimizer = build_model(config.model, tc, device, onednn=onednn, compile=tc.compile)
     batches = {
         split: TokenBatches(
-            data_dir / f"{split}.bin",
+            data_dir / f"{split.removesuffix('_eval')}.bin",
             config.model.block_size,
             tc.batch_size,
             tc.seed + offset,
@@ -313,7 +313,9 @@ def train(
             rank,
             world_size,
         )
-        for split, offset in (("train", 0), ("val", 1))
+        # "train_eval": fixed windows of the train split, evaluated beside val so the gap
+        # between the two (overfitting) shows; "train" is the sampler the steps draw from.
+        for split, offset in (("train", 0), ("val", 1), ("train_eval", 2))
     }
     step = 0
     if ckpt is not None:
@@ -371,9 +373,17 @@ def train(
 
     def eval_and_save() -> None:
         val_loss = evaluate(model, batches["val"], tc.eval_batches, amp_dtype)
+        train_loss = evaluate(model, batches["train_eval"], tc.eval_batches, amp_dtype)
         rngs = rng_states(device, world_size)
         if master:
-            log({"step": step, "val_loss": val_loss, "val_bpb": val_loss * bpb_factor})
+            log(
+                {
+                    "step": step,
+                    "val_loss": val_loss,
+                    "val_bpb": val_loss * bpb_factor,
+                    "train_loss": train_loss,
+                }
+            )
             state = {
                 "model": raw_model.state_dict(),
                 "optimizer": optimizer.state_dict(),
@@ -386,8 +396,8 @@ def train(
             }
             save_checkpoint(ckpt_path, state)
             bar.write(
-                f"step {step}: val loss {val_loss:.4f}, {val_loss * bpb_factor:.3f} bits/byte; "
-                f"saved {ckpt_path}"
+                f"step {step}: val loss {val_loss:.4f}, {val_loss * bpb_factor:.3f} bits/byte "
+                f"(train {train_loss:.4f}); saved {ckpt_path}"
             )
         if world_size > 1:
             # No rank leaves before rank 0 has saved: torchrun ends the others when one exits

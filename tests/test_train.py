@@ -36,7 +36,7 @@ HEAD_SIZE = 16  # tiny.toml: n_embd 32 / n_head 2
 CPU_VARIANTS = available_variants("cpu", torch.float32, head_size=HEAD_SIZE)
 CUDA_ONLY = [name for name in VARIANTS if name not in CPU_VARIANTS]
 TRAIN_KEYS = {"step", "loss", "lr", "ms_per_step", "tokens_per_s", "tflops", "grad_norm"}
-EVAL_KEYS = {"step", "val_loss", "val_bpb"}
+EVAL_KEYS = {"step", "val_loss", "val_bpb", "train_loss"}
 
 
 # --- corpora and runs -----------------------------------------------------------------------------
@@ -176,6 +176,8 @@ def test_metrics_log_every_step_and_every_eval(base_run: Path, data_root: Path) 
         assert set(r) == EVAL_KEYS
         bits_per_byte = r["val_loss"] * splits["tokens"] / splits["bytes"] / math.log(2)
         assert r["val_bpb"] == pytest.approx(bits_per_byte)
+        assert math.isfinite(r["train_loss"]) and r["train_loss"] != r["val_loss"]
+    assert evals[-1]["train_loss"] < evals[0]["train_loss"]
     assert len(read_metrics(base_run)) == len(lines) + len(evals)  # nothing else in the file
 
 
