@@ -19,13 +19,13 @@ import torch
 from tokenizers import Tokenizer
 
 from checkpoint import CHECKPOINT, CheckpointError, load_checkpoint, model_config_diff, restoring
-from config import load_config
+from config import Config, load_config
 from model import GPT
-from runtime import pick_device
+from runtime import autocast, autocast_dtype, pick_device
 from train import USER_ERRORS, TrainError
 
 
-def load_run(run_dir: Path, device: torch.device) -> tuple[GPT, Tokenizer]:
+def load_run(run_dir: Path, device: torch.device) -> tuple[GPT, Tokenizer, Config]:
     if not run_dir.is_dir():
         raise TrainError(f"run directory {run_dir} does not exist")
     for name in ("config.toml", "tokenizer.json"):
@@ -43,7 +43,7 @@ def load_run(run_dir: Path, device: torch.device) -> tuple[GPT, Tokenizer]:
     model = GPT(config.model)
     with restoring(ckpt_path, "model"):
         model.load_state_dict(ckpt["model"])
-    return model.to(device).eval(), Tokenizer.from_file(str(tokenizer_path))
+    return model.to(device).eval(), Tokenizer.from_file(str(tokenizer_path)), config
 
 
 def sample_run(
@@ -58,20 +58,21 @@ def sample_run(
 ) -> str:
     """Text continuing `prompt`. `device_setting` is what an error calls the device choice."""
     dev = pick_device(device, device_setting)
-    model, tokenizer = load_run(run_dir, dev)
+    model, tokenizer, config = load_run(run_dir, dev)
     ids = tokenizer.encode(prompt).ids
     if not ids:
         raise TrainError("the prompt is empty; give at least one character")
     generator = torch.Generator(device=dev).manual_seed(seed)
     idx = torch.tensor([ids], dtype=torch.long, device=dev)
-    out = model.generate(
-        idx,
-        max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        generator=generator,
-        vocab_limit=tokenizer.get_vocab_size(),
-    )
+    with autocast(dev, autocast_dtype(config.train.dtype, dev)):  # the run's precision
+        out = model.generate(
+            idx,
+            max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            generator=generator,
+            vocab_limit=tokenizer.get_vocab_size(),
+        )
     return tokenizer.decode(out[0].tolist(), skip_special_tokens=False)
 
 
