@@ -345,6 +345,20 @@ def test_a_variant_or_depth_given_twice_is_an_error(
     assert not (tmp_path / "s").exists()
 
 
+def timed_row(variant: str, n: int, ms: float, compiled: bool = False) -> dict:
+    """A results.json row with only a step time: what fits and savings read."""
+    return {
+        "variant": variant,
+        "compile": compiled,
+        "n_layer": n,
+        "status": "ok",
+        "step_ms": {"median": ms, "p10": ms, "p90": ms, "n": 5},
+        "mfu": None,
+        "peak_mem_bytes": None,
+        "ops_per_step": None,
+    }
+
+
 VARIANTS_SLOPES = [("naive", 5, False), ("sdpa", 3, False), ("naive", 4, True), ("sdpa", 3, True)]
 
 
@@ -357,19 +371,8 @@ def test_fits_recover_known_slopes() -> None:
     assert fit_line([1, 2], [1, 2])["slope_se"] is None  # two points: no error estimate, not NaN
     assert fit_line([4, 4], [1, 2]) is None
 
-    def row(variant: str, n: int, ms: float, compiled: bool = False) -> dict:
-        return {
-            "variant": variant,
-            "compile": compiled,
-            "n_layer": n,
-            "status": "ok",
-            "step_ms": {"median": ms},
-            "peak_mem_bytes": None,
-            "ops_per_step": None,
-        }
-
-    rows = [row("naive", n, 10 + 5 * n) for n in (1, 2, 4)] + [
-        row("sdpa", n, 10 + 3 * n) for n in (1, 2, 4)
+    rows = [timed_row("naive", n, 10 + 5 * n) for n in (1, 2, 4)] + [
+        timed_row("sdpa", n, 10 + 3 * n) for n in (1, 2, 4)
     ]
     fits = fits_by_label(rows)
     assert fits["sdpa"]["step_ms"]["slope"] == pytest.approx(3)
@@ -381,8 +384,8 @@ def test_fits_recover_known_slopes() -> None:
     # A disturbance at one depth that hit both variants (they are timed interleaved) leaves
     # each fit noisy but cancels in their difference: the saving's error is the paired one.
     bump = {1: 0.0, 2: 4.0, 4: 0.0, 8: -1.0}
-    rows = [row("naive", n, 10 + 5 * n + bump[n]) for n in bump] + [
-        row("sdpa", n, 10 + 3 * n + bump[n]) for n in bump
+    rows = [timed_row("naive", n, 10 + 5 * n + bump[n]) for n in bump] + [
+        timed_row("sdpa", n, 10 + 3 * n + bump[n]) for n in bump
     ]
     fits, saved = fits_by_label(rows), savings(rows)["sdpa"]
     assert fits["naive"]["step_ms"]["slope_se"] > 0.3 and fits["sdpa"]["step_ms"]["slope_se"] > 0.3
@@ -394,7 +397,7 @@ def test_fits_recover_known_slopes() -> None:
     assert saved["se_method"] == "independent" and saved["per_layer_se"] > 0.3
 
     # Compiled variants are compared with compiled naive, like against like.
-    rows = [row(v, n, 10 + k * n, c) for v, k, c in VARIANTS_SLOPES for n in (1, 2, 4)]
+    rows = [timed_row(v, n, 10 + k * n, c) for v, k, c in VARIANTS_SLOPES for n in (1, 2, 4)]
     saved = savings(rows)
     assert saved["sdpa"]["per_layer"] == pytest.approx(2)  # 5 - 3
     assert saved["sdpa+compile"]["per_layer"] == pytest.approx(1)  # 4 - 3, not 5 - 3
@@ -408,21 +411,9 @@ def test_projected_savings_carry_their_standard_error() -> None:
     s^2 [1 L] (X'X)^-1 [1 L]'; with two depths there is none, and the report says so."""
     from profiling.report import _projected
 
-    def row(variant: str, n: int, ms: float, compiled: bool = False) -> dict:
-        return {
-            "variant": variant,
-            "compile": compiled,
-            "n_layer": n,
-            "status": "ok",
-            "step_ms": {"median": ms, "p10": ms, "p90": ms, "n": 5},
-            "mfu": None,
-            "peak_mem_bytes": None,
-            "ops_per_step": None,
-        }
-
     depths, noise = [1, 2, 4, 8], [0.3, -0.5, 0.1, 0.2]
-    rows = [row("naive", n, 10 + 5 * n) for n in depths] + [
-        row("sdpa", n, 10 + 3 * n + e) for n, e in zip(depths, noise, strict=True)
+    rows = [timed_row("naive", n, 10 + 5 * n) for n in depths] + [
+        timed_row("sdpa", n, 10 + 3 * n + e) for n, e in zip(depths, noise, strict=True)
     ]
     diffs = torch.tensor(
         [2.0 * n - e for n, e in zip(depths, noise, strict=True)], dtype=torch.float64
@@ -662,7 +653,11 @@ def test_op_diff_when_one_variant_has_a_single_depth() -> None:
     def row(variant: str, n: int, clones: int, adds: int, mm: int) -> dict:
         return _ops_row(variant, n, {"aten::add": adds, "aten::clone": clones, "aten::mm": mm})
 
-    rows = [row("naive", 1, 5, 2, 4), row("naive", 2, 10, 4, 8), row("sdpa", 2, 4, 2, 8)]
+    rows = [
+        row("naive", 1, 5, 2, 4),
+        row("naive", 2, 10, 4, 8),
+        row("sdpa", 2, 4, 2, 8),
+    ]
     diffs = op_diff(rows, "sdpa", "naive")
     assert diffs == [
         {"region": "forward", "name": "aten::clone", "per_layer": -3.0, "one_depth": 2},
