@@ -52,8 +52,9 @@ class TrainConfig:
     eval_interval: int = 100  # steps between evaluations (and checkpoints); 0: only at the end
     eval_batches: int = 20  # batches of val averaged per evaluation; the same batches each time
     log_interval: int = 10  # steps between metrics.jsonl lines
-    # The device's peak TFLOP/s in the run's dtype, from its datasheet (e.g. 989 for an H100's
-    # dense bf16); 0: none. metrics.jsonl always logs achieved TFLOP/s, and MFU against this.
+    # One device's peak TFLOP/s in the run's dtype, from its datasheet (e.g. 989 for an H100's
+    # dense bf16); 0: none. metrics.jsonl logs the job's achieved TFLOP/s, and MFU against this
+    # times the number of ranks.
     peak_tflops: float = 0.0
     sample_tokens: int = 200  # tokens sampled at the end of `make train`; 0 disables
     sample_prompt: str = "def "  # prompt for that sample

@@ -457,7 +457,7 @@ def train(
                 if grad_norm is not None:
                     record["grad_norm"] = norm_value
                 if tc.peak_tflops > 0:
-                    record["mfu"] = record["tflops"] / tc.peak_tflops
+                    record["mfu"] = record["tflops"] / (tc.peak_tflops * world_size)
                 if device.type == "cuda":
                     record["peak_mem_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
                     torch.cuda.reset_peak_memory_stats(device)

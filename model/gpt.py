@@ -168,7 +168,8 @@ class GPT(nn.Module):
         for _ in range(max_new_tokens):
             context = idx[:, -self.config.block_size :]
             # Only the last position's scores are needed: (B, C) @ (C, V), not (B, T, C) @ (C, V).
-            logits = self.lm_head(self.features(context)[:, -1, :])  # (B, V)
+            # fp32 scores even under autocast: the shift and softmax below want the precision.
+            logits = self.lm_head(self.features(context)[:, -1, :]).float()  # (B, V)
             if vocab_limit is not None:
                 logits[:, vocab_limit:] = float("-inf")
             if temperature == 0:

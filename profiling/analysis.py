@@ -21,6 +21,11 @@ def labels(rows: list[dict[str, Any]]) -> list[str]:
     return list(dict.fromkeys(label(r["variant"], r["compile"]) for r in rows))
 
 
+def baselines(rows: list[dict[str, Any]], baseline: str = "naive") -> dict[str, str]:
+    """Each label's reference: `baseline` in the same compile mode, like against like."""
+    return {label(r["variant"], r["compile"]): label(baseline, r["compile"]) for r in rows}
+
+
 def fit_line(xs: list[float], ys: list[float]) -> dict[str, float | None] | None:
     """Least squares y = intercept + slope * x, with r^2 and the slope's standard error.
 
@@ -120,10 +125,10 @@ def savings(
     """
     points = {name: by_metric[metric] for name, by_metric in _points(rows).items()}
     fits = {name: fit_line(list(pts), list(pts.values())) for name, pts in points.items()}
-    compiled = {label(r["variant"], r["compile"]): r["compile"] for r in rows}
+    reference_of = baselines(rows, baseline)
     out = {}
     for name, fit in fits.items():
-        reference = label(baseline, compiled[name])
+        reference = reference_of[name]
         base = fits.get(reference)
         if name == reference or fit is None or base is None:
             continue

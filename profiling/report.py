@@ -11,6 +11,7 @@ from profiling.analysis import (
     OTHER,
     PROJECT_AT,
     REGIONS,
+    baselines,
     describe_diff,
     label,
     labels,
@@ -127,6 +128,8 @@ def headline_table(results: dict[str, Any]) -> list[str]:
             _fmt(last["peak_mem_bytes"] / MiB if last and last["peak_mem_bytes"] else None)
         )
         lines.append("| " + " | ".join(cells) + " |")
+    if any(r["compile"] for r in rows):
+        lines += ["", "`+compile` rows are compared with `naive+compile`, like against like."]
     if any(r["step_ms"] and _noisy(r["step_ms"]) for r in rows):
         lines += [
             "",
@@ -190,9 +193,9 @@ def findings(rows: list[dict[str, Any]]) -> list[str]:
     against compiled naive), in words."""
     lines = []
     measured = labels(ok_rows(rows))
-    compiled = {label(r["variant"], r["compile"]): r["compile"] for r in rows}
+    reference_of = baselines(rows)
     for name in measured:
-        base = label("naive", compiled[name])
+        base = reference_of[name]
         if name == base or base not in measured:
             continue
         lines.append("- " + describe_diff(name, base, op_diff(rows, name, base)))
@@ -373,8 +376,10 @@ WHERE_TIME_GOES_INTRO = [
     "(batched matmuls, softmax, the mask, the fused SDPA kernels: the same work whichever variant "
     "does it) and **everything else** (copies, GELU, LayerNorm, the loss, AdamW). Elementwise ops "
     "that attention shares with the rest (copies, the scale's multiply, dropout) count as "
-    "everything else. On CUDA a matmul kernel's name does not say which layer launched it, so "
-    "unfused attention's matmuls count with the linear layers there.",
+    "everything else. On CUDA a kernel's name does not say which layer launched it: GEMMs get a "
+    "category of their own (unfused attention's matmuls among them), and unfused attention's "
+    "softmax and mask kernels count as everything else, so there the attention category holds "
+    "only the fused SDPA kernels.",
     "",
     "The timed median minus that total is the time outside the operators: Python, the autograd "
     "engine, dispatch between ops (on CUDA: time with no kernel running). The profiler's own "
@@ -428,7 +433,8 @@ def _report_md(results: dict[str, Any]) -> str:
             "",
             *where_time_goes(rows),
             "",
-            "## Projected savings against naive (from the fitted lines)",
+            "## Projected savings against naive (`+compile` rows: against naive+compile; from "
+            "the fitted lines)",
             "",
             "± the standard error of the fitted line of per-depth differences at that depth (for "
             "variants not measured at naive's depths, of the two lines combined). It says how well "
@@ -457,9 +463,10 @@ def _report_md(results: dict[str, Any]) -> str:
             "starting one later (A B C, B C A, C A B, …), so machine drift hits all alike and no variant "
             "always follows the same one. Median with 10th/90th percentiles over the timed steps.",
             "- **Compile time**: for `+compile` cells, the first step's time minus the median "
-            "step. Dynamo's caches are cleared before each depth, so every cell compiles its own "
-            "graphs; `(cached)` marks a cell whose graphs Inductor found in its on-disk cache, "
-            "from an earlier depth or run (the time is then mostly Dynamo's tracing).",
+            "step. Dynamo is reset before each depth, so every compiled cell traces its graphs "
+            "anew instead of reusing the last depth's; `(cached)` marks a cell whose compiled "
+            "graphs Inductor then found in its on-disk cache, from an earlier depth or run: its "
+            "time is mostly that tracing, not a compile from scratch.",
             *_host_memory_lines(meta, rows),
             "- **Ops and kernels**: separate steps under torch.profiler with a wait=1/warmup=1/active schedule; "
             "ATen ops (and the oneDNN linear's `cpu_linear::linear`/`mkldnn::_linear_pointwise`) counted (nested calls included, so `aten::masked_fill` and the `aten::clone` it makes both "

@@ -251,8 +251,8 @@ class Sweep:
 
         Every variant computes the same function, so all share this count: MFU then compares
         variants by one measure of work, not by what each implementation happens to do. As in
-        nanoGPT's and PaLM's MFU, attention counts over the full T x T; the causal kernels skip
-        about half of that part, which the report shows.
+        nanoGPT's and PaLM's MFU, attention counts over the full T x T; the report also gives
+        MFU with only the causal half of that part counted.
         """
         cell = Cell("naive", n_layer, False)
         with self._guard(cell):

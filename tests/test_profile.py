@@ -208,8 +208,9 @@ def test_each_round_starts_one_variant_later(
 
 
 @pytest.mark.slow
-def test_every_depth_compiles_its_own_graphs(tmp_path: Path) -> None:
-    """Identical blocks would reuse the first depth's graphs, and read ~0 s of compile time."""
+def test_every_depth_traces_its_own_graphs(tmp_path: Path) -> None:
+    """Identical blocks would reuse the first depth's Dynamo graphs and compile nothing; each
+    cell also says whether Inductor's on-disk cache supplied its compiled graphs."""
     rc, results = sweep(tmp_path, "--variants", "naive", "--layers", "1,2", "--compile", "on")
     assert rc == 0
     for row in results["rows"]:
