@@ -152,7 +152,8 @@ class GPT(nn.Module):
         generator: torch.Generator | None = None,
         vocab_limit: int | None = None,
     ) -> Tensor:
-        """Extend idx (B, T) by max_new_tokens sampled tokens; temperature 0 is greedy.
+        """Extend idx (B, T) by max_new_tokens sampled tokens; temperature 0 (or below fp32's
+        smallest normal number, ~1e-38) is greedy, and an infinite one samples uniformly.
 
         vocab_limit: sample only ids below it, for a tokenizer with fewer tokens than the
         model's (padded) vocab_size; the rows above it have no text to decode to.
@@ -171,11 +172,12 @@ class GPT(nn.Module):
             # fp32 scores even under autocast: the shift and softmax below want the precision.
             logits = self.lm_head(self.features(context)[:, -1, :]).float()  # (B, V)
             if vocab_limit is not None:
-                logits[:, vocab_limit:] = float("-inf")
-            if temperature == 0:
+                logits = logits[:, :vocab_limit]  # ids from vocab_limit up are never drawn
+            if temperature < torch.finfo(logits.dtype).tiny:  # 0, or too small for fp32: greedy
                 next_id = logits.argmax(dim=-1, keepdim=True)
             else:
-                # Shifted so the largest is 0: a tiny temperature then gives 0 and -inf, not inf.
+                # Shifted so the largest is 0: a tiny temperature then gives 0 and -inf, not inf,
+                # and an infinite one all zeros (uniform), not NaN.
                 logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
                 if top_k is not None:
                     kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]

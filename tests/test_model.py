@@ -277,8 +277,13 @@ def test_generate_tiny_temperature_is_greedy_not_nan() -> None:
     torch.manual_seed(0)
     model = GPT(tiny_config()).eval()
     prompt = torch.randint(0, 97, (2, 5))
-    # 1e-45 overflows unshifted logits to inf, and softmax to NaN.
-    assert torch.equal(model.generate(prompt, 10, temperature=1e-45), model.generate(prompt, 10, 0))
+    greedy = model.generate(prompt, 10, temperature=0)
+    # 1e-45 overflows unshifted logits to inf, and softmax to NaN; 1e-50 is 0 in fp32.
+    for tiny in (1e-45, 1e-50, 1e-320):
+        assert torch.equal(model.generate(prompt, 10, temperature=tiny), greedy), tiny
+    # An infinite temperature samples uniformly, also from a vocabulary cut by vocab_limit.
+    uniform = model.generate(prompt, 50, temperature=float("inf"), vocab_limit=10)
+    assert set(uniform[:, 5:].flatten().tolist()) == set(range(10))
 
 
 def test_generate_vocab_limit_samples_only_ids_the_tokenizer_has() -> None:
