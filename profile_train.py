@@ -137,7 +137,7 @@ def _main(argv: list[str] | None) -> int:
         if args.out.exists() and not (args.out.is_dir() and not any(args.out.iterdir())):
             raise ConfigError(f"--out {args.out} exists and is not an empty folder; choose another")
         ours, out_existed = args.out, args.out.exists()
-        if args.diff:
+        if args.diff is not None:
             raise ConfigError("--diff compares two variants of an existing sweep: add --report DIR")
         if any(o.split("=")[0] in ("--model.n_layer", "--model.attention") for o in overrides):
             raise ConfigError(
@@ -232,7 +232,7 @@ def _rerender(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"{path} has no rows: no cell was measured, so there is nothing to report"
         )
-    if args.diff:
+    if args.diff is not None:
         labels = _csv_list(args.diff, str, "--diff")
         if len(labels) != 2:
             raise ConfigError(f"--diff={args.diff!r}: give two labels A,B, e.g. inplace,naive")

@@ -317,13 +317,28 @@ def describe_diff(
             lines += [f"  {region}:", *these] if these else []
         return "\n".join(lines)
     named = [d for d in diffs if d["name"] not in BOOKKEEPING]
-    parts = [_amount(d) for d in named[:SHOWN]]
+    parts = [_amount(d) for d in _largest_of_each_region(named, SHOWN)]
     if len(named) > SHOWN:
-        parts.append(f"{len(named) - SHOWN} more (profile_train.py --report DIR --diff {a},{b})")
+        parts.append(
+            f"{len(named) - SHOWN} more differences (`profile_train.py --report <this folder> "
+            f"--diff {a},{b}` lists them all)"
+        )
     views = sum(d["per_layer"] for d in diffs if d["name"] in BOOKKEEPING)
     if views:
         parts.append(f"net {abs(views):g} view/allocation ops {'more' if views > 0 else 'fewer'}")
     return f"{head}: " + "; ".join(parts) + "."
+
+
+def _largest_of_each_region(diffs: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
+    """n of the diffs (sorted by region, then size), taking each region's largest in turn, so
+    that a long forward list does not hide the backward's; returned in region order."""
+    queues = [[d for d in diffs if d["region"] == region] for region in REGIONS]
+    chosen: list[dict[str, Any]] = []
+    while len(chosen) < n and any(queues):
+        for queue in queues:
+            if queue and len(chosen) < n:
+                chosen.append(queue.pop(0))
+    return _by_region_and_size(chosen)
 
 
 def _amount(d: dict[str, Any], region: bool = True) -> str:

@@ -466,7 +466,7 @@ def _report_md(results: dict[str, Any]) -> str:
             "step. Dynamo is reset before each depth, so every compiled cell traces its graphs "
             "anew instead of reusing the last depth's; `(cached)` marks a cell whose compiled "
             "graphs Inductor then found in its on-disk cache, from an earlier depth or run: its "
-            "time is mostly that tracing, not a compile from scratch.",
+            "time is mostly that tracing, not a compile from scratch." + _startup_text(meta),
             *_host_memory_lines(meta, rows),
             "- **Ops and kernels**: separate steps under torch.profiler with a wait=1/warmup=1/active schedule; "
             "ATen ops (and the oneDNN linear's `cpu_linear::linear`/`mkldnn::_linear_pointwise`) counted (nested calls included, so `aten::masked_fill` and the `aten::clone` it makes both "
@@ -502,6 +502,17 @@ def _report_md(results: dict[str, Any]) -> str:
     )
 
 
+def _startup_text(meta: dict[str, Any]) -> str:
+    """The compiler's one-time start-up, paid before the first cell (absent before it was)."""
+    if meta.get("compiler_startup_s") is None:
+        return ""
+    return (
+        f" The compiler's one-time start-up ({meta['compiler_startup_s']:.1f} s: imports, "
+        "compile workers) was paid on a tiny function before the first cell, so no cell's "
+        "time includes it."
+    )
+
+
 def _host_memory_lines(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
     """How freed host memory was handled, and the page faults the timed steps took."""
     counted = [r for r in rows if r.get("page_faults_per_step") is not None]
@@ -517,8 +528,13 @@ def _host_memory_lines(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list
     )
     return [
         f"- **Host memory**: memory that tensors free was {how}; minor page faults per timed "
-        f"step: median {statistics.median(faults):,.0f}, at most {max(faults):,.0f} over the cells "
-        f"({label(most['variant'], most['compile'])} L{most['n_layer']})."
+        f"step: median {statistics.median(faults):,.0f}, at most {max(faults):,.0f} over the cells"
+        + (
+            f" ({label(most['variant'], most['compile'])} L{most['n_layer']})"
+            if max(faults)
+            else ""
+        )
+        + "."
         + (
             " With memory kept they come in sporadic bursts, a whole tensor's pages at once when "
             "the heap takes fresh ones; a cell with many per step paid for them in its step times."

@@ -17,6 +17,7 @@ import platform
 import resource
 import shlex
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -210,6 +211,8 @@ class Sweep:
         self.meta["peak_flops_by_path"] = start
         total = len(variants) * len(layers) * len(compile_modes)
         self.meta["cells_planned"] = total
+        if any(compile_modes):
+            self.meta["compiler_startup_s"] = self._warm_compiler()
         # A depth's variants share Block.forward, and each adds a Dynamo cache entry to it. Past
         # the limit Dynamo would run the block eager with only a warning, under a "+compile"
         # label: the limit leaves room for them all, and hitting it fails the cell instead.
@@ -244,6 +247,19 @@ class Sweep:
         for row in self.rows:
             row["mfu"] = self._mfu(row)
         self._write(plots=True)
+
+    def _warm_compiler(self) -> float:
+        """Compile a tiny function, forward and backward, and run it: seconds taken.
+
+        The compiler's one-time start-up (its imports, the compile workers) is then paid here,
+        not charged to whichever cell happens to compile first.
+        """
+        t0 = time.perf_counter()
+        x = torch.ones(8, device=self.device, requires_grad=True)
+        torch.compile(lambda t: (2 * t).sin())(x).sum().backward()
+        synchronize(self.device)
+        torch._dynamo.reset()
+        return time.perf_counter() - t0
 
     def _model_flops(self, n_layer: int) -> tuple[int, int]:
         """FLOPs of one step at this depth, counted on an eager `naive` model, and the part of

@@ -216,6 +216,9 @@ def test_every_depth_traces_its_own_graphs(tmp_path: Path) -> None:
     for row in results["rows"]:
         assert row["status"] == "ok" and row["compile_s"] is not None
         assert row["compile_cache"] in ("cold", "cached"), row["n_layer"]
+    # The compiler's start-up is paid apart, so it is not charged to the first compiled cell.
+    assert results["meta"]["compiler_startup_s"] > 0
+    assert "one-time start-up" in (tmp_path / "sweep" / "report.md").read_text()
 
 
 def test_failing_cells_do_not_stop_the_sweep(
@@ -520,6 +523,7 @@ def test_report_rerender_and_diff(naive_vs_inplace: dict, capsys: pytest.Capture
     err = capsys.readouterr().err
     assert "inplcae" in err and "naive, inplace" in err
     assert profile_train.main(["--report", out, "--diff", "naive"]) == 2
+    assert profile_train.main(["--report", out, "--diff", ""]) == 2  # not a silent re-render
 
 
 @pytest.mark.cuda
@@ -672,8 +676,8 @@ def test_op_diff_when_one_variant_has_a_single_depth() -> None:
 
 
 def test_diff_names_every_op_that_differs() -> None:
-    """The report names the largest dozen and points to --diff; --diff shows them all, by
-    region, views included, instead of the same cut list."""
+    """The report names a dozen, each region's largest in turn, and points to --diff; --diff
+    shows them all, by region, views included, instead of the same cut list."""
     from profiling.analysis import describe_diff
     from profiling.report import diff_text
 
@@ -683,9 +687,11 @@ def test_diff_names_every_op_that_differs() -> None:
         rows.append(_ops_row("a", n, {"aten::view": 3 * n}, {"aten::bmm": n}))
         rows.append(_ops_row("b", n, {k: v * n for k, v in extra.items()}))
     short = describe_diff("a", "b", op_diff(rows, "a", "b"))
-    assert short.count(" fewer (forward)") == 12 and "4 more (profile_train.py" in short
+    # Each region's largest in turn: the one backward difference is not crowded out.
+    assert short.count(" fewer (forward)") == 11 and "1 aten::bmm more (backward)" in short
+    assert "4 more differences (`profile_train.py --report" in short
     full = diff_text(rows, "a", "b")
-    assert "more (profile_train.py" not in full
+    assert "more differences" not in full
     lines = full.splitlines()
     assert lines[0] == "a vs b, per layer per step, every op that differs:"
     forward, backward = lines.index("  forward:"), lines.index("  backward:")
@@ -794,6 +800,9 @@ def test_host_memory_line_names_the_cell_with_most_page_faults() -> None:
     assert "median 0, at most 871 over the cells (naive L4)" in line and "bursts" in line
     [line] = _host_memory_lines({"device": "cpu", "host_memory": "release"}, rows)
     assert "bursts" not in line
+    none = [{**r, "page_faults_per_step": 0.0} for r in rows]
+    [line] = _host_memory_lines({"device": "cpu", "host_memory": "keep"}, none)
+    assert "at most 0 over the cells." in line  # no cell named for a maximum of zero
 
 
 def test_headline_marks_cells_timed_on_a_busy_machine() -> None:
