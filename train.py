@@ -405,6 +405,7 @@ def train(
             dist.barrier()
 
     first_step = step
+    warned_mfu = False
     last_step = tc.max_steps if stop_after is None else min(tc.max_steps, step + stop_after)
     bar = tqdm(
         total=tc.max_steps,
@@ -458,6 +459,14 @@ def train(
                     record["grad_norm"] = norm_value
                 if tc.peak_tflops > 0:
                     record["mfu"] = record["tflops"] / (tc.peak_tflops * world_size)
+                    if record["mfu"] > 1 and not warned_mfu:
+                        warned_mfu = True
+                        bar.write(
+                            f"warning: MFU {record['mfu']:.2f} is above 1: train.peak_tflops="
+                            f"{tc.peak_tflops:g} is below what this run reaches; check the "
+                            "device's datasheet peak for this dtype",
+                            file=sys.stderr,
+                        )
                 if device.type == "cuda":
                     record["peak_mem_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
                     torch.cuda.reset_peak_memory_stats(device)

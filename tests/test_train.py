@@ -184,13 +184,17 @@ def test_metrics_log_every_step_and_every_eval(base_run: Path, data_root: Path) 
 
 
 def test_mfu_against_a_given_peak_and_no_norm_without_clipping(
-    data_root: Path, tmp_path: Path
+    data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     argv = ["--train.max_steps=2", "--train.log_interval=1", "--train.grad_clip=0"]
     assert run(data_root, tmp_path / "r", *argv, "--train.peak_tflops=0.5") == 0
     for r in train_lines(tmp_path / "r"):
         assert "grad_norm" not in r  # clip_grad_norm_ is what computes it
         assert r["mfu"] == pytest.approx(r["tflops"] / 0.5)
+    assert "above 1" not in capsys.readouterr().err
+    # A peak below what the run reaches (a typo, or a peak for another dtype) is pointed out once.
+    assert run(data_root, tmp_path / "s", *argv, "--train.peak_tflops=1e-9") == 0
+    assert capsys.readouterr().err.count("warning: MFU") == 1
 
 
 def test_loss_falls(base_run: Path) -> None:
