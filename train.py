@@ -304,8 +304,8 @@ def train(
     torch.manual_seed(tc.seed + rank)
     raw_model, optimizer = build_model(config.model, tc, device, onednn=onednn, compile=tc.compile)
     batches = {
-        split: TokenBatches(
-            data_dir / f"{split.removesuffix('_eval')}.bin",
+        name: TokenBatches(
+            data_dir / f"{split}.bin",
             config.model.block_size,
             tc.batch_size,
             tc.seed + offset,
@@ -315,7 +315,11 @@ def train(
         )
         # "train_eval": fixed windows of the train split, evaluated beside val so the gap
         # between the two (overfitting) shows; "train" is the sampler the steps draw from.
-        for split, offset in (("train", 0), ("val", 1), ("train_eval", 2))
+        for name, split, offset in (
+            ("train", "train", 0),
+            ("val", "val", 1),
+            ("train_eval", "train", 2),
+        )
     }
     step = 0
     if ckpt is not None:

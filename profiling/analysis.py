@@ -55,16 +55,15 @@ def line_se_at(points: dict[int, float], x: float) -> float | None:
     degrees of freedom. None with fewer than three depths. Far beyond the depths measured it
     says how well the line is pinned down there, not whether the cost stays linear that far.
     """
-    xs, ys = list(points), list(points.values())
-    fit, n = fit_line(xs, ys), len(xs)
-    if fit is None or n < 3:
+    xs = list(points)
+    fit = fit_line(xs, list(points.values()))
+    if fit is None or fit["slope_se"] is None:
         return None
+    n = len(xs)
     mx = sum(xs) / n
     sxx = sum((v - mx) ** 2 for v in xs)
-    ss_res = sum(
-        (y - fit["intercept"] - fit["slope"] * v) ** 2 for v, y in zip(xs, ys, strict=True)
-    )
-    return math.sqrt(ss_res / (n - 2) * (1 / n + (x - mx) ** 2 / sxx))
+    # slope_se^2 = s^2 / Sxx, so the variance above is slope_se^2 (Sxx / n + (x - mean_x)^2).
+    return fit["slope_se"] * math.sqrt(sxx / n + (x - mx) ** 2)
 
 
 def row_metrics(row: dict[str, Any]) -> dict[str, float]:
