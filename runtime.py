@@ -1,4 +1,5 @@
-"""Where and how a run executes: the device, the precision, CPU memory reuse, the DDP group.
+"""Where and how a run executes: the device, the precision, CPU memory reuse, the DDP group,
+reading results back without stalling the device.
 
 Shared by train.py, the profiler, sample.py and the demo, so that all of them run a model the
 same way. Errors name the setting at fault (a ConfigError: the fix is in the config or flags).
@@ -10,9 +11,11 @@ import contextlib
 import ctypes
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from config import ConfigError, TrainConfig
 
@@ -86,3 +89,25 @@ def init_distributed(train_cfg: TrainConfig) -> tuple[int, int, torch.device]:
         device = wanted
         dist.init_process_group("gloo")
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def to_host_async(t: Tensor) -> Callable[[], list[float]]:
+    """Start copying `t` to the host; the function returned waits for the copy, no longer,
+    and gives t's values as a list.
+
+    On CUDA the copy goes into pinned memory behind the work queued so far, so reading it
+    waits for that work only, not for any queued later; the caller can queue the next
+    step first and keep the device busy while it waits. On the CPU `t` is ready already.
+    """
+    if t.device.type != "cuda":
+        return t.tolist
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def read() -> list[float]:
+        copied.synchronize()
+        return host.tolist()
+
+    return read

@@ -19,7 +19,7 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -45,7 +45,13 @@ from config import Config, ConfigError, TrainConfig, dump_toml, load_config
 from cpu_linear import use_onednn_linears, wants_onednn
 from data.loader import DataError, TokenBatches, check_vocab, load_meta
 from model import GPT, GPTConfig, VariantUnavailable, check_variant
-from runtime import autocast, autocast_dtype, init_distributed, keep_freed_host_memory
+from runtime import (
+    autocast,
+    autocast_dtype,
+    init_distributed,
+    keep_freed_host_memory,
+    to_host_async,
+)
 
 
 class TrainError(RuntimeError):
@@ -102,6 +108,14 @@ def compile_blocks(model: GPT) -> None:
 
 # --- the training step ----------------------------------------------------------------------------
 # The one training step of this project: profile_train.py imports it, never a copy.
+
+
+class Readout(NamedTuple):
+    """A step's loss, stop flag and gradient norm, on their way to the host."""
+
+    step: int
+    started: float  # time.perf_counter() when the host began the step
+    values: Callable[[], list[float]]  # waits for the step, then gives the three
 
 
 class StepResult(NamedTuple):
@@ -419,10 +433,58 @@ def train(
         dynamic_ncols=True,
         mininterval=1.0,
     )
+
+    def report(read: Readout, next_started: float | None) -> bool:
+        """Wait for a step's values, check, show and log them; True if a rank asked to stop."""
+        nonlocal warned_mfu
+        loss_value, stops, norm_value = read.values()
+        # From this step's start to the next's. On the CPU that is the step itself; on a GPU,
+        # where the host queues a step while the one before runs, one step of device time
+        # once the run is steady. Read at once (next_started None): until the step finished.
+        dt = (time.perf_counter() if next_started is None else next_started) - read.started
+        if not math.isfinite(loss_value):
+            last = f"the last good one is {ckpt_path}" if ckpt_path.is_file() else "none yet"
+            raise TrainError(
+                f"loss is {loss_value} at step {read.step}; stopped without saving a checkpoint "
+                f"({last})"
+            )
+        bar.update(1)
+        bar.set_postfix(
+            loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", ms=f"{dt * 1e3:.0f}"
+        )
+        if master and (read.step % tc.log_interval == 0 or read.step == last_step):
+            record = {
+                "step": read.step,
+                "loss": loss_value,
+                "lr": lr_at(read.step - 1, tc),
+                "ms_per_step": dt * 1e3,
+                "tokens_per_s": tokens_per_step / dt,
+                "tflops": flops_per_step / dt / 1e12,
+            }
+            if tc.grad_clip > 0:
+                record["grad_norm"] = norm_value
+            if tc.peak_tflops > 0:
+                record["mfu"] = record["tflops"] / (tc.peak_tflops * world_size)
+                if record["mfu"] > 1 and not warned_mfu:
+                    warned_mfu = True
+                    bar.write(
+                        f"warning: MFU {record['mfu']:.2f} is above 1: train.peak_tflops="
+                        f"{tc.peak_tflops:g} is below what this run reaches; check the "
+                        "device's datasheet peak for this dtype",
+                        file=sys.stderr,
+                    )
+            if device.type == "cuda":
+                record["peak_mem_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
+                torch.cuda.reset_peak_memory_stats(device)
+            log(record)
+        return stops > 0
+
     with StopSignal() as stop, bar:  # the bar closes on errors too, before the message
         model.train()
+        mean_of_sums = torch.tensor([1 / world_size, 1.0, 1 / world_size], device=device)
+        unread: Readout | None = None  # the step before this one, until its values are read
         while step < last_step:
-            t0 = time.perf_counter()
+            started = time.perf_counter()
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, tc)
             micro = [batches["train"].next() for _ in range(tc.grad_accum)]
@@ -431,50 +493,29 @@ def train(
             # One small all-reduce carries both the mean loss and "anyone asked to stop", so
             # every rank stops at the same step and none waits forever on a collective. The
             # norm rides along: DDP's gradients, and so their norm, are the same on every rank.
-            stop_flag = torch.tensor(float(stop.received is not None), device=device)
+            # Made on the device (torch.full, not torch.tensor): copying a value from pageable
+            # host memory to a GPU waits for the GPU, which is what the lag below avoids.
+            stop_flag = torch.full((), float(stop.received is not None), device=device)
             norm = grad_norm.float() if grad_norm is not None else torch.zeros((), device=device)
             flags = torch.stack([loss.float(), stop_flag, norm])
             if world_size > 1:
                 dist.all_reduce(flags)
-                flags /= torch.tensor([world_size, 1.0, world_size], device=device)
-            loss_value, stops, norm_value = flags.tolist()  # syncs
-            stop_requested = stops > 0
-            dt = time.perf_counter() - t0  # the step alone: evaluations and saves not included
-            if not math.isfinite(loss_value):
-                last = f"the last good one is {ckpt_path}" if ckpt_path.is_file() else "none yet"
-                raise TrainError(
-                    f"loss is {loss_value} at step {step}; stopped without saving a checkpoint "
-                    f"({last})"
-                )
-            bar.update(1)
-            bar.set_postfix(
-                loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", ms=f"{dt * 1e3:.0f}"
-            )
-            if master and (step % tc.log_interval == 0 or step == last_step):
-                record = {
-                    "step": step,
-                    "loss": loss_value,
-                    "lr": lr_at(step - 1, tc),
-                    "ms_per_step": dt * 1e3,
-                    "tokens_per_s": tokens_per_step / dt,
-                    "tflops": flops_per_step / dt / 1e12,
-                }
-                if grad_norm is not None:
-                    record["grad_norm"] = norm_value
-                if tc.peak_tflops > 0:
-                    record["mfu"] = record["tflops"] / (tc.peak_tflops * world_size)
-                    if record["mfu"] > 1 and not warned_mfu:
-                        warned_mfu = True
-                        bar.write(
-                            f"warning: MFU {record['mfu']:.2f} is above 1: train.peak_tflops="
-                            f"{tc.peak_tflops:g} is below what this run reaches; check the "
-                            "device's datasheet peak for this dtype",
-                            file=sys.stderr,
-                        )
-                if device.type == "cuda":
-                    record["peak_mem_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
-                    torch.cuda.reset_peak_memory_stats(device)
-                log(record)
+                flags *= mean_of_sums
+            # The host reads a step's values only once the next step is queued, so the device
+            # never idles while Python logs and fetches the next batch (on the CPU, where
+            # nothing is queued, this changes nothing). A non-finite loss is thus caught one
+            # step late; nothing is saved in between.
+            this = Readout(step, started, to_host_async(flags))
+            stop_requested = report(unread, started) if unread is not None else False
+            unread = this
+            # A single process knows of its signal at once; ranks learn of each other's
+            # through the flags.
+            stop_requested |= world_size == 1 and stop.received is not None
+            evaluating = bool(tc.eval_interval) and step % tc.eval_interval == 0
+            if not (stop_requested or evaluating or step == last_step):
+                continue
+            stop_requested |= report(unread, None)  # checked before anything is saved
+            unread = None
             if stop_requested and step < last_step:  # on the last step, the run ends as planned
                 eval_and_save()
                 stopped_by = agreed_signal(stop.received, device, world_size)
@@ -485,7 +526,7 @@ def train(
                         file=sys.stderr,
                     )
                 return RunEnd(out_dir, step, step - first_step, stopped_by)
-            if tc.eval_interval and step % tc.eval_interval == 0 and step != last_step:
+            if evaluating and step != last_step:
                 eval_and_save()
         eval_and_save()
     if master and step < tc.max_steps:

@@ -48,7 +48,7 @@ fi
 
 echo "== 1. CUDA tests"
 timeout -k 20 170 "$PY" -m pytest -m cuda -p no:cacheprovider -q -rs --durations=8 \
-  tests/test_model.py tests/test_profile.py \
+  tests/test_model.py tests/test_profile.py tests/test_runtime.py \
   | tee "$OUT/cuda_tests.txt"
 tests_rc=${PIPESTATUS[0]}
 
