@@ -1,13 +1,16 @@
 """Checkpoints of a training run: written atomically, loaded as data, checked before resuming.
 
 A checkpoint is one `ckpt.pt` in the run directory holding the model and optimizer state,
-the step, the RNG and data-sampler state, the full config and the tokenizer's sha256.
+the step, the RNG and data-sampler state, the full config, the tokenizer's sha256 and what
+wrote it (`provenance()`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import platform
+import subprocess
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -26,6 +29,24 @@ KEYS = ("model", "optimizer", "step", "rng", "data", "config", "tokenizer_sha256
 
 class CheckpointError(RuntimeError):
     """A checkpoint that is missing, unreadable or made for another model or tokenizer."""
+
+
+def provenance() -> dict[str, str | None]:
+    """What is writing a checkpoint: the torch and Python versions and this project's git
+    commit ('-dirty' when tracked files have uncommitted changes; None outside a checkout)."""
+    try:
+        described = subprocess.run(
+            ["git", "describe", "--always", "--dirty", "--abbrev=12"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        commit = described.stdout.strip() if described.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):  # no git, or it hung
+        commit = None
+    # str(): torch.__version__ is a TorchVersion, which weights_only loading refuses.
+    return {"torch": str(torch.__version__), "python": platform.python_version(), "commit": commit}
 
 
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:

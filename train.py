@@ -36,6 +36,7 @@ from checkpoint import (
     CheckpointError,
     check_compatible,
     load_checkpoint,
+    provenance,
     restore_rng,
     restoring,
     rng_states,
@@ -383,6 +384,7 @@ def train(
                 f"(train.cpu_linear={tc.cpu_linear}); freed memory "
                 f"{'kept for the next step' if kept_host_memory else 'returned to the OS'}"
             )
+    written_by = provenance() if master else {}  # asked once, not at every save
     bpb_factor = meta["splits"]["val"]["tokens"] / meta["splits"]["val"]["bytes"] / math.log(2)
 
     def log(record: dict[str, Any]) -> None:
@@ -411,6 +413,7 @@ def train(
                 "config": asdict(config),
                 "tokenizer_sha256": meta["tokenizer_sha256"],
                 "val_loss": val_loss,
+                "written_by": written_by,
             }
             save_checkpoint(ckpt_path, state)
             bar.write(

@@ -9,6 +9,7 @@ import itertools
 import json
 import math
 import os
+import platform
 import shutil
 import signal
 import subprocess
@@ -220,6 +221,14 @@ def test_checkpoint_holds_the_run_state_and_loads_weights_only(
     assert ckpt["optimizer"]["state"], "the optimizer's moments are saved"
     assert [type(state["torch"]) for state in ckpt["rng"]] == [torch.Tensor]  # one per rank
     assert isinstance(ckpt["data"]["generator"], torch.Tensor)
+    written_by = ckpt["written_by"]
+    assert written_by["torch"] == torch.__version__
+    assert written_by["python"] == platform.python_version()
+    if (ROOT / ".git").exists():  # a checkout: the commit it is at
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        )
+        assert written_by["commit"] and head.stdout.startswith(written_by["commit"][:12])
 
 
 # --- resume -----------------------------------------------------------------------------------------
