@@ -590,9 +590,6 @@ def test_step_time_excludes_evaluation(data_root: Path, tmp_path: Path) -> None:
     after_eval, others = [ms[3], ms[5]], [ms[2], ms[4]]
     # 200 eval batches cost ~100 training steps' forward passes; a step is far below that.
     assert max(after_eval) < 10 * max(others), ms
-    # Steps 2, 4 and 6 are read as soon as they finish, the others once the next has begun:
-    # either way a whole step is timed, not what was left of it after the last readout.
-    assert min(ms[2], ms[4], ms[6]) > max(after_eval) / 5, ms
 
 
 # --- bad input ----------------------------------------------------------------------------------------
