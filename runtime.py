@@ -11,7 +11,7 @@ import contextlib
 import ctypes
 import os
 import sys
-from collections.abc import Callable
+import time
 
 import torch
 import torch.distributed as dist
@@ -91,23 +91,41 @@ def init_distributed(train_cfg: TrainConfig) -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def to_host_async(t: Tensor) -> Callable[[], list[float]]:
-    """Start copying `t` to the host; the function returned waits for the copy, no longer,
-    and gives t's values as a list.
+class StepReadout:
+    """One step's time and small results (loss, flags), read without stalling the device.
 
-    On CUDA the copy goes into pinned memory behind the work queued so far, so reading it
-    waits for that work only, not for any queued later; the caller can queue the next
-    step first and keep the device busy while it waits. On the CPU `t` is ready already.
+    Made before the step's work is queued; `finish(t)` after it, with the tensor to read. On
+    CUDA, events on the device's stream time the step there, from its first work to its
+    last, and `t` is copied to pinned memory behind that work: reading waits for this step,
+    not for any queued later, so the caller can queue the next step first. Elsewhere the
+    host's clock times it, from its start to the next step's start, or to the reading when
+    it is read at once; on the CPU work runs as it is queued, so that is the step itself.
     """
-    if t.device.type != "cuda":
-        return t.tolist
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record()
 
-    def read() -> list[float]:
-        copied.synchronize()
-        return host.tolist()
+    def __init__(self, device: torch.device) -> None:
+        self.began = time.perf_counter()
+        self._values: Tensor | None = None
+        self._start = self._copied = None
+        if device.type == "cuda":
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record(torch.cuda.current_stream(device))
 
-    return read
+    def finish(self, t: Tensor) -> None:
+        if self._start is None:
+            self._values = t  # read when asked (the CPU's is ready; .tolist() waits elsewhere)
+            return
+        self._values = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        with torch.cuda.device(t.device):  # the event on t's stream, not on cuda:0's
+            self._values.copy_(t, non_blocking=True)
+            self._copied = torch.cuda.Event(enable_timing=True)
+            self._copied.record()
+
+    def read(self, next_began: float | None = None) -> tuple[list[float], float]:
+        """The values and the step's seconds; `next_began` is when the host began the next
+        step, if it has (used off CUDA)."""
+        assert self._values is not None, "finish() the step before reading it"
+        if self._copied is not None:
+            self._copied.synchronize()
+            return self._values.tolist(), self._start.elapsed_time(self._copied) / 1e3
+        values = self._values.tolist()
+        return values, (time.perf_counter() if next_began is None else next_began) - self.began

@@ -18,8 +18,7 @@ import os
 import shutil
 import signal
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -47,11 +46,11 @@ from cpu_linear import use_onednn_linears, wants_onednn
 from data.loader import DataError, TokenBatches, check_vocab, load_meta
 from model import GPT, GPTConfig, VariantUnavailable, check_variant
 from runtime import (
+    StepReadout,
     autocast,
     autocast_dtype,
     init_distributed,
     keep_freed_host_memory,
-    to_host_async,
 )
 
 
@@ -109,14 +108,6 @@ def compile_blocks(model: GPT) -> None:
 
 # --- the training step ----------------------------------------------------------------------------
 # The one training step of this project: profile_train.py imports it, never a copy.
-
-
-class Readout(NamedTuple):
-    """A step's loss, stop flag and gradient norm, on their way to the host."""
-
-    step: int
-    started: float  # time.perf_counter() when the host began the step
-    values: Callable[[], list[float]]  # waits for the step, then gives the three
 
 
 class StepResult(NamedTuple):
@@ -437,29 +428,25 @@ def train(
         mininterval=1.0,
     )
 
-    def report(read: Readout, next_started: float | None) -> bool:
+    def report(pending: tuple[int, StepReadout], next_began: float | None) -> bool:
         """Wait for a step's values, check, show and log them; True if a rank asked to stop."""
         nonlocal warned_mfu
-        loss_value, stops, norm_value = read.values()
-        # From this step's start to the next's. On the CPU that is the step itself; on a GPU,
-        # where the host queues a step while the one before runs, one step of device time
-        # once the run is steady. Read at once (next_started None): until the step finished.
-        dt = (time.perf_counter() if next_started is None else next_started) - read.started
+        n, readout = pending
+        (loss_value, stops, norm_value), dt = readout.read(next_began)
         if not math.isfinite(loss_value):
             last = f"the last good one is {ckpt_path}" if ckpt_path.is_file() else "none yet"
             raise TrainError(
-                f"loss is {loss_value} at step {read.step}; stopped without saving a checkpoint "
-                f"({last})"
+                f"loss is {loss_value} at step {n}; stopped without saving a checkpoint ({last})"
             )
         bar.update(1)
         bar.set_postfix(
             loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", ms=f"{dt * 1e3:.0f}"
         )
-        if master and (read.step % tc.log_interval == 0 or read.step == last_step):
+        if master and (n % tc.log_interval == 0 or n == last_step):
             record = {
-                "step": read.step,
+                "step": n,
                 "loss": loss_value,
-                "lr": lr_at(read.step - 1, tc),
+                "lr": lr_at(n - 1, tc),
                 "ms_per_step": dt * 1e3,
                 "tokens_per_s": tokens_per_step / dt,
                 "tflops": flops_per_step / dt / 1e12,
@@ -485,9 +472,9 @@ def train(
     with StopSignal() as stop, bar:  # the bar closes on errors too, before the message
         model.train()
         mean_of_sums = torch.tensor([1 / world_size, 1.0, 1 / world_size], device=device)
-        unread: Readout | None = None  # the step before this one, until its values are read
+        unread: tuple[int, StepReadout] | None = None  # the step before, until it is read
         while step < last_step:
-            started = time.perf_counter()
+            readout = StepReadout(device)
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, tc)
             micro = [batches["train"].next() for _ in range(tc.grad_accum)]
@@ -508,9 +495,9 @@ def train(
             # never idles while Python logs and fetches the next batch (on the CPU, where
             # nothing is queued, this changes nothing). A non-finite loss is thus caught one
             # step late; nothing is saved in between.
-            this = Readout(step, started, to_host_async(flags))
-            stop_requested = report(unread, started) if unread is not None else False
-            unread = this
+            readout.finish(flags)
+            stop_requested = report(unread, readout.began) if unread is not None else False
+            unread = (step, readout)
             # A single process knows of its signal at once; ranks learn of each other's
             # through the flags.
             stop_requested |= world_size == 1 and stop.received is not None

@@ -464,7 +464,10 @@ def test_interrupted_save_leaves_the_previous_checkpoint_whole(
     assert [r["step"] for r in train_lines(out)] == [1, 2, 3, 4]
 
 
-@pytest.mark.parametrize(("bad", "at"), [(math.nan, 3), (math.inf, 3), (math.nan, 4)])
+@pytest.mark.parametrize(
+    ("bad", "at", "calls", "saved"),
+    [(math.nan, 5, 6, 4), (math.inf, 5, 6, 4), (math.nan, 4, 4, None)],
+)
 def test_non_finite_loss_stops_the_run_without_saving(
     data_root: Path,
     tmp_path: Path,
@@ -472,19 +475,24 @@ def test_non_finite_loss_stops_the_run_without_saving(
     capsys: pytest.CaptureFixture[str],
     bad: float,
     at: int,
+    calls: int,
+    saved: int | None,
 ) -> None:
-    """Step 4 is an evaluation step: its loss is read before anything is saved."""
-    calls = misbehave_at(monkeypatch, at, loss=bad)
+    """A step's loss is read once the next step is queued (so a GPU never waits for the
+    host): step 6 runs, and the run stops there, not at the next evaluation (8). Step 4 is
+    an evaluation step, read at once: its loss is checked before anything is saved."""
+    made = misbehave_at(monkeypatch, at, loss=bad)
     out = tmp_path / "run"
-    assert run(data_root, out, "--train.max_steps=6", "--train.eval_interval=2") == 2
+    assert run(data_root, out, "--train.max_steps=8", "--train.eval_interval=4") == 2
     err = error_of(capsys.readouterr().err)
     assert f"step {at}" in err and str(bad) in err
-    # A step's loss is read once the next step is queued (so a GPU never waits for the host):
-    # one more step may run, none after it.
-    assert len(calls) == 4, "the run went on after a non-finite loss"
-    ckpt = load_ckpt(out)
-    assert ckpt["step"] == 2
-    assert all(torch.isfinite(t).all() for t in ckpt["model"].values())
+    assert len(made) == calls, "the run went on after a non-finite loss"
+    if saved is None:
+        assert "none yet" in err and not (out / train.CHECKPOINT).exists()
+    else:
+        ckpt = load_ckpt(out)
+        assert ckpt["step"] == saved
+        assert all(torch.isfinite(t).all() for t in ckpt["model"].values())
     assert [r["step"] for r in train_lines(out)] == list(range(1, at))
 
 
