@@ -1,6 +1,7 @@
 """Generate text from a trained run.
 
-    python sample.py --run runs/default --prompt "def " [--tokens 200] [--temperature 0.8] [--top-k 50]
+    python sample.py --run runs/default --prompt "def " [--tokens 200] [--temperature 0.8]
+        [--top-k 50] [--top-p 0.95]
 
 Reads the run's checkpoint, config and tokenizer (train.py copies it into the run directory).
 In a prompt, "<|endoftext|>" is the document separator (in the corpus the same characters were
@@ -55,6 +56,7 @@ def sample_run(
     seed: int = 0,
     device: str = "auto",
     device_setting: str = "train.device",
+    top_p: float | None = None,
 ) -> str:
     """Text continuing `prompt`. `device_setting` is what an error calls the device choice."""
     dev = pick_device(device, device_setting)
@@ -70,6 +72,7 @@ def sample_run(
             max_new_tokens,
             temperature=temperature,
             top_k=top_k,
+            top_p=top_p,
             generator=generator,
             vocab_limit=tokenizer.get_vocab_size(),
         )
@@ -91,6 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--top-k", type=int, default=50, help="sample from the k likeliest; 0 = all"
     )
+    parser.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="then the fewest likeliest whose probabilities reach p (nucleus); 1 = all",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto")
     args = parser.parse_args(argv)
@@ -104,6 +113,11 @@ def main(argv: list[str] | None = None) -> int:
         if not value >= 0:  # NaN too
             print(f"error: {flag} {value}: {problem}", file=sys.stderr)
             return 2
+    if not 0 < args.top_p <= 1:  # NaN too
+        print(
+            f"error: --top-p {args.top_p}: must be in (0, 1]; 1 keeps every token", file=sys.stderr
+        )
+        return 2
     try:
         text = sample_run(
             args.run,
@@ -114,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             args.seed,
             args.device,
             device_setting="--device",
+            top_p=args.top_p,
         )
     except (*USER_ERRORS, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -151,9 +151,13 @@ class GPT(nn.Module):
         top_k: int | None = None,
         generator: torch.Generator | None = None,
         vocab_limit: int | None = None,
+        top_p: float | None = None,
     ) -> Tensor:
         """Extend idx (B, T) by max_new_tokens sampled tokens; temperature 0 (or below fp32's
         smallest normal number, ~1e-38) is greedy, and an infinite one samples uniformly.
+
+        top_k keeps the k likeliest tokens; top_p (nucleus sampling) then the fewest of the
+        likeliest whose probabilities, after temperature, add up to at least top_p.
 
         vocab_limit: sample only ids below it, for a tokenizer with fewer tokens than the
         model's (padded) vocab_size; the rows above it have no text to decode to.
@@ -162,6 +166,8 @@ class GPT(nn.Module):
             raise ValueError(f"temperature={temperature}: must be >= 0")
         if top_k is not None and top_k <= 0:
             raise ValueError(f"top_k={top_k}: must be a positive integer or None")
+        if top_p is not None and not 0 < top_p <= 1:  # NaN too
+            raise ValueError(f"top_p={top_p}: must be in (0, 1] or None")
         if vocab_limit is not None and not 0 < vocab_limit <= self.config.vocab_size:
             raise ValueError(
                 f"vocab_limit={vocab_limit}: must be in 1..vocab_size ({self.config.vocab_size})"
@@ -183,6 +189,17 @@ class GPT(nn.Module):
                     kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
                     logits = logits.masked_fill(logits < kth, float("-inf"))
                 probs = F.softmax(logits, dim=-1)
+                if top_p is not None and top_p < 1:
+                    probs = _nucleus(probs, top_p)
                 next_id = torch.multinomial(probs, num_samples=1, generator=generator)
             idx = torch.cat((idx, next_id), dim=1)
         return idx
+
+
+def _nucleus(probs: Tensor, top_p: float) -> Tensor:
+    """probs (B, V) cut to the fewest likeliest tokens whose mass reaches top_p (the likeliest
+    is always kept); multinomial renormalises what is left."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    # Drop a token when the mass before it already reaches top_p.
+    drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
+    return probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import pytest
 import torch
+from torch import Tensor
 
 from model import (
     GPT,
@@ -14,6 +18,7 @@ from model import (
     check_variant,
 )
 from model.attention import inplace, naive
+from model.gpt import _nucleus
 
 CPU_F64 = available_variants("cpu", torch.float64, head_size=8)
 CPU_F32 = available_variants("cpu", torch.float32, head_size=8)
@@ -271,6 +276,40 @@ def test_generate() -> None:
         assert torch.equal(out[:, t], logits[:, -1].argmax(-1))
     sampled = model.generate(prompt, 20, temperature=1.0, top_k=5)
     assert sampled.shape == (2, 25) and int(sampled.max()) < 97
+
+
+@pytest.mark.parametrize(
+    ("top_p", "kept"),
+    [(0.5, [0.5, 0, 0, 0]), (0.7, [0.5, 0.3, 0, 0]), (0.81, [0.5, 0.3, 0.15, 0]), (1.0, None)],
+)
+def test_nucleus_keeps_the_fewest_likeliest_tokens_reaching_top_p(
+    top_p: float, kept: list[float] | None
+) -> None:
+    order = [2, 0, 3, 1]  # the vocabulary order is not the order of likelihood
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    unsorted = torch.empty(4).scatter_(0, torch.tensor(order), probs)[None]
+    expected = (
+        unsorted
+        if kept is None
+        else torch.empty(4).scatter_(0, torch.tensor(order), torch.tensor(kept))[None]
+    )
+    assert torch.equal(_nucleus(unsorted, top_p), expected)
+
+
+def test_generate_top_p() -> None:
+    torch.manual_seed(0)
+    model = GPT(tiny_config()).eval()
+    prompt = torch.randint(0, 97, (2, 5))
+
+    def sample(**kwargs: Any) -> Tensor:
+        return model.generate(prompt, 20, generator=torch.Generator().manual_seed(1), **kwargs)
+
+    assert torch.equal(sample(temperature=1.0, top_p=1e-6), sample(temperature=0))
+    assert torch.equal(sample(temperature=1.0, top_p=1.0), sample(temperature=1.0))
+    assert not torch.equal(sample(temperature=1.0, top_p=0.5), sample(temperature=1.0))
+    for bad in (0.0, 1.5, math.nan):
+        with pytest.raises(ValueError, match=f"top_p={bad}"):
+            model.generate(prompt, 1, top_p=bad)
 
 
 def test_generate_tiny_temperature_is_greedy_not_nan() -> None:

@@ -839,6 +839,13 @@ def test_sample_greedy_ignores_the_seed(base_run: Path, capsys: pytest.CaptureFi
     assert sample_text(capsys, base_run, "--temperature", "0", "--seed", "1") == greedy
 
 
+def test_sample_top_p(base_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    greedy = sample_text(capsys, base_run, "--temperature", "0")
+    assert sample_text(capsys, base_run, "--top-p", "1e-6", "--seed", "3") == greedy
+    nucleus = sample_text(capsys, base_run, "--top-p", "0.9", "--seed", "3")
+    assert nucleus.startswith("def ") and nucleus != greedy
+
+
 def test_sample_longer_than_the_context(base_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
     text = sample_text(capsys, base_run, "--tokens", "50")  # block_size is 32
     assert text.startswith("def ")
@@ -849,6 +856,8 @@ def test_sample_longer_than_the_context(base_run: Path, capsys: pytest.CaptureFi
     [
         (["--tokens", "-3"], "--tokens"),
         (["--top-k", "-5"], "--top-k"),
+        (["--top-p", "0"], "--top-p"),
+        (["--top-p", "1.5"], "--top-p"),
         (["--temperature", "-1"], "--temperature"),
         (["--temperature", "nan"], "--temperature"),
         (["--device", "cuda:x"], "--device"),
