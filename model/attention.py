@@ -97,14 +97,11 @@ def _causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
 
 
 @functools.cache
-def _compiled_flex_attention() -> Callable[..., Tensor]:
-    # flex_attention is only fast when compiled: eager mode runs a slow reference. Training
-    # sees one length and gets a static kernel; generate() sees a new length every token, and
-    # dynamic=None turns the length symbolic at the first change instead of recompiling for
-    # each one until Dynamo's recompile limit sends flex to that slow reference.
+def _compiled_flex_attention(dynamic: bool) -> Callable[..., Tensor]:
+    # flex_attention is only fast when compiled: eager mode runs a slow reference.
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=None)
+    return torch.compile(flex_attention, dynamic=dynamic)
 
 
 @functools.cache
@@ -120,12 +117,20 @@ def causal_block_mask(T: int, device: torch.device):  # -> BlockMask
 
 
 def flex(q: Tensor, k: Tensor, v: Tensor, mask, dropout_p: float) -> Tensor:
-    """flex_attention with the causal BlockMask in `mask`, compiled. No dropout: flex has none."""
+    """flex_attention with the causal BlockMask in `mask`, compiled. No dropout: flex has none.
+
+    Training (gradients on) gets a kernel specialised to its one shape. Without gradients
+    (evaluation, generate(), which grows the length by one every token) the length is
+    symbolic: one kernel for all, where a static one would recompile per length until
+    Dynamo's recompile limit sent flex to its slow eager reference. Grad mode, not a shape
+    change, decides: the check that a variant runs calls it at a small shape first, and a
+    shape change would make the training kernel dynamic too.
+    """
     if torch.compiler.is_compiling():  # inside a compiled block: that graph holds it
         from torch.nn.attention.flex_attention import flex_attention
 
         return flex_attention(q, k, v, block_mask=mask)
-    return _compiled_flex_attention()(q, k, v, block_mask=mask)
+    return _compiled_flex_attention(not torch.is_grad_enabled())(q, k, v, block_mask=mask)
 
 
 @dataclass(frozen=True)

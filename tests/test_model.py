@@ -197,22 +197,35 @@ def test_flex_refuses_dropout() -> None:
         tiny_config("flex", dropout=0.1)
 
 
-@pytest.mark.slow
-def test_flex_compiles_for_a_second_length_once_not_for_every_length() -> None:
-    """generate() calls attention at a new length each token. flex cannot train on CPU, but its
-    compiled forward runs here, and compiles the same way."""
+def flex_graphs(lengths: range, grad: bool) -> int:
+    """Graphs compiled for flex's forward at these lengths, checked against SDPA. flex
+    cannot train on CPU, but its compiled forward runs here and compiles the same way."""
     from torch._dynamo.utils import counters
 
     from model.attention import causal_block_mask, flex
 
+    torch._dynamo.reset()
     counters.clear()
-    for T in range(5, 11):
+    for T in lengths:
         q, k, v = torch.randn(3, 1, 2, T, 16).unbind(0)
-        with torch.no_grad():
+        with torch.set_grad_enabled(grad):
             out = flex(q, k, v, causal_block_mask(T, torch.device("cpu")), 0.0)
         expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         torch.testing.assert_close(out, expected)
-    assert counters["stats"]["unique_graphs"] <= 2, "flex recompiled for each new length"
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.slow
+def test_flex_compiles_once_for_every_length_without_gradients() -> None:
+    """generate() calls attention at a new length each token."""
+    assert flex_graphs(range(5, 11), grad=False) == 1, "flex recompiled for new lengths"
+
+
+@pytest.mark.slow
+def test_flex_training_kernel_is_specialised_to_its_shape() -> None:
+    """The variant check runs flex at a small shape before training runs it at the real
+    one: that second shape must get a static kernel of its own, not a symbolic one."""
+    assert flex_graphs(range(8, 11), grad=True) == 3, "a shape change made flex symbolic"
 
 
 @pytest.mark.slow
