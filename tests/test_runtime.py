@@ -30,6 +30,7 @@ def sleep_on(device: torch.device) -> None:
 
 def check_waits_for_its_step_only(device: torch.device) -> None:
     """StepReadout and finish() run with whatever device is current, as in train.py."""
+    torch.empty(1, pin_memory=True)  # the first page-locked allocation may wait for the GPU
     torch.cuda.synchronize(device)
     readout = StepReadout(device)
     sleep_on(device)  # the step's work
