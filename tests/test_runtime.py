@@ -1,14 +1,21 @@
-"""runtime.StepReadout: a step's values and time, read without waiting for later work."""
+"""runtime.StepReadout: a step's values and time, read without waiting for later work; and
+train.py's loop on CUDA, which uses it (here, not in test_train.py: this file needs no
+tokenizers, which the GPU machine may lack)."""
 
 from __future__ import annotations
 
+import json
+import math
 import time
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from runtime import StepReadout
 
+ROOT = Path(__file__).resolve().parents[1]
 SLEEP_CYCLES = 1_000_000_000  # torch.cuda._sleep: about half a second at a GPU's ~2 GHz
 
 
@@ -60,3 +67,44 @@ def test_readout_on_a_gpu_that_is_not_the_current_one() -> None:
     """The events go on the tensor's GPU, not on the current device (cuda:0)."""
     torch.cuda.set_device(0)
     check_waits_for_its_step_only(torch.device("cuda", 1))
+
+
+def fake_corpus(root: Path, vocab: int = 512, tokens: int = 20_000) -> None:
+    """A corpus as data/prepare.py lays it out, of random ids: training needs no tokenizer
+    (the GPU machine may have none); tokenizer.json is only copied into the run."""
+    corpus = root / "tiny"
+    corpus.mkdir(parents=True)
+    g = np.random.default_rng(0)
+    for split in ("train", "val"):
+        g.integers(0, vocab, tokens, dtype=np.uint16).tofile(corpus / f"{split}.bin")
+    meta = {
+        "vocab_size": vocab,
+        "tokenizer_sha256": "0" * 64,
+        "splits": {split: {"tokens": tokens, "bytes": 3 * tokens} for split in ("train", "val")},
+    }
+    (corpus / "meta.json").write_text(json.dumps(meta))
+    (corpus / "tokenizer.json").write_text("{}")
+
+
+@pytest.mark.cuda
+def test_a_training_run_on_cuda(tmp_path: Path) -> None:
+    """train.py's CUDA loop: steps read a step late, every one logged once and in order, each
+    timed on the GPU; bf16 autocast; evaluation and checkpoint at their steps."""
+    import train
+
+    fake_corpus(tmp_path / "data")
+    out = tmp_path / "run"
+    argv = ["--config", str(ROOT / "configs" / "tiny.toml"), f"--data.root={tmp_path / 'data'}"]
+    argv += ["--out", str(out), "--train.device=cuda", "--train.max_steps=12"]
+    argv += ["--train.eval_interval=5", "--train.peak_tflops=1000"]
+    assert train.main(argv) == 0
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in lines if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 13))
+    assert [r["step"] for r in lines if "val_loss" in r] == [5, 10, 12]
+    for r in steps:
+        assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]), r
+        assert 0 < r["ms_per_step"] < 10_000 and r["peak_mem_mib"] > 0, r
+        assert 0 < r["mfu"] < 1, r
+    ckpt = torch.load(out / "ckpt.pt", map_location="cpu", weights_only=True)
+    assert ckpt["step"] == 12 and ckpt["config"]["train"]["device"] == "cuda"
