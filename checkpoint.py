@@ -33,18 +33,24 @@ class CheckpointError(RuntimeError):
 
 def provenance() -> dict[str, str | None]:
     """What is writing a checkpoint: the torch and Python versions and this project's git
-    commit ('-dirty' when tracked files have uncommitted changes; None outside a checkout)."""
-    try:
-        described = subprocess.run(
-            ["git", "describe", "--always", "--dirty", "--abbrev=12"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-        commit = described.stdout.strip() if described.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError):  # no git, or it hung
-        commit = None
+    commit ('-dirty' when tracked files have uncommitted changes; None outside a checkout of
+    it, or without git)."""
+    here = Path(__file__).resolve().parent
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(
+                ["git", *args], cwd=here, capture_output=True, text=True, timeout=10
+            )
+        except (OSError, subprocess.SubprocessError):  # no git, or it hung
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    commit = None
+    top = git("rev-parse", "--show-toplevel")
+    if top is not None and Path(top).resolve() == here:  # not a repository this is copied into
+        # --exclude='*': a bare commit hash, never a tag's name.
+        commit = git("describe", "--always", "--dirty", "--abbrev=12", "--exclude=*")
     # str(): torch.__version__ is a TorchVersion, which weights_only loading refuses.
     return {"torch": str(torch.__version__), "python": platform.python_version(), "commit": commit}
 

@@ -99,13 +99,15 @@ class StepReadout:
     last, and `t` is copied to pinned memory behind that work: reading waits for this step,
     not for any queued later, so the caller can queue the next step first. Elsewhere the
     host's clock times it, from its start to the next step's start, or to the reading when
-    it is read at once; on the CPU work runs as it is queued, so that is the step itself.
+    it is read at once; on the CPU work runs as it is queued, so that is the step itself (on
+    MPS reading waits for all queued work, so the lag gains nothing there).
     """
 
     def __init__(self, device: torch.device) -> None:
         self.began = time.perf_counter()
         self._values: Tensor | None = None
-        self._start = self._copied = None
+        self._start: torch.cuda.Event | None = None
+        self._copied: torch.cuda.Event | None = None
         if device.type == "cuda":
             self._start = torch.cuda.Event(enable_timing=True)
             self._start.record(torch.cuda.current_stream(device))

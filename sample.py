@@ -53,10 +53,10 @@ def sample_run(
     max_new_tokens: int = 200,
     temperature: float = 0.8,
     top_k: int | None = 50,
+    top_p: float | None = None,
     seed: int = 0,
     device: str = "auto",
     device_setting: str = "train.device",
-    top_p: float | None = None,
 ) -> str:
     """Text continuing `prompt`. `device_setting` is what an error calls the device choice."""
     dev = pick_device(device, device_setting)
@@ -123,12 +123,12 @@ def main(argv: list[str] | None = None) -> int:
             args.run,
             args.prompt,
             args.tokens,
-            args.temperature,
-            args.top_k or None,
-            args.seed,
-            args.device,
-            device_setting="--device",
+            temperature=args.temperature,
+            top_k=args.top_k or None,
             top_p=args.top_p,
+            seed=args.seed,
+            device=args.device,
+            device_setting="--device",
         )
     except (*USER_ERRORS, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

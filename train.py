@@ -243,6 +243,14 @@ class RunEnd:
     stopped_by: str | None  # the signal's name (SIGINT, SIGTERM) when stopped before its last step
 
 
+class Pending(NamedTuple):
+    """A step whose values the host has not read yet."""
+
+    step: int
+    readout: StepReadout
+    peak_mem: int | None  # the CUDA allocator's peak, in bytes, since the last logged step
+
+
 def build_model(
     model_cfg: GPTConfig,
     tc: TrainConfig,
@@ -428,10 +436,13 @@ def train(
         mininterval=1.0,
     )
 
-    def report(pending: tuple[int, StepReadout], next_began: float | None) -> bool:
+    def logged(n: int) -> bool:
+        return master and (n % tc.log_interval == 0 or n == last_step)
+
+    def report(pending: Pending, next_began: float | None) -> bool:
         """Wait for a step's values, check, show and log them; True if a rank asked to stop."""
         nonlocal warned_mfu
-        n, readout = pending
+        n, readout, peak_mem = pending
         (loss_value, stops, norm_value), dt = readout.read(next_began)
         if not math.isfinite(loss_value):
             last = f"the last good one is {ckpt_path}" if ckpt_path.is_file() else "none yet"
@@ -442,7 +453,7 @@ def train(
         bar.set_postfix(
             loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", ms=f"{dt * 1e3:.0f}"
         )
-        if master and (n % tc.log_interval == 0 or n == last_step):
+        if logged(n):
             record = {
                 "step": n,
                 "loss": loss_value,
@@ -463,16 +474,15 @@ def train(
                         "device's datasheet peak for this dtype",
                         file=sys.stderr,
                     )
-            if device.type == "cuda":
-                record["peak_mem_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
-                torch.cuda.reset_peak_memory_stats(device)
+            if peak_mem is not None:
+                record["peak_mem_mib"] = peak_mem / 2**20
             log(record)
         return stops > 0
 
     with StopSignal() as stop, bar:  # the bar closes on errors too, before the message
         model.train()
-        mean_of_sums = torch.tensor([1 / world_size, 1.0, 1 / world_size], device=device)
-        unread: tuple[int, StepReadout] | None = None  # the step before, until it is read
+        to_means = torch.tensor([1 / world_size, 1.0, 1 / world_size], device=device)
+        unread: Pending | None = None  # the step before, until it is read
         while step < last_step:
             readout = StepReadout(device)
             for group in optimizer.param_groups:
@@ -490,14 +500,22 @@ def train(
             flags = torch.stack([loss.float(), stop_flag, norm])
             if world_size > 1:
                 dist.all_reduce(flags)
-                flags *= mean_of_sums
+                flags *= to_means
+            readout.finish(flags)
+            # The allocator counts what the host has queued, so the peak is read now, before
+            # the next step is queued; it is reset where a line is logged, so each line has
+            # the peak since the one before.
+            peak_mem = None
+            if device.type == "cuda":
+                peak_mem = torch.cuda.max_memory_allocated(device)
+                if logged(step):
+                    torch.cuda.reset_peak_memory_stats(device)
             # The host reads a step's values only once the next step is queued, so the device
             # never idles while Python logs and fetches the next batch (on the CPU, where
-            # nothing is queued, this changes nothing). A non-finite loss is thus caught one
+            # nothing is queued, this gains nothing). A non-finite loss is thus caught one
             # step late; nothing is saved in between.
-            readout.finish(flags)
             stop_requested = report(unread, readout.began) if unread is not None else False
-            unread = (step, readout)
+            unread = Pending(step, readout, peak_mem)
             # A single process knows of its signal at once; ranks learn of each other's
             # through the flags.
             stop_requested |= world_size == 1 and stop.received is not None

@@ -120,11 +120,11 @@ def flex(q: Tensor, k: Tensor, v: Tensor, mask, dropout_p: float) -> Tensor:
     """flex_attention with the causal BlockMask in `mask`, compiled. No dropout: flex has none.
 
     Training (gradients on) gets a kernel specialised to its one shape. Without gradients
-    (evaluation, generate(), which grows the length by one every token) the length is
-    symbolic: one kernel for all, where a static one would recompile per length until
-    Dynamo's recompile limit sent flex to its slow eager reference. Grad mode, not a shape
-    change, decides: the check that a variant runs calls it at a small shape first, and a
-    shape change would make the training kernel dynamic too.
+    (generate(), which grows the length by one every token, and evaluation) the shapes are
+    symbolic: past the first lengths one kernel serves all, where static ones would recompile
+    per length until Dynamo's recompile limit sent flex to its slow eager reference. Grad
+    mode, not a shape change, decides: the check that a variant runs calls it at a small
+    shape first, and a shape change would make the training kernel symbolic too.
     """
     if torch.compiler.is_compiling():  # inside a compiled block: that graph holds it
         from torch.nn.attention.flex_attention import flex_attention

@@ -199,7 +199,8 @@ class GPT(nn.Module):
 def _nucleus(probs: Tensor, top_p: float) -> Tensor:
     """probs (B, V) cut to the fewest likeliest tokens whose mass reaches top_p (the likeliest
     is always kept); multinomial renormalises what is left."""
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    # Stable: of tokens tied at the cut, the same ones are kept on every device.
+    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
     # Drop a token when the mass before it already reaches top_p.
     drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
     return probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))

@@ -225,7 +225,7 @@ def test_flex_compiles_once_for_every_length_without_gradients() -> None:
 def test_flex_training_kernel_is_specialised_to_its_shape() -> None:
     """The variant check runs flex at a small shape before training runs it at the real
     one: that second shape must get a static kernel of its own, not a symbolic one."""
-    assert flex_graphs(range(8, 11), grad=True) == 3, "a shape change made flex symbolic"
+    assert flex_graphs(range(8, 11), grad=True) >= 3, "a shape change made flex symbolic"
 
 
 @pytest.mark.slow
