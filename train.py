@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import inspect
-import json
 import math
 import os
 import shutil
@@ -44,6 +43,7 @@ from checkpoint import (
 from config import Config, ConfigError, TrainConfig, dump_toml, load_config
 from cpu_linear import use_onednn_linears, wants_onednn
 from data.loader import DataError, TokenBatches, check_vocab, load_meta
+from metrics import MetricsLog, start_metrics
 from model import GPT, GPTConfig, VariantUnavailable, check_variant
 from runtime import (
     StepReadout,
@@ -211,25 +211,6 @@ def agreed_signal(received: str | None, device: torch.device, world_size: int) -
     return signal.Signals(int(signum)).name
 
 
-def start_metrics(path: Path, resume_step: int | None) -> None:
-    """A fresh run starts a fresh metrics.jsonl; a resumed one drops the lines logged after
-    its checkpoint (a crash between checkpoints), since those steps run again, and a line
-    cut short by a kill mid-write."""
-    if resume_step is None or not path.exists():
-        path.write_text("")
-        return
-
-    def kept(line: str) -> bool:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            return False
-        return isinstance(record, dict) and record.get("step", resume_step + 1) <= resume_step
-
-    lines = path.read_text().splitlines()
-    path.write_text("".join(line + "\n" for line in lines if kept(line)))
-
-
 # --- the loop ---------------------------------------------------------------------------------------
 
 
@@ -386,16 +367,12 @@ def train(
     written_by = provenance() if master else {}  # asked once, not at every save
     bpb_factor = meta["splits"]["val"]["tokens"] / meta["splits"]["val"]["bytes"] / math.log(2)
 
-    def log(record: dict[str, Any]) -> None:
-        with open(out_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
-
     def eval_and_save() -> None:
         val_loss = evaluate(model, batches["val"], tc.eval_batches, amp_dtype)
         train_loss = evaluate(model, batches["train_eval"], tc.eval_batches, amp_dtype)
         rngs = rng_states(device, world_size)
         if master:
-            log(
+            logs.write(
                 {
                     "step": step,
                     "val_loss": val_loss,
@@ -425,7 +402,6 @@ def train(
             dist.barrier()
 
     first_step = step
-    warned_mfu = False
     last_step = tc.max_steps if stop_after is None else min(tc.max_steps, step + stop_after)
     bar = tqdm(
         total=tc.max_steps,
@@ -435,48 +411,40 @@ def train(
         dynamic_ncols=True,
         mininterval=1.0,
     )
-
-    def logged(n: int) -> bool:
-        return master and (n % tc.log_interval == 0 or n == last_step)
+    logs = MetricsLog(
+        out_dir / "metrics.jsonl",
+        enabled=master,
+        log_interval=tc.log_interval,
+        last_step=last_step,
+        tokens_per_step=tokens_per_step,
+        flops_per_step=flops_per_step,
+        peak_tflops=tc.peak_tflops,
+        devices=world_size,
+        warn=lambda message: bar.write(message, file=sys.stderr),
+    )
 
     def report(pending: Pending, next_began: float | None) -> bool:
         """Wait for a step's values, check, show and log them; True if a rank asked to stop."""
-        nonlocal warned_mfu
-        n, readout, peak_mem = pending
-        (loss_value, stops, norm_value), dt = readout.read(next_began)
-        if not math.isfinite(loss_value):
+        (loss, stops, norm), seconds = pending.readout.read(next_began)
+        if not math.isfinite(loss):
             last = f"the last good one is {ckpt_path}" if ckpt_path.is_file() else "none yet"
             raise TrainError(
-                f"loss is {loss_value} at step {n}; stopped without saving a checkpoint ({last})"
+                f"loss is {loss} at step {pending.step}; stopped without saving a checkpoint "
+                f"({last})"
             )
         bar.update(1)
         bar.set_postfix(
-            loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", ms=f"{dt * 1e3:.0f}"
+            loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / seconds:,.0f}", ms=f"{seconds * 1e3:.0f}"
         )
-        if logged(n):
-            record = {
-                "step": n,
-                "loss": loss_value,
-                "lr": lr_at(n - 1, tc),
-                "ms_per_step": dt * 1e3,
-                "tokens_per_s": tokens_per_step / dt,
-                "tflops": flops_per_step / dt / 1e12,
-            }
-            if tc.grad_clip > 0:
-                record["grad_norm"] = norm_value
-            if tc.peak_tflops > 0:
-                record["mfu"] = record["tflops"] / (tc.peak_tflops * world_size)
-                if record["mfu"] > 1 and not warned_mfu:
-                    warned_mfu = True
-                    bar.write(
-                        f"warning: MFU {record['mfu']:.2f} is above 1: train.peak_tflops="
-                        f"{tc.peak_tflops:g} is below what this run reaches; check the "
-                        "device's datasheet peak for this dtype",
-                        file=sys.stderr,
-                    )
-            if peak_mem is not None:
-                record["peak_mem_mib"] = peak_mem / 2**20
-            log(record)
+        if logs.wants(pending.step):
+            logs.step(
+                pending.step,
+                loss=loss,
+                lr=lr_at(pending.step - 1, tc),
+                seconds=seconds,
+                grad_norm=norm if tc.grad_clip > 0 else None,
+                peak_mem=pending.peak_mem,
+            )
         return stops > 0
 
     with StopSignal() as stop, bar:  # the bar closes on errors too, before the message
@@ -508,7 +476,7 @@ def train(
             peak_mem = None
             if device.type == "cuda":
                 peak_mem = torch.cuda.max_memory_allocated(device)
-                if logged(step):
+                if logs.wants(step):
                     torch.cuda.reset_peak_memory_stats(device)
             # The host reads a step's values only once the next step is queued, so the device
             # never idles while Python logs and fetches the next batch (on the CPU, where
