@@ -1,12 +1,13 @@
 """Generate text from a trained run.
 
     python sample.py --run runs/default --prompt "def " [--tokens 200] [--temperature 0.8]
-        [--top-k 50] [--top-p 0.95]
+        [--top-k 50] [--top-p 0.95] [--stop-at-eot]
 
 Reads the run's checkpoint, config and tokenizer (train.py copies it into the run directory).
 In a prompt, "<|endoftext|>" is the document separator (in the corpus the same characters were
 plain text), so `--prompt "<|endoftext|>"` starts a new document. Generation runs on past a
-sampled separator into the next document, as training saw them.
+sampled separator into the next document, as training saw them, unless --stop-at-eot ends
+the text there.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from tokenizers import Tokenizer
 
 from checkpoint import CHECKPOINT, CheckpointError, load_checkpoint, model_config_diff, restoring
 from config import Config, load_config
+from data.prepare import EOT
 from model import GPT
 from runtime import autocast, autocast_dtype, pick_device
 from train import USER_ERRORS, TrainError
@@ -57,8 +59,10 @@ def sample_run(
     seed: int = 0,
     device: str = "auto",
     device_setting: str = "train.device",
+    stop_at_eot: bool = False,
 ) -> str:
-    """Text continuing `prompt`. `device_setting` is what an error calls the device choice."""
+    """Text continuing `prompt`, up to the first sampled separator if `stop_at_eot`.
+    `device_setting` is what an error calls the device choice."""
     dev = pick_device(device, device_setting)
     model, tokenizer, config = load_run(run_dir, dev)
     ids = tokenizer.encode(prompt).ids
@@ -66,6 +70,7 @@ def sample_run(
         raise TrainError("the prompt is empty; give at least one character")
     generator = torch.Generator(device=dev).manual_seed(seed)
     idx = torch.tensor([ids], dtype=torch.long, device=dev)
+    eot = tokenizer.token_to_id(EOT) if stop_at_eot else None
     with autocast(dev, autocast_dtype(config.train.dtype, dev)):  # the run's precision
         out = model.generate(
             idx,
@@ -75,8 +80,12 @@ def sample_run(
             top_p=top_p,
             generator=generator,
             vocab_limit=tokenizer.get_vocab_size(),
+            stop_id=eot,
         )
-    return tokenizer.decode(out[0].tolist(), skip_special_tokens=False)
+    new = out[0, len(ids) :].tolist()
+    if eot in new:
+        new = new[: new.index(eot)]
+    return tokenizer.decode(ids + new, skip_special_tokens=False)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,6 +108,11 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=1.0,
         help="then the fewest likeliest whose probabilities reach p (nucleus); 1 = all",
+    )
+    parser.add_argument(
+        "--stop-at-eot",
+        action="store_true",
+        help="end at the first sampled <|endoftext|>, the end of a document",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto")
@@ -129,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             device=args.device,
             device_setting="--device",
+            stop_at_eot=args.stop_at_eot,
         )
     except (*USER_ERRORS, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -152,6 +152,7 @@ class GPT(nn.Module):
         generator: torch.Generator | None = None,
         vocab_limit: int | None = None,
         top_p: float | None = None,
+        stop_id: int | None = None,
     ) -> Tensor:
         """Extend idx (B, T) by max_new_tokens sampled tokens; temperature 0 (or below fp32's
         smallest normal number, ~1e-38) is greedy, and an infinite one samples uniformly.
@@ -161,6 +162,8 @@ class GPT(nn.Module):
 
         vocab_limit: sample only ids below it, for a tokenizer with fewer tokens than the
         model's (padded) vocab_size; the rows above it have no text to decode to.
+        stop_id: stop once every row has sampled it (a row that has goes on sampling until
+        then: cut each at its first stop_id after the prompt).
         """
         if temperature < 0:
             raise ValueError(f"temperature={temperature}: must be >= 0")
@@ -172,6 +175,7 @@ class GPT(nn.Module):
             raise ValueError(
                 f"vocab_limit={vocab_limit}: must be in 1..vocab_size ({self.config.vocab_size})"
             )
+        stopped = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
         for _ in range(max_new_tokens):
             context = idx[:, -self.config.block_size :]
             # Only the last position's scores are needed: (B, C) @ (C, V), not (B, T, C) @ (C, V).
@@ -193,6 +197,10 @@ class GPT(nn.Module):
                     probs = _nucleus(probs, top_p)
                 next_id = torch.multinomial(probs, num_samples=1, generator=generator)
             idx = torch.cat((idx, next_id), dim=1)
+            if stop_id is not None:
+                stopped |= next_id[:, 0] == stop_id
+                if bool(stopped.all()):
+                    break
         return idx
 
 

@@ -325,6 +325,22 @@ def test_generate_top_p() -> None:
             model.generate(prompt, 1, top_p=bad)
 
 
+def test_generate_stops_once_every_row_sampled_the_stop_id() -> None:
+    torch.manual_seed(0)
+    model = GPT(tiny_config()).eval()
+    prompt = torch.randint(0, 97, (3, 4))
+    gen = torch.Generator().manual_seed(2)
+    full = model.generate(prompt, 200, temperature=1.0, generator=gen)
+    new = full[:, 4:]
+    stop = int(new[0, 10])  # row 0 samples it at its 11th token; the others, whenever they do
+    firsts = [row.tolist().index(stop) if stop in row else None for row in new]
+    assert all(f is not None for f in firsts), "each row samples it within 200 tokens"
+    gen.manual_seed(2)
+    cut = model.generate(prompt, 200, temperature=1.0, generator=gen, stop_id=stop)
+    assert cut.shape[1] == 4 + max(firsts) + 1  # until the last row's first stop
+    assert torch.equal(cut, full[:, : cut.shape[1]])  # the same draws up to there
+
+
 def test_generate_tiny_temperature_is_greedy_not_nan() -> None:
     torch.manual_seed(0)
     model = GPT(tiny_config()).eval()

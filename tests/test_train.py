@@ -27,7 +27,7 @@ import torch
 import sample
 import train
 from config import TrainConfig, load_config
-from data.prepare import prepare, split_documents
+from data.prepare import EOT, EOT_ID, prepare, split_documents
 from model import GPT, VARIANTS, available_variants, unavailable_reason
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -843,6 +843,25 @@ def test_sample_top_p(base_run: Path, capsys: pytest.CaptureFixture[str]) -> Non
     nucleus = sample_text(capsys, base_run, "--top-p", "0.9", "--seed", "3")
     assert nucleus.startswith("def ")
     assert nucleus != sample_text(capsys, base_run, "--top-p", "1", "--seed", "3")
+
+
+def test_sample_stop_at_eot_ends_at_the_first_separator(
+    base_run: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A briefly trained model rarely samples the separator: generate() is replaced by one
+    that does, after two tokens (its own stopping is tested in test_model.py)."""
+    asked: list[int | None] = []
+
+    def generate(self: GPT, idx: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        asked.append(kwargs.get("stop_id"))
+        more = torch.tensor([[300, 301, EOT_ID, 302, EOT_ID]], device=idx.device)
+        return torch.cat((idx, more), dim=1)
+
+    monkeypatch.setattr(GPT, "generate", generate)
+    text = sample_text(capsys, base_run)
+    assert text.count(EOT) == 2, "without the flag, generation runs on past separators"
+    assert sample_text(capsys, base_run, "--stop-at-eot") == text[: text.index(EOT)]
+    assert asked == [None, EOT_ID]
 
 
 def test_sample_longer_than_the_context(base_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
