@@ -117,21 +117,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto")
     args = parser.parse_args(argv)
+    # Each flag's valid values (comparisons that NaN fails too) and what to say otherwise.
     problems = {
-        "--tokens": "must be >= 0",
-        "--temperature": "must be >= 0 (0 is greedy)",
-        "--top-k": "must be >= 0 (0 samples from the whole vocabulary)",
+        "--tokens": (lambda v: v >= 0, "must be >= 0"),
+        "--temperature": (lambda v: v >= 0, "must be >= 0 (0 is greedy)"),
+        "--top-k": (lambda v: v >= 0, "must be >= 0 (0 samples from the whole vocabulary)"),
+        "--top-p": (lambda v: 0 < v <= 1, "must be in (0, 1]; 1 keeps every token"),
     }
-    for flag, problem in problems.items():
+    for flag, (valid, problem) in problems.items():
         value = getattr(args, flag[2:].replace("-", "_"))
-        if not value >= 0:  # NaN too
+        if not valid(value):
             print(f"error: {flag} {value}: {problem}", file=sys.stderr)
             return 2
-    if not 0 < args.top_p <= 1:  # NaN too
-        print(
-            f"error: --top-p {args.top_p}: must be in (0, 1]; 1 keeps every token", file=sys.stderr
-        )
-        return 2
     try:
         text = sample_run(
             args.run,

@@ -47,13 +47,16 @@ def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
         "backend",
         "reason",
     ]
+
+    def total(counts: dict[str, dict[str, float]] | None) -> float | None:  # over all regions
+        return sum(sum(c.values()) for c in counts.values()) if counts else None
+
     tmp = path.with_suffix(".csv.tmp")
     with open(tmp, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(columns)
         for r in rows:
             t = r["step_ms"] or {}
-            total = lambda counts: sum(sum(c.values()) for c in counts.values()) if counts else None
             unattributed = r.get("kernels_unattributed_per_step")  # absent before; None on CPU
             writer.writerow(
                 [
