@@ -1,5 +1,5 @@
 """Where and how a run executes: the device, the precision, CPU memory reuse, the DDP group,
-reading results back without stalling the device.
+stopping on a signal, reading results back without stalling the device.
 
 Shared by train.py, the profiler, sample.py and the demo, so that all of them run a model the
 same way. Errors name the setting at fault (a ConfigError: the fix is in the config or flags).
@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import inspect
 import os
+import signal
 import sys
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from config import ConfigError, TrainConfig
 
@@ -89,6 +93,56 @@ def init_distributed(train_cfg: TrainConfig) -> tuple[int, int, torch.device]:
         device = wanted
         dist.init_process_group("gloo")
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def wrap_ddp(model: torch.nn.Module, device: torch.device) -> DDP:
+    """The model under DistributedDataParallel, for a process group already joined."""
+    # The only buffer is the constant causal mask: no need to re-send it every forward.
+    # torch 2.13 renamed the flag (the old name warns); 2.11 and 2.12 know only the old.
+    no_buffer_sync = (
+        {"forward_sync_buffers": False}
+        if "forward_sync_buffers" in inspect.signature(DDP).parameters
+        else {"broadcast_buffers": False}
+    )
+    return DDP(
+        model, device_ids=[device.index] if device.type == "cuda" else None, **no_buffer_sync
+    )
+
+
+class StopSignal:
+    """While active, SIGINT/SIGTERM set a flag; the loop finishes its step, saves and exits.
+    A second signal does not wait: it raises KeyboardInterrupt (no save).
+
+    The previous handlers come back on exit, so a caller's Ctrl-C works again afterwards.
+    """
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignal:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.received is not None:  # a second signal: the step may hang; stop now
+            self.__exit__()
+            raise KeyboardInterrupt
+        self.received = signal.Signals(signum).name
+
+
+def agreed_signal(received: str | None, device: torch.device, world_size: int) -> str:
+    """The signal that stopped the run, the same on every rank (a collective under DDP), so
+    that all exit with one status: ranks a signal did not reach take the others'."""
+    signum = torch.tensor(signal.Signals[received] if received else 0, device=device)
+    if world_size > 1:
+        dist.all_reduce(signum, op=dist.ReduceOp.MAX)
+    return signal.Signals(int(signum)).name
 
 
 class StepReadout:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import inspect
 import math
 import os
 import shutil
@@ -47,10 +46,13 @@ from metrics import MetricsLog, start_metrics
 from model import GPT, GPTConfig, VariantUnavailable, check_variant
 from runtime import (
     StepReadout,
+    StopSignal,
+    agreed_signal,
     autocast,
     autocast_dtype,
     init_distributed,
     keep_freed_host_memory,
+    wrap_ddp,
 )
 
 
@@ -175,42 +177,6 @@ def evaluate(
     return total.item() / n_batches
 
 
-class StopSignal:
-    """While active, SIGINT/SIGTERM set a flag; the loop finishes its step, saves and exits.
-    A second signal does not wait: it raises KeyboardInterrupt (no save).
-
-    The previous handlers come back on exit, so a caller's Ctrl-C works again afterwards.
-    """
-
-    def __init__(self) -> None:
-        self.received: str | None = None
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> StopSignal:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.received is not None:  # a second signal: the step may hang; stop now
-            self.__exit__()
-            raise KeyboardInterrupt
-        self.received = signal.Signals(signum).name
-
-
-def agreed_signal(received: str | None, device: torch.device, world_size: int) -> str:
-    """The signal that stopped the run, the same on every rank (a collective under DDP), so
-    that all exit with one status: ranks a signal did not reach take the others'."""
-    signum = torch.tensor(signal.Signals[received] if received else 0, device=device)
-    if world_size > 1:
-        dist.all_reduce(signum, op=dist.ReduceOp.MAX)
-    return signal.Signals(int(signum)).name
-
-
 # --- the loop ---------------------------------------------------------------------------------------
 
 
@@ -266,20 +232,11 @@ def check_runnable(config: Config, device: torch.device, amp_dtype: torch.dtype 
         raise TrainError(str(e)) from None
 
 
-def train(
-    config: Config, out_dir: Path, resume: bool = False, stop_after: int | None = None
-) -> RunEnd:
-    """Run (or resume) training. Raises one of USER_ERRORS on bad input, before writing."""
-    tc = config.train
-    rank, world_size, device = init_distributed(tc)
-    kept_host_memory = device.type == "cpu" and keep_freed_host_memory()
-    master = rank == 0
-    amp_dtype = autocast_dtype(tc.dtype, device)
-    meta = load_meta(config.data.root, config.data.name, config.model.vocab_size)
-    check_vocab(meta, config.model.vocab_size, config.data.name)
-    data_dir = Path(config.data.root) / config.data.name
-    onednn = check_runnable(config, device, amp_dtype)
-
+def open_run(
+    out_dir: Path, config: Config, tokenizer_sha256: str, resume: bool
+) -> dict[str, Any] | None:
+    """Check that `out_dir` can take this run, before anything is written; the checkpoint to
+    resume from (checked against the config and corpus), or None for a new run."""
     if out_dir.exists() and not out_dir.is_dir():
         raise TrainError(f"--out {out_dir} is a file; give a run directory")
     if (out_dir / "meta.json").exists() or out_dir.resolve() == Path(config.data.root).resolve():
@@ -290,15 +247,19 @@ def train(
         raise TrainError(
             f"{out_dir} already holds a checkpoint; pass --resume to continue it or --out for a new run"
         )
-    ckpt = load_checkpoint(ckpt_path) if resume else None
-    if ckpt is not None:
-        check_compatible(ckpt, config, meta["tokenizer_sha256"], ckpt_path)
+    if not resume:
+        return None
+    ckpt = load_checkpoint(ckpt_path)
+    check_compatible(ckpt, config, tokenizer_sha256, ckpt_path)
+    return ckpt
 
-    # Per rank, as in nanoGPT: ranks must draw different dropout masks. Initial weights may
-    # differ too; DDP broadcasts rank 0's when it wraps the model.
-    torch.manual_seed(tc.seed + rank)
-    raw_model, optimizer = build_model(config.model, tc, device, onednn=onednn, compile=tc.compile)
-    batches = {
+
+def token_batches(
+    config: Config, data_dir: Path, device: torch.device, rank: int, world_size: int
+) -> dict[str, TokenBatches]:
+    """The run's batch samplers, each with its own seed."""
+    tc = config.train
+    return {
         name: TokenBatches(
             data_dir / f"{split}.bin",
             config.model.block_size,
@@ -316,6 +277,30 @@ def train(
             ("train_eval", "train", 2),
         )
     }
+
+
+def train(
+    config: Config, out_dir: Path, resume: bool = False, stop_after: int | None = None
+) -> RunEnd:
+    """Run (or resume) training. Raises one of USER_ERRORS on bad input, before writing."""
+    tc = config.train
+    rank, world_size, device = init_distributed(tc)
+    kept_host_memory = device.type == "cpu" and keep_freed_host_memory()
+    master = rank == 0
+    amp_dtype = autocast_dtype(tc.dtype, device)
+    meta = load_meta(config.data.root, config.data.name, config.model.vocab_size)
+    check_vocab(meta, config.model.vocab_size, config.data.name)
+    data_dir = Path(config.data.root) / config.data.name
+    onednn = check_runnable(config, device, amp_dtype)
+
+    ckpt_path = out_dir / CHECKPOINT
+    ckpt = open_run(out_dir, config, meta["tokenizer_sha256"], resume)
+
+    # Per rank, as in nanoGPT: ranks must draw different dropout masks. Initial weights may
+    # differ too; DDP broadcasts rank 0's when it wraps the model.
+    torch.manual_seed(tc.seed + rank)
+    raw_model, optimizer = build_model(config.model, tc, device, onednn=onednn, compile=tc.compile)
+    batches = token_batches(config, data_dir, device, rank, world_size)
     step = 0
     if ckpt is not None:
         with restoring(ckpt_path, "model"):
@@ -331,18 +316,7 @@ def train(
             return RunEnd(out_dir, step, 0, None)
         with restoring(ckpt_path, "rng"):
             restore_rng(ckpt["rng"], tc.seed, step, device, rank, world_size)
-    model: torch.nn.Module = raw_model
-    if world_size > 1:
-        # The only buffer is the constant causal mask: no need to re-send it every forward.
-        # torch 2.13 renamed the flag (the old name warns); 2.11 and 2.12 know only the old.
-        no_buffer_sync = (
-            {"forward_sync_buffers": False}
-            if "forward_sync_buffers" in inspect.signature(DDP).parameters
-            else {"broadcast_buffers": False}
-        )
-        model = DDP(
-            model, device_ids=[device.index] if device.type == "cuda" else None, **no_buffer_sync
-        )
+    model = wrap_ddp(raw_model, device) if world_size > 1 else raw_model
 
     tokens_per_step = tc.batch_size * tc.grad_accum * world_size * config.model.block_size
     flops_per_step = raw_model.flops_per_token() * tokens_per_step
