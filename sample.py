@@ -1,20 +1,24 @@
 """Generate text from a trained run.
 
     python sample.py --run runs/default --prompt "def " [--tokens 200] [--temperature 0.8]
-        [--top-k 50] [--top-p 0.95] [--stop-at-eot]
+        [--top-k 50] [--top-p 0.95] [--stop-at-eot] [--attention sdpa]
 
 Reads the run's checkpoint, config and tokenizer (train.py copies it into the run directory).
 In a prompt, "<|endoftext|>" is the document separator (in the corpus the same characters were
 plain text), so `--prompt "<|endoftext|>"` starts a new document. Generation runs on past a
 sampled separator into the next document, as training saw them, unless --stop-at-eot ends
 the text there.
+
+Attention holds no weights, so a run can be sampled with another variant than it trained
+with (--attention), e.g. a GPU run's sdpa-cudnn on a CPU: every variant computes the same
+function, to rounding.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -23,12 +27,15 @@ from tokenizers import Tokenizer
 from checkpoint import CHECKPOINT, CheckpointError, load_checkpoint, model_config_diff, restoring
 from config import Config, load_config
 from data.prepare import EOT
-from model import GPT
+from model import GPT, VARIANTS, VariantUnavailable, check_variant
 from runtime import autocast, autocast_dtype, pick_device
 from train import USER_ERRORS, TrainError
 
 
-def load_run(run_dir: Path, device: torch.device) -> tuple[GPT, Tokenizer, Config]:
+def load_run(
+    run_dir: Path, device: torch.device, attention: str | None = None
+) -> tuple[GPT, Tokenizer, Config]:
+    """The run's model on `device`, with its own attention variant or `attention`."""
     if not run_dir.is_dir():
         raise TrainError(f"run directory {run_dir} does not exist")
     for name in ("config.toml", "tokenizer.json"):
@@ -43,6 +50,20 @@ def load_run(run_dir: Path, device: torch.device) -> tuple[GPT, Tokenizer, Confi
     diff = model_config_diff(ckpt, asdict(config.model), now="in config.toml")
     if diff:
         raise CheckpointError(f"{run_dir / 'config.toml'} does not match {ckpt_path}: {diff}")
+    if attention is not None:
+        config = replace(config, model=replace(config.model, attention=attention))
+    try:
+        # The training check (forward and backward, dropout off): stricter than sampling
+        # needs only for flex off CUDA, which runs forward on a CPU but is refused here.
+        check_variant(
+            config.model.attention,
+            device,
+            autocast_dtype(config.train.dtype, device) or torch.float32,
+            config.model.head_size,
+        )
+    except VariantUnavailable as e:
+        hint = "" if attention is not None else "; sample with another, e.g. --attention sdpa"
+        raise TrainError(f"{e}{hint}") from None
     model = GPT(config.model)
     with restoring(ckpt_path, "model"):
         model.load_state_dict(ckpt["model"])
@@ -60,11 +81,13 @@ def sample_run(
     device: str = "auto",
     device_setting: str = "train.device",
     stop_at_eot: bool = False,
+    attention: str | None = None,
 ) -> str:
-    """Text continuing `prompt`, up to the first sampled separator if `stop_at_eot`.
-    `device_setting` is what an error calls the device choice."""
+    """Text continuing `prompt`, up to the first sampled separator if `stop_at_eot`, with the
+    run's attention variant or `attention`. `device_setting` is what an error calls the device
+    choice."""
     dev = pick_device(device, device_setting)
-    model, tokenizer, config = load_run(run_dir, dev)
+    model, tokenizer, config = load_run(run_dir, dev, attention)
     ids = tokenizer.encode(prompt).ids
     if not ids:
         raise TrainError("the prompt is empty; give at least one character")
@@ -114,6 +137,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="end at the first sampled <|endoftext|>, the end of a document",
     )
+    parser.add_argument(
+        "--attention",
+        choices=list(VARIANTS),
+        metavar="VARIANT",
+        help=f"attention variant to sample with (default: the run's): {', '.join(VARIANTS)}",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto")
     args = parser.parse_args(argv)
@@ -141,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device,
             device_setting="--device",
             stop_at_eot=args.stop_at_eot,
+            attention=args.attention,
         )
     except (*USER_ERRORS, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -864,6 +864,32 @@ def test_sample_stop_at_eot_ends_at_the_first_separator(
     assert asked == [None, EOT_ID]
 
 
+def test_sample_with_another_attention_variant_gives_the_same_text(
+    base_run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Attention holds no weights: every variant that runs here computes the same function."""
+    own = sample_text(capsys, base_run, "--temperature", "0")  # tiny.toml trains naive
+    for variant in ("sdpa", "inplace"):
+        assert sample_text(capsys, base_run, "--temperature", "0", "--attention", variant) == own
+
+
+def test_sample_a_run_whose_variant_cannot_run_here_names_it_and_the_way_out(
+    base_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A GPU run trained with a CUDA-only kernel, sampled on a CPU."""
+    out = copy_run(base_run, tmp_path / "run")
+    ckpt = load_ckpt(out)
+    ckpt["config"]["model"]["attention"] = "sdpa-efficient"
+    torch.save(ckpt, out / train.CHECKPOINT)
+    toml = out / "config.toml"
+    toml.write_text(toml.read_text().replace('attention = "naive"', 'attention = "sdpa-efficient"'))
+    capsys.readouterr()
+    assert sample.main(["--run", str(out), "--device", "cpu"]) == 2
+    err = error_of(capsys.readouterr().err)
+    assert "'sdpa-efficient' cannot run on cpu" in err and "--attention sdpa" in err
+    assert sample_text(capsys, out, "--device", "cpu", "--attention", "sdpa").startswith("def ")
+
+
 def test_sample_longer_than_the_context(base_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
     text = sample_text(capsys, base_run, "--tokens", "50")  # block_size is 32
     assert text.startswith("def ")
