@@ -183,11 +183,15 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
             raise ConfigError(f"config file {path} does not exist") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {path}: {e}") from None
-    for arg in overrides:
-        section, key, value = parse_override(arg)
-        raw.setdefault(section, {})[key] = value
     sections = [f.name for f in dataclasses.fields(Config)]
     hints = typing.get_type_hints(Config)
+    for arg in overrides:
+        section, key, value = parse_override(arg)
+        field_types = typing.get_type_hints(hints[section]) if section in sections else {}
+        if field_types.get(key) is str and not isinstance(value, str):
+            # --data.name=2024 or --train.sample_prompt=true: the text as typed, not a number
+            value = arg.split("=", 1)[1]
+        raw.setdefault(section, {})[key] = value
     built = {}
     for section, values in raw.items():
         if section not in sections:

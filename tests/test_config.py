@@ -75,6 +75,27 @@ def test_parse_override(arg: str, expected: tuple) -> None:
     assert parse_override(arg) == expected
 
 
+@pytest.mark.parametrize(
+    ("arg", "field", "expected"),
+    [
+        ("--data.name=2024", ("data", "name"), "2024"),
+        ("--train.sample_prompt=true", ("train", "sample_prompt"), "true"),
+        ("--data.name=nan", ("data", "name"), "nan"),
+        ("--data.root=1e3", ("data", "root"), "1e3"),
+    ],
+)
+def test_a_string_field_takes_an_override_that_reads_as_another_type(
+    arg: str, field: tuple[str, str], expected: str
+) -> None:
+    section, key = field
+    assert getattr(getattr(load_config(None, [arg]), section), key) == expected
+
+
+def test_a_typed_field_still_refuses_text() -> None:
+    with pytest.raises(ConfigError, match=r"train\.max_steps: expected int"):
+        load_config(None, ["--train.max_steps=ten"])
+
+
 def test_overrides_reach_the_config() -> None:
     config = load_config(TINY, ["--model.attention=sdpa", "--train.lr=3e-4"])
     assert config.model.attention == "sdpa"
