@@ -72,7 +72,8 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dropout_p: float) -> Ten
     """PyTorch's fused entry point; PyTorch picks the backend for these inputs.
 
     is_causal=True instead of passing `mask`: an explicit mask rules out the flash and
-    cuDNN kernels, and is_causal lets every backend skip the masked half of the work.
+    cuDNN kernels, and is_causal lets the fused kernels (flash, efficient, cuDNN, the CPU's
+    flash) skip the blocks above the diagonal; the math backend still computes all of T x T.
     """
     return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
 
