@@ -121,6 +121,8 @@ def savings(
     is the two slopes' errors combined as if independent ('independent'). Each projection
     carries its standard error the same way (`saving_se`, `percent_se`: None where the fits
     have no error, i.e. two depths); the percent's treats naive's projected time as exact.
+    Where either line projects a time of zero or less (noisy fits over few depths), the
+    projection is None throughout, with `why_none`.
     """
     points = {name: by_metric[metric] for name, by_metric in _points(rows).items()}
     fits = {name: fit_line(list(pts), list(pts.values())) for name, pts in points.items()}
@@ -143,6 +145,16 @@ def savings(
         for layers in PROJECT_AT:
             ref = base["intercept"] + base["slope"] * layers
             this = fit["intercept"] + fit["slope"] * layers
+            if min(ref, this) <= 0:  # noisy fits over few depths: no saving to speak of
+                worse = reference if ref <= this else name
+                projected[str(layers)] = {
+                    "saving": None,
+                    "percent": None,
+                    "saving_se": None,
+                    "percent_se": None,
+                    "why_none": f"{worse}'s fitted {metric} is {min(ref, this):.1f} at {layers} layers",
+                }
+                continue
             saving_se = _saving_se_at(ref_points, these, method, layers)
             projected[str(layers)] = {
                 "saving": ref - this,

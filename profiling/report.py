@@ -63,12 +63,16 @@ def _pm(value: float, se: float | None, spec: str = ".2f", unit: str = "") -> st
 def _projected(p: dict[str, float | None]) -> str:
     """'+45.5 ± 0.9 ms (+19.8 ± 0.4%)', or, with no standard error (two depths), the numbers
     marked as such: not a bare figure that reads as known."""
+    if p["saving"] is None:
+        return f"n/a: {p['why_none']}"
     if p["saving_se"] is None:
         return f"{p['saving']:+.1f} ms ({p['percent']:+.1f}%), 2 depths: no se"
     return f"{p['saving']:+.1f} ± {p['saving_se']:.1f} ms ({_projected_percent(p)})"
 
 
 def _projected_percent(p: dict[str, float | None]) -> str:
+    if p["percent"] is None:
+        return "n/a"
     if p["percent_se"] is None:
         return f"{p['percent']:+.1f}% (no se)"
     return f"{p['percent']:+.1f} ± {p['percent_se']:.1f}%"

@@ -444,6 +444,23 @@ def test_projected_savings_carry_their_standard_error() -> None:
     assert "% (no se)" in "\n".join(headline_table({"rows": two, "fits": fits_by_label(two)}))
 
 
+def test_a_projection_through_a_line_below_zero_is_not_a_saving() -> None:
+    """Noisy fits over few depths can cross zero before 48 layers: no percentage of that."""
+    from profiling.report import _projected
+
+    rows = [timed_row("naive", n, 25 + 5 * n) for n in (1, 2, 4)] + [
+        timed_row("sdpa", n, t) for n, t in ((1, 20.0), (2, 19.0), (4, 18.0))
+    ]
+    projected = savings(rows)["sdpa"]["projected"]
+    assert projected["12"]["saving"] is not None  # naive's line is still above zero there
+    p = projected["48"]  # sdpa's line: 20.5 - 0.64 n, below zero
+    assert p["saving"] is None and p["percent"] is None
+    assert p["why_none"].startswith("sdpa's fitted step_ms is -")
+    assert _projected(p).startswith("n/a: sdpa's fitted step_ms")
+    table = "\n".join(headline_table({"rows": rows, "fits": fits_by_label(rows)}))
+    assert "| n/a |" in table
+
+
 def test_causal_mfu_is_called_a_convention() -> None:
     """The causal-half MFU is a counting convention, not the work a causal kernel does."""
     from profiling.report import _causal_note
