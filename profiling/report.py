@@ -397,6 +397,16 @@ WHERE_TIME_GOES_INTRO = [
 ]
 
 
+def _serialised_text(meta: dict[str, Any]) -> str:
+    if not meta["device"].startswith("cuda"):
+        return ""
+    return (
+        " (so the host's kernel launches do not overlap the device's work, as they do in "
+        "train.py's loop: a launch-bound cell, small and shallow, reads slower here than it "
+        "trains)"
+    )
+
+
 def _report_md(results: dict[str, Any]) -> str:
     meta, rows, fits = results["meta"], results["rows"], results["fits"]
     saved = savings(rows)
@@ -463,7 +473,9 @@ def _report_md(results: dict[str, Any]) -> str:
             "- **Step**: `train.train_step`, imported from train.py: forward, backward, gradient clipping "
             "and a fused AdamW step over one global batch. Batches are drawn before timing and cycled.",
             "- **Step time**: no profiler attached; warm-up steps excluded; the device synchronised before "
-            "and after each step; the variants of one depth run interleaved round by round, each round "
+            "and after each step"
+            + _serialised_text(meta)
+            + "; the variants of one depth run interleaved round by round, each round "
             "starting one later (A B C, B C A, C A B, …), so machine drift hits all alike and no variant "
             "always follows the same one. Median with 10th/90th percentiles over the timed steps.",
             "- **Compile time**: for `+compile` cells, the first step's time minus the median "

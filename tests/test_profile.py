@@ -528,6 +528,15 @@ def test_earlier_sweep_is_not_overwritten(tmp_path: Path, capsys: pytest.Capture
     assert (tmp_path / "sweep" / "results.json").read_bytes() == before
 
 
+def test_a_gpu_report_says_its_step_times_are_serialised(naive_vs_inplace: dict) -> None:
+    """Synchronising around each step takes away the launch overlap train.py's loop has."""
+    from profiling.report import _report_md
+
+    assert "do not overlap" not in _report_md(naive_vs_inplace)
+    on_gpu = {**naive_vs_inplace, "meta": {**naive_vs_inplace["meta"], "device": "cuda:0"}}
+    assert "do not overlap the device's work" in _report_md(on_gpu)
+
+
 def test_report_rerender_and_diff(naive_vs_inplace: dict, capsys: pytest.CaptureFixture) -> None:
     out = naive_vs_inplace["meta"]["out"]
     assert profile_train.main(["--report", out, "--diff", "inplace,naive"]) == 0
