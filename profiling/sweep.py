@@ -306,6 +306,16 @@ class Sweep:
                     faults = _minor_faults()
                     cell.times.append(timed(cell.step, self.device))
                     cell.page_faults += _minor_faults() - faults
+        # Interleaving keeps every cell of a depth built at once, so one may run out of memory
+        # that alone would fit: say so, rather than charge the variant with all of it.
+        resident = sum(cell.status in ("ok", "oom") for cell in cells) - 1
+        for cell in cells:
+            if cell.status == "oom" and resident > 0:
+                cell.reason += (
+                    f" (with up to {resident} other cell(s) of n_layer={cell.n_layer} in memory, "
+                    f"as interleaved timing needs; alone: --variants {cell.variant} "
+                    f"--layers {cell.n_layer})"
+                )
 
     @contextlib.contextmanager
     def _guard(self, cell: Cell):

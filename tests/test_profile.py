@@ -229,14 +229,29 @@ def test_failing_cells_do_not_stop_the_sweep(
             raise RuntimeError("kernel exploded")
         return attention.naive(q, k, v, mask, dropout_p)
 
+    def too_big(q, k, v, mask, dropout_p):
+        if q.size(0) > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return attention.naive(q, k, v, mask, dropout_p)
+
     monkeypatch.setitem(
         attention.VARIANTS, "inplace", attention.Variant("inplace", broken, "broken")
     )
-    rc, results = sweep(tmp_path, "--variants", "naive,inplace,sdpa-efficient", "--layers", "1,2")
+    monkeypatch.setitem(
+        attention.VARIANTS, "sdpa-math", attention.Variant("sdpa-math", too_big, "too big")
+    )
+    rc, results = sweep(
+        tmp_path, "--variants", "naive,inplace,sdpa-efficient,sdpa-math", "--layers", "1,2"
+    )
     assert rc == 0
     status = {(r["variant"], r["n_layer"]): (r["status"], r["reason"]) for r in results["rows"]}
     assert status[("naive", 1)][0] == status[("naive", 2)][0] == "ok"
     assert status[("inplace", 2)] == ("failed", "RuntimeError: kernel exploded")
+    # Out of memory beside the depth's other cells: the reason says so, and how to run it alone.
+    oom, why = status[("sdpa-math", 2)]
+    assert oom == "oom" and why.startswith("OutOfMemoryError: CUDA out of memory")
+    assert "1 other cell(s) of n_layer=2 in memory" in why
+    assert "--variants sdpa-math --layers 2" in why
     assert status[("sdpa-efficient", 1)][0] == "unsupported"
     assert "only for CUDA" in status[("sdpa-efficient", 1)][1]
     assert "did not run" in (tmp_path / "sweep" / "report.md").read_text()
