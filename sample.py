@@ -36,6 +36,8 @@ def load_run(
     run_dir: Path, device: torch.device, attention: str | None = None
 ) -> tuple[GPT, Tokenizer, Config]:
     """The run's model on `device`, with its own attention variant or `attention`."""
+    if run_dir.is_file():
+        raise TrainError(f"--run {run_dir} is a file; give the run directory ({run_dir.parent})")
     if not run_dir.is_dir():
         raise TrainError(f"run directory {run_dir} does not exist")
     for name in ("config.toml", "tokenizer.json"):

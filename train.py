@@ -245,7 +245,8 @@ def open_run(
     ckpt_path = out_dir / CHECKPOINT
     if ckpt_path.exists() and not resume:
         raise TrainError(
-            f"{out_dir} already holds a checkpoint; pass --resume to continue it or --out for a new run"
+            f"{out_dir} already holds a checkpoint; pass --resume to continue it, or --out for a "
+            f"new run (or delete {out_dir} to start it over)"
         )
     if not resume:
         return None

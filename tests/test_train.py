@@ -914,11 +914,13 @@ def test_sample_bad_arguments_name_the_flag(
     assert named in error_of(capsys.readouterr().err)
 
 
-def test_sample_from_a_missing_dir_says_so(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_sample_from_a_missing_dir_or_a_file_says_so(
+    base_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert sample.main(["--run", str(tmp_path / "nope")]) == 2
     assert "does not exist" in error_of(capsys.readouterr().err)
+    assert sample.main(["--run", str(base_run / train.CHECKPOINT)]) == 2  # the checkpoint itself
+    assert f"is a file; give the run directory ({base_run})" in error_of(capsys.readouterr().err)
 
 
 def test_sample_from_a_dir_without_checkpoint_exits_2(
