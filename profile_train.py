@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from config import ConfigError, load_config
-from model import VARIANTS, available_variants
+from model import VARIANTS, available_variants, unavailable_reason
 from profiling.report import diff_text
 from profiling.results import write_results
 from profiling.sweep import Sweep
@@ -172,6 +172,15 @@ def _main(argv: list[str] | None) -> int:
             if unknown:
                 raise ConfigError(
                     f"--variants: unknown {', '.join(unknown)}; valid: {', '.join(VARIANTS)}"
+                )
+            mc = config.model
+            why = {
+                v: unavailable_reason(v, device, dtype, mc.head_size, mc.dropout) for v in variants
+            }
+            if all(why.values()):  # some that cannot run are recorded as such; none, refused
+                raise ConfigError(
+                    f"--variants: none can run on {device} ({str(dtype).removeprefix('torch.')}): "
+                    + "; ".join(f"{v}: {reason}" for v, reason in why.items())
                 )
         else:
             variants = available_variants(

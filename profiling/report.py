@@ -144,6 +144,20 @@ def headline_table(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _not_run_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per label and reason for the cells that did not run, their depths together."""
+    depths: dict[tuple[str, str], list[str]] = {}
+    for r in rows:
+        if r["status"] != "ok":
+            key = (label(r["variant"], r["compile"]), f"{r['status']}: {r['reason']}")
+            depths.setdefault(key, []).append(str(r["n_layer"]))
+    if not depths:
+        return []
+    return ["", "Did not run:"] + [
+        f"- {name} @L{','.join(ns)}: {why}" for (name, why), ns in depths.items()
+    ]
+
+
 def _noisy(step_ms: dict[str, float]) -> bool:
     return step_ms["p90"] > NOISY_SPREAD * step_ms["p10"]
 
@@ -311,6 +325,7 @@ def write_report(out: Path, results: dict[str, Any], plots: bool = True) -> None
         *_completeness(meta, rows),
         *_busy_warning(meta),
         *headline_table(results),
+        *_not_run_lines(rows),
     ]
     (out / "summary.txt").write_text("\n".join(summary) + "\n")
     (out / "report.md").write_text(_report_md(results))

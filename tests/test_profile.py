@@ -255,6 +255,9 @@ def test_failing_cells_do_not_stop_the_sweep(
     assert status[("sdpa-efficient", 1)][0] == "unsupported"
     assert "only for CUDA" in status[("sdpa-efficient", 1)][1]
     assert "did not run" in (tmp_path / "sweep" / "report.md").read_text()
+    summary = (tmp_path / "sweep" / "summary.txt").read_text()  # what make profile prints
+    assert "- inplace @L1,2: failed: RuntimeError: kernel exploded" in summary
+    assert "- sdpa-efficient @L1,2: unsupported: sdpa-efficient cannot run on cpu" in summary
 
 
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])  # Ctrl-C; `timeout`
@@ -501,6 +504,11 @@ def test_bad_arguments_name_the_problem(tmp_path: Path, capsys: pytest.CaptureFi
     assert rc == 2 and "--layers" in capsys.readouterr().err
     rc, _ = sweep(tmp_path, "--model.n_heads=3")
     assert rc == 2 and "model.n_heads" in capsys.readouterr().err
+    # Only variants that cannot run here: refused at once, with each one's reason.
+    rc, _ = sweep(tmp_path, "--variants", "flex,sdpa-cudnn")
+    err = capsys.readouterr().err
+    assert rc == 2 and "--variants: none can run on cpu (float32)" in err
+    assert "flex: PyTorch has no flex_attention backward" in err and "sdpa-cudnn: " in err
     bad = [
         ("--layers", "1,a"),
         ("--trace-layers", "1,x"),
