@@ -33,7 +33,8 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     device: str = "auto"  # auto picks cuda > mps > cpu; or name one: cuda, cuda:1, mps, cpu
-    dtype: str = "auto"  # auto: bf16 autocast on CUDA, fp32 elsewhere; or float32 / bfloat16
+    # auto: bf16 autocast on CUDA, fp32 elsewhere; or float32 (IEEE: no TF32) / bfloat16
+    dtype: str = "auto"
     compile: bool = False  # torch.compile each block; pays off on GPUs, costs a compile up front
     # fp32 nn.Linear on CPUs (cpu_linear.py): auto takes oneDNN on AMD CPUs (about 2x MKL's
     # rate there), torch keeps PyTorch's BLAS, onednn insists (an error off CPU or under autocast)
