@@ -321,6 +321,8 @@ def train(
 
     tokens_per_step = tc.batch_size * tc.grad_accum * world_size * config.model.block_size
     flops_per_step = raw_model.flops_per_token() * tokens_per_step
+    # batch_size is per process, as in torchtitan: more ranks take more tokens per step.
+    ranks_note = f" ({world_size} ranks x {tokens_per_step // world_size:,})" * (world_size > 1)
     if master:
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
@@ -332,6 +334,7 @@ def train(
         print(
             f"{config.model.attention}: {raw_model.num_params() / 1e6:.2f}M parameters "
             f"(without position embeddings) on {device}, {tokens_per_step:,} tokens per step"
+            f"{ranks_note}"
         )
         if device.type == "cpu":
             print(

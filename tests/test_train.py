@@ -968,6 +968,7 @@ def test_two_ranks_match_one_process_with_twice_the_batch(
     argv = run_argv(data_root, ddp, *common, "--train.batch_size=2")
     done = torchrun(argv)
     assert done.returncode == 0, done.stderr[:6000]
+    assert f"{128 * grad_accum:,} tokens per step (2 ranks x {64 * grad_accum:,})" in done.stdout
     assert run(data_root, single, *common, "--train.batch_size=4") == 0
 
     # Only rank 0 writes: one line per step and one for the final eval.
