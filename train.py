@@ -73,18 +73,23 @@ def build_optimizer(
     """AdamW with decay on matrices (embeddings, Linear weights) only, fused where supported."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        {"params": [p for p in params if p.dim() >= 2]},
+        {"params": [p for p in params if p.dim() < 2]},
     ]
     # One fused kernel per step for all parameters instead of a loop of small ops per tensor.
     fused = device.type in ("cuda", "cpu")
-    return torch.optim.AdamW(
-        groups,
-        lr=cfg.lr,
-        betas=(cfg.beta1, cfg.beta2),
-        fused=fused,
-        foreach=None if fused else True,
-    )
+    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, fused=fused, foreach=None if fused else True)
+    apply_optimizer_settings(optimizer, cfg)
+    return optimizer
+
+
+def apply_optimizer_settings(optimizer: torch.optim.AdamW, cfg: TrainConfig) -> None:
+    """The config's weight decay and betas on build_optimizer's two groups. Called again after
+    resuming: load_state_dict brings back the checkpoint's, and a run resumed with
+    --train.weight_decay=... must use the value its config.toml now records. (lr is set each step.)"""
+    for group, decay in zip(optimizer.param_groups, (cfg.weight_decay, 0.0), strict=True):
+        group["weight_decay"] = decay
+        group["betas"] = (cfg.beta1, cfg.beta2)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -308,6 +313,7 @@ def train(
             raw_model.load_state_dict(ckpt["model"])
         with restoring(ckpt_path, "optimizer"):
             optimizer.load_state_dict(ckpt["optimizer"])
+        apply_optimizer_settings(optimizer, tc)
         with restoring(ckpt_path, "data"):
             batches["train"].load_state_dict(ckpt["data"])
         step = ckpt["step"]

@@ -421,6 +421,22 @@ def test_resume_with_another_model_config_names_the_field(
     assert ((out / train.CHECKPOINT).read_bytes(), (out / "config.toml").read_text()) == before
 
 
+def test_resume_with_other_optimizer_settings_uses_them(
+    base_run: Path, data_root: Path, tmp_path: Path
+) -> None:
+    """load_state_dict restores the checkpoint's decay and betas; the config's must win, as
+    config.toml records them."""
+    out = copy_run(base_run, tmp_path / "run")
+    changed = ["--train.weight_decay=0.5", "--train.beta1=0.8", "--train.beta2=0.9"]
+    assert run(data_root, out, f"--train.max_steps={STEPS + 2}", *changed, "--resume") == 0
+    groups = load_ckpt(out)["optimizer"]["param_groups"]
+    assert [(g["weight_decay"], tuple(g["betas"])) for g in groups] == [
+        (0.5, (0.8, 0.9)),
+        (0.0, (0.8, 0.9)),
+    ]
+    assert load_config(out / "config.toml").train.weight_decay == 0.5
+
+
 def test_resume_with_another_tokenizer_is_an_error(
     base_run: Path, data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
