@@ -26,7 +26,7 @@ from tokenizers import Tokenizer
 
 from checkpoint import CHECKPOINT, CheckpointError, load_checkpoint, model_config_diff, restoring
 from config import Config, load_config
-from data.prepare import EOT
+from data.prepare import EOT, file_sha256
 from model import GPT, VARIANTS, VariantUnavailable, check_variant
 from runtime import autocast, autocast_dtype, pick_device
 from train import USER_ERRORS, TrainError
@@ -52,6 +52,13 @@ def load_run(
     diff = model_config_diff(ckpt, asdict(config.model), now="in config.toml")
     if diff:
         raise CheckpointError(f"{run_dir / 'config.toml'} does not match {ckpt_path}: {diff}")
+    # Another tokenizer.json would decode the same ids into other text, without an error.
+    trained_with = ckpt.get("tokenizer_sha256")
+    if trained_with is not None and file_sha256(tokenizer_path) != trained_with:
+        raise CheckpointError(
+            f"{tokenizer_path} is not the tokenizer {ckpt_path} was trained with (sha256 "
+            f"{trained_with[:12]}); copy that corpus's tokenizer.json back"
+        )
     if attention is not None:
         config = replace(config, model=replace(config.model, attention=attention))
     try:

@@ -53,7 +53,9 @@ Decisions, so that a reader need not reverse-engineer them:
   in <out-root>/NAME/.hf_cache.
 * Writing: new files go to temporary names first; the old meta.json is removed before they
   are moved into place and the new one is written last, so an interrupted run never leaves a
-  meta.json that describes files it did not finish. Bad input fails before anything is written.
+  meta.json that describes files it did not finish. Bad input fails before anything is written,
+  except --hub's download cache (a wrong --text-column, say, is found after the download,
+  which the retry then reuses).
 """
 
 import argparse
@@ -125,6 +127,7 @@ def prepare(
     kind = _check_arguments(name, stdlib, files, hub, hub_config, split, text_column)
     _check_settings(vocab_size, val_fraction, max_bytes, encoding_errors, seed, kind)
     out_dir = Path(out_root if out_root is not None else DEFAULT_OUT_ROOT) / name
+    _check_out_dir(out_dir)
     settings: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "tokenizers_version": tokenizers.__version__,
@@ -245,6 +248,22 @@ def _check_arguments(
     return given[0]
 
 
+def _check_out_dir(out_dir: Path) -> None:
+    """Fail before any work if out_dir cannot be a corpus folder."""
+    for path in (out_dir, *out_dir.parents):
+        if path.exists():
+            if not path.is_dir():
+                raise PrepareError(f"cannot write {out_dir}: {path} is a file, not a folder")
+            break
+    run_files = [n for n in ("ckpt.pt", "metrics.jsonl") if (out_dir / n).exists()]
+    if run_files:
+        # Its tokenizer.json is the one its checkpoint was trained with.
+        raise PrepareError(
+            f"{out_dir} holds a training run ({', '.join(run_files)}); give the corpus another "
+            "--name or --out-root"
+        )
+
+
 def _check_settings(
     vocab_size: int,
     val_fraction: float,
@@ -340,7 +359,7 @@ def _write_outputs(
             "eot_token": EOT,
             "dtype": "uint16",
             "content_sha256": content_sha256,
-            "tokenizer_sha256": _file_sha256(temporary["tokenizer.json"]),
+            "tokenizer_sha256": file_sha256(temporary["tokenizer.json"]),
             "splits": counts,
             "duplicate_documents": duplicates,  # copies of an earlier document's text
             "skipped": corpus.skipped,
@@ -369,7 +388,7 @@ def _is_complete(out_dir: Path, content_sha256: str) -> bool:
             size = (out_dir / f"{split}.bin").stat().st_size
             if size != 2 * meta["splits"][split]["tokens"]:
                 return False
-        return _file_sha256(out_dir / "tokenizer.json") == meta["tokenizer_sha256"]
+        return file_sha256(out_dir / "tokenizer.json") == meta["tokenizer_sha256"]
     except (OSError, ValueError, KeyError, TypeError):  # missing or malformed: rebuild
         return False
 
@@ -380,7 +399,7 @@ def _write_json_atomic(path: Path, obj: Any) -> None:
     os.replace(temporary, path)
 
 
-def _file_sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):

@@ -263,6 +263,22 @@ def test_bad_input_fails_clearly_and_keeps_prepared_data(
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
+def test_a_run_directory_or_a_file_is_no_place_for_a_corpus(corpus: Path, tmp_path: Path) -> None:
+    """A run's tokenizer.json is what its checkpoint was trained with: never overwritten."""
+    files = [str(corpus / "*.txt")]
+    run_dir = tmp_path / "runs" / "r1"
+    run_dir.mkdir(parents=True)
+    (run_dir / "ckpt.pt").write_bytes(b"weights")
+    (run_dir / "tokenizer.json").write_text("{}")
+    with pytest.raises(PrepareError, match=r"r1 holds a training run \(ckpt\.pt\)"):
+        prepare("r1", files=files, vocab_size=VOCAB, out_root=tmp_path / "runs")
+    assert sorted(p.name for p in run_dir.iterdir()) == ["ckpt.pt", "tokenizer.json"]
+    assert (run_dir / "tokenizer.json").read_text() == "{}"
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(PrepareError, match=r"afile is a file, not a folder"):
+        prepare("c", files=files, vocab_size=VOCAB, out_root=tmp_path / "afile")
+
+
 def test_identical_documents_share_a_split_and_are_counted(tmp_path: Path) -> None:
     texts = {f"{i:02}.txt": f"document {i}\nsecond line\n" for i in range(12)}
     # Each copy has Windows line endings: the same document once read with universal newlines.

@@ -326,6 +326,17 @@ def test_checkpoint_from_another_program_is_an_error_for_resume_and_sample(
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
+def test_sample_with_another_tokenizer_json_is_an_error(
+    base_run: Path, data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Another corpus's tokenizer decodes the same ids into other text, without complaint."""
+    out = copy_run(base_run, tmp_path / "run")
+    shutil.copyfile(data_root / "other" / "tokenizer.json", out / "tokenizer.json")
+    assert sample.main(["--run", str(out)]) == 2
+    err = error_of(capsys.readouterr().err)
+    assert f"{out / 'tokenizer.json'} is not the tokenizer" in err
+
+
 @pytest.mark.parametrize(("edit", "named"), [("n_layer = 3", "n_layer"), ("n_head = 1", "n_head")])
 def test_sample_with_a_config_toml_edited_after_training_is_an_error(
     base_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], edit: str, named: str
