@@ -261,7 +261,12 @@ def open_run(
 
 
 def token_batches(
-    config: Config, data_dir: Path, device: torch.device, rank: int, world_size: int
+    config: Config,
+    data_dir: Path,
+    meta: dict[str, Any],
+    device: torch.device,
+    rank: int,
+    world_size: int,
 ) -> dict[str, TokenBatches]:
     """The run's batch samplers, each with its own seed."""
     tc = config.train
@@ -274,6 +279,7 @@ def token_batches(
             device,
             rank,
             world_size,
+            expected_tokens=meta["splits"][split]["tokens"],
         )
         # "train_eval": fixed windows of the train split, evaluated beside val so the gap
         # between the two (overfitting) shows; "train" is the sampler the steps draw from.
@@ -306,7 +312,7 @@ def train(
     # differ too; DDP broadcasts rank 0's when it wraps the model.
     torch.manual_seed(tc.seed + rank)
     raw_model, optimizer = build_model(config.model, tc, device, onednn=onednn, compile=tc.compile)
-    batches = token_batches(config, data_dir, device, rank, world_size)
+    batches = token_batches(config, data_dir, meta, device, rank, world_size)
     step = 0
     if ckpt is not None:
         with restoring(ckpt_path, "model"):

@@ -28,7 +28,22 @@ def load_meta(root: str | Path, name: str, vocab_size: int | None = None) -> dic
             f"no prepared corpus at {path.parent}/ (missing meta.json); prepare it first, e.g. "
             f"python data/prepare.py --name {name} --stdlib{vocab}{out_root}"
         )
-    return json.loads(path.read_text())
+    try:
+        meta = json.loads(path.read_text())
+        # What a run reads from it: token and byte counts, the tokenizer's size and hash.
+        counts = [meta["splits"][s][k] for s in ("train", "val") for k in ("tokens", "bytes")]
+        counts += [meta["vocab_size"], len(meta["tokenizer_sha256"])]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise DataError(
+            f"{path} is damaged ({type(e).__name__}: {e}); {_redo(path.parent)}"
+        ) from None
+    if not all(isinstance(n, int) and n >= 0 for n in counts):
+        raise DataError(f"{path} is damaged (counts {counts}); {_redo(path.parent)}")
+    return meta
+
+
+def _redo(corpus: Path) -> str:
+    return f"prepare the corpus again: python data/prepare.py --name {corpus.name} ..."
 
 
 def check_vocab(meta: dict[str, Any], vocab_size: int, name: str) -> None:
@@ -57,7 +72,21 @@ class TokenBatches:
         device: torch.device,
         rank: int = 0,
         world_size: int = 1,
+        expected_tokens: int | None = None,
     ) -> None:
+        """`expected_tokens`: what meta.json says the file holds; checked against its size."""
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            raise DataError(f"{path} is missing; {_redo(path.parent)}") from None
+        if size % 2 or (expected_tokens is not None and size != 2 * expected_tokens):
+            said = f", not the {expected_tokens:,} meta.json says" if expected_tokens else ""
+            raise DataError(
+                f"{path} is damaged: {size:,} bytes is {size / 2:,} uint16 tokens{said}; "
+                f"{_redo(path.parent)}"
+            )
+        if size == 0:  # np.memmap cannot map an empty file
+            raise DataError(f"{path} holds no tokens; {_redo(path.parent)}")
         self.tokens = np.memmap(path, dtype=np.uint16, mode="r")
         if len(self.tokens) < block_size + 1:
             raise DataError(

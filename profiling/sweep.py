@@ -138,6 +138,7 @@ class Sweep:
             tc.batch_size,
             tc.seed,
             self.device,
+            expected_tokens=meta["splits"]["train"]["tokens"],
         )
         return [[source.next() for _ in range(tc.grad_accum)] for _ in range(BATCH_POOL)]
 

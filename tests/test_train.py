@@ -628,6 +628,42 @@ def test_step_time_excludes_evaluation(data_root: Path, tmp_path: Path) -> None:
 # --- bad input ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(
+    ("damage", "named"),
+    [
+        ("val.bin one byte short", "val.bin is damaged"),
+        ("val.bin empty", "val.bin is damaged"),
+        ("train.bin deleted", "train.bin is missing"),
+        ("meta.json cut short", "meta.json is damaged (JSONDecodeError"),
+        ("meta.json without splits", "meta.json is damaged (KeyError"),
+    ],
+)
+def test_a_damaged_corpus_is_an_error_naming_the_file(
+    data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: str, named: str
+) -> None:
+    root = Path(shutil.copytree(data_root, tmp_path / "root"))
+    corpus = root / "tiny"
+    meta = corpus / "meta.json"
+    match damage:
+        case "val.bin one byte short":
+            (corpus / "val.bin").write_bytes((corpus / "val.bin").read_bytes()[:-1])
+        case "val.bin empty":
+            (corpus / "val.bin").write_bytes(b"")
+        case "train.bin deleted":
+            (corpus / "train.bin").unlink()
+        case "meta.json cut short":
+            meta.write_text(meta.read_text()[:40])
+        case "meta.json without splits":
+            meta.write_text(
+                json.dumps({k: v for k, v in json.loads(meta.read_text()).items() if k != "splits"})
+            )
+    overrides = [f"--data.root={root}", "--train.max_steps=1"]
+    assert train.main(["--config", str(TINY), "--out", str(tmp_path / "run"), *overrides]) == 2
+    err = error_of(capsys.readouterr().err)
+    assert named in err and "data/prepare.py --name tiny" in err
+    assert not (tmp_path / "run").exists()
+
+
 def test_missing_corpus_hints_at_prepare(
     data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
