@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import re
 import subprocess
 from collections.abc import Iterator
 from dataclasses import asdict
@@ -84,6 +85,15 @@ def load_checkpoint(path: Path, needs: tuple[str, ...] = KEYS) -> dict[str, Any]
         # weights_only: a checkpoint is data; never let loading it run code.
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated zip, wrong format, pickle error: all mean the same
+        text = str(e)
+        if "Weights only load failed" in text:  # readable, but holds more than data
+            found = re.search(r"Unsupported global: GLOBAL (\S+)", text)
+            raise CheckpointError(
+                f"checkpoint {path} holds objects other than tensors and plain data "
+                f"({found[1] if found else 'not allowed with weights_only=True'}), so it is not "
+                "one this project's train.py wrote; it is not loaded, since loading it could run "
+                "code"
+            ) from None
         raise CheckpointError(
             f"checkpoint {path} is unreadable (truncated or corrupt?): {e}"
         ) from None

@@ -326,6 +326,19 @@ def test_checkpoint_from_another_program_is_an_error_for_resume_and_sample(
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
+def test_checkpoint_holding_objects_is_refused_not_loaded(
+    base_run: Path, data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """weights_only refuses a pickled object: say what it was, without torch's page of advice."""
+    out = copy_run(base_run, tmp_path / "run")
+    ckpt = out / train.CHECKPOINT
+    torch.save({"model": {}, "out_dir": Path("runs/x")}, ckpt)
+    assert run(data_root, out, *SHARED_OVERRIDES, "--resume") == 2
+    err = error_of(capsys.readouterr().err)
+    assert str(ckpt) in err and "objects other than tensors and plain data" in err
+    assert "pathlib" in err and "corrupt" not in err and "\x1b" not in err
+
+
 def test_sample_with_another_tokenizer_json_is_an_error(
     base_run: Path, data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
