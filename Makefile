@@ -1,5 +1,8 @@
 # Two commands set everything up on a fresh machine: `make test` and `make train`/`make profile`.
 PYTHON_SYS ?= python3
+# Extra pip options. PyPI's torch wheel is the CUDA build (several GB); for the CPU-only one:
+# make test PIP_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu"
+PIP_ARGS ?=
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt | cksum | cut -d' ' -f1)
@@ -8,10 +11,14 @@ STAMP := $(VENV)/.installed-$(shell cat requirements.txt | cksum | cut -d' ' -f1
 
 setup: $(STAMP)
 
-# Re-runs only when requirements.txt changes; a half-made venv is rebuilt, not reused.
+# Re-runs only when requirements.txt changes. A venv without pip (a failed ensurepip) or with a
+# Python older than 3.11 (no tomllib) is rebuilt, not reused.
 $(STAMP): requirements.txt
-	@test -x $(PY) || { rm -rf $(VENV); $(PYTHON_SYS) -m venv $(VENV); }
-	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
+	@$(PY) -c 'import sys, pip; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { \
+		rm -rf $(VENV); \
+		$(PYTHON_SYS) -c 'import sys; sys.exit(sys.version_info < (3, 11) and "$(PYTHON_SYS) is Python %d.%d; 3.11 or newer is needed (tomllib): make PYTHON_SYS=python3.12 ..." % sys.version_info[:2])' \
+		&& $(PYTHON_SYS) -m venv $(VENV); }
+	$(PY) -m pip install --quiet --disable-pip-version-check $(PIP_ARGS) -r requirements.txt
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 
