@@ -82,7 +82,8 @@ class TokenBatches:
         if size % 2 or (expected_tokens is not None and size != 2 * expected_tokens):
             said = f", not the {expected_tokens:,} meta.json says" if expected_tokens else ""
             raise DataError(
-                f"{path} is damaged: {size:,} bytes is {size / 2:,} uint16 tokens{said}; "
+                f"{path} is damaged: {size:,} bytes is {size // 2:,}{'.5' * (size % 2)} uint16 "
+                f"tokens{said}; "
                 f"{_redo(path.parent)}"
             )
         if size == 0:  # np.memmap cannot map an empty file

@@ -1,0 +1,65 @@
+"""data/loader.py's batches on a hand-written token file: windows, ranks, resuming."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from data.loader import DataError, TokenBatches
+
+CPU = torch.device("cpu")
+N, T = 50, 8  # tokens in the file, block size
+
+
+@pytest.fixture
+def tokens(tmp_path: Path) -> Path:
+    """Token i is i, so a window's values say where it starts."""
+    path = tmp_path / "train.bin"
+    np.arange(N, dtype=np.uint16).tofile(path)
+    return path
+
+
+def test_windows_are_whole_shifted_by_one_and_cover_the_file(tokens: Path) -> None:
+    batches = TokenBatches(tokens, T, batch_size=4, seed=0, device=CPU, expected_tokens=N)
+    starts = set()
+    for _ in range(200):
+        x, y = batches.next()
+        assert x.shape == y.shape == (4, T) and x.dtype == torch.int64
+        assert torch.equal(y, x + 1)  # the target is the next token
+        assert torch.equal(x, x[:, :1] + torch.arange(T))  # a contiguous window
+        starts |= set(x[:, 0].tolist())
+    # Every start from 0 to N - T - 1 (the last window's target is the file's last token).
+    assert starts == set(range(N - T))
+
+
+def test_ranks_together_see_what_one_process_sees(tokens: Path) -> None:
+    single = TokenBatches(tokens, T, batch_size=6, seed=3, device=CPU)
+    ranks = [TokenBatches(tokens, T, 3, 3, CPU, rank=r, world_size=2) for r in (0, 1)]
+    for _ in range(5):
+        x, _ = single.next()
+        shares = [rank.next()[0] for rank in ranks]
+        assert torch.equal(torch.cat(shares), x)
+
+
+def test_state_dict_resumes_the_sequence_and_restart_repeats_it(tokens: Path) -> None:
+    a = TokenBatches(tokens, T, 4, seed=1, device=CPU)
+    first = [a.next()[0] for _ in range(3)]
+    state = a.state_dict()
+    rest = [a.next()[0] for _ in range(3)]
+    b = TokenBatches(tokens, T, 4, seed=99, device=CPU)  # another seed: the state decides
+    b.load_state_dict(state)
+    assert all(
+        torch.equal(p, q) for p, q in zip(rest, [b.next()[0] for _ in range(3)], strict=True)
+    )
+    a.restart()
+    assert all(
+        torch.equal(p, q) for p, q in zip(first, [a.next()[0] for _ in range(3)], strict=True)
+    )
+
+
+def test_a_file_of_the_wrong_size_is_refused(tokens: Path) -> None:
+    with pytest.raises(DataError, match=r"train\.bin is damaged: 100 bytes is 50 uint16 tokens, "):
+        TokenBatches(tokens, T, 4, 0, CPU, expected_tokens=N + 1)
+    with pytest.raises(DataError, match=r"fewer than block_size \+ 1 = 51"):
+        TokenBatches(tokens, N, 1, 0, CPU)
