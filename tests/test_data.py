@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -178,9 +179,20 @@ def test_hub_reads_local_parquet_folder(tmp_path: Path) -> None:
 
 
 def test_stdlib_capped_is_deterministic(tmp_path: Path) -> None:
+    """The same in another process, with another string-hash seed: nothing depends on it."""
     kwargs = {"stdlib": True, "max_bytes": 40_000, "vocab_size": 300}
     first = _meta(prepare("std", out_root=tmp_path / "a", **kwargs))
-    second = _meta(prepare("std", out_root=tmp_path / "b", **kwargs))
+    done = _run_cli(
+        *("--name", "std", "--out-root", str(tmp_path / "b"), "--stdlib"),
+        *("--max-bytes", "40000", "--vocab-size", "300"),
+        env={"PYTHONHASHSEED": "12345"},
+    )
+    assert done.returncode == 0, done.stderr
+    second = _meta(tmp_path / "b" / "std")
+    for name in ("train.bin", "val.bin", "tokenizer.json"):
+        assert (tmp_path / "a" / "std" / name).read_bytes() == (
+            tmp_path / "b" / "std" / name
+        ).read_bytes(), name
     assert first["source"]["kind"] == "stdlib"
     assert first["source"]["file_list_sha256"] == second["source"]["file_list_sha256"]
     assert first["content_sha256"] == second["content_sha256"]
@@ -334,9 +346,16 @@ def test_split_follows_the_seed_not_the_input_order() -> None:
     assert val_texts(texts, seed=0) != val_texts(texts, seed=1)
 
 
-def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+def _run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, str(ROOT / "data" / "prepare.py"), *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    return subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env=None if env is None else os.environ | env,
+    )
 
 
 def test_cli_prepares_and_reports_errors_without_traceback(corpus: Path, tmp_path: Path) -> None:
