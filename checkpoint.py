@@ -85,14 +85,14 @@ def load_checkpoint(path: Path, needs: tuple[str, ...] = KEYS) -> dict[str, Any]
         # weights_only: a checkpoint is data; never let loading it run code.
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated zip, wrong format, pickle error: all mean the same
-        text = str(e)
-        if "Weights only load failed" in text:  # readable, but holds more than data
-            found = re.search(r"Unsupported global: GLOBAL (\S+)", text)
+        # weights_only names a pickled class it refused; other failures (a damaged file
+        # among them, which it words alike) have no such name.
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        if found:
             raise CheckpointError(
                 f"checkpoint {path} holds objects other than tensors and plain data "
-                f"({found[1] if found else 'not allowed with weights_only=True'}), so it is not "
-                "one this project's train.py wrote; it is not loaded, since loading it could run "
-                "code"
+                f"({found[1]}), so it is not one this project's train.py wrote; it is not "
+                "loaded, since loading it could run code"
             ) from None
         raise CheckpointError(
             f"checkpoint {path} is unreadable (truncated or corrupt?): {e}"
