@@ -22,11 +22,9 @@ def load_meta(root: str | Path, name: str, vocab_size: int | None = None) -> dic
     """The corpus's meta.json; the error for a missing one says how to prepare it."""
     path = Path(root) / name / "meta.json"
     if not path.is_file():
-        vocab = f" --vocab-size {vocab_size}" if vocab_size is not None else ""
-        out_root = "" if Path(root) == Path("data") else f" --out-root {root}"
         raise DataError(
             f"no prepared corpus at {path.parent}/ (missing meta.json); prepare it first, e.g. "
-            f"python data/prepare.py --name {name} --stdlib{vocab}{out_root}"
+            f"{prepare_command(path.parent, vocab_size)}"
         )
     try:
         meta = json.loads(path.read_text())
@@ -42,8 +40,33 @@ def load_meta(root: str | Path, name: str, vocab_size: int | None = None) -> dic
     return meta
 
 
+def prepare_command(corpus: Path, vocab_size: int | None = None) -> str:
+    """A command that makes the corpus folder `corpus` (from the stdlib, the offline source)."""
+    vocab = f" --vocab-size {vocab_size}" if vocab_size is not None else ""
+    out_root = "" if corpus.parent == Path("data") else f" --out-root {corpus.parent}"
+    return f"python data/prepare.py --name {corpus.name} --stdlib{vocab}{out_root}"
+
+
 def _redo(corpus: Path) -> str:
-    return f"prepare the corpus again: python data/prepare.py --name {corpus.name} ..."
+    return f"prepare the corpus again from its source, e.g. {prepare_command(corpus)}"
+
+
+def token_file_problem(path: Path, expected_tokens: int | None = None) -> str | None:
+    """What keeps `path` from being a whole uint16 token file (of `expected_tokens`, where
+    meta.json says how many), or None."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return f"{path} is missing"
+    if size % 2 or (expected_tokens is not None and size != 2 * expected_tokens):
+        said = (
+            f", not the {expected_tokens:,} meta.json says" if expected_tokens is not None else ""
+        )
+        tokens = f"{size // 2:,}{'.5' * (size % 2)}"
+        return f"{path} is damaged: {size:,} bytes is {tokens} uint16 tokens{said}"
+    if size == 0:  # np.memmap cannot map an empty file
+        return f"{path} holds no tokens"
+    return None
 
 
 def check_vocab(meta: dict[str, Any], vocab_size: int, name: str) -> None:
@@ -75,19 +98,9 @@ class TokenBatches:
         expected_tokens: int | None = None,
     ) -> None:
         """`expected_tokens`: what meta.json says the file holds; checked against its size."""
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            raise DataError(f"{path} is missing; {_redo(path.parent)}") from None
-        if size % 2 or (expected_tokens is not None and size != 2 * expected_tokens):
-            said = f", not the {expected_tokens:,} meta.json says" if expected_tokens else ""
-            raise DataError(
-                f"{path} is damaged: {size:,} bytes is {size // 2:,}{'.5' * (size % 2)} uint16 "
-                f"tokens{said}; "
-                f"{_redo(path.parent)}"
-            )
-        if size == 0:  # np.memmap cannot map an empty file
-            raise DataError(f"{path} holds no tokens; {_redo(path.parent)}")
+        problem = token_file_problem(path, expected_tokens)
+        if problem is not None:
+            raise DataError(f"{problem}; {_redo(path.parent)}")
         self.tokens = np.memmap(path, dtype=np.uint16, mode="r")
         if len(self.tokens) < block_size + 1:
             raise DataError(

@@ -88,6 +88,7 @@ from data.corpus import (
     sha256_text,
     stdlib_corpus,
 )
+from data.loader import token_file_problem
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -385,8 +386,7 @@ def _is_complete(out_dir: Path, content_sha256: str) -> bool:
         if meta["content_sha256"] != content_sha256:
             return False
         for split in ("train", "val"):
-            size = (out_dir / f"{split}.bin").stat().st_size
-            if size != 2 * meta["splits"][split]["tokens"]:
+            if token_file_problem(out_dir / f"{split}.bin", meta["splits"][split]["tokens"]):
                 return False
         return file_sha256(out_dir / "tokenizer.json") == meta["tokenizer_sha256"]
     except (OSError, ValueError, KeyError, TypeError):  # missing or malformed: rebuild

@@ -678,7 +678,7 @@ def test_a_damaged_corpus_is_an_error_naming_the_file(
     overrides = [f"--data.root={root}", "--train.max_steps=1"]
     assert train.main(["--config", str(TINY), "--out", str(tmp_path / "run"), *overrides]) == 2
     err = error_of(capsys.readouterr().err)
-    assert named in err and "data/prepare.py --name tiny" in err
+    assert named in err and f"data/prepare.py --name tiny --stdlib --out-root {root}" in err
     assert not (tmp_path / "run").exists()
 
 
