@@ -416,9 +416,9 @@ def _serialised_text(meta: dict[str, Any]) -> str:
     if not meta["device"].startswith("cuda"):
         return ""
     return (
-        " (so the host's kernel launches do not overlap the device's work, as they do in "
-        "train.py's loop: a launch-bound cell, small and shallow, reads slower here than it "
-        "trains)"
+        " (so each step starts on an idle GPU and the host waits for its last kernel: the "
+        "next step's launches cannot overlap this one's tail as in train.py's loop, and a "
+        "short step reads a little slower than it trains)"
     )
 
 

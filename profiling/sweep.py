@@ -315,7 +315,7 @@ class Sweep:
                 cell.reason += (
                     f" (with up to {resident} other cell(s) of n_layer={cell.n_layer} in memory, "
                     f"as interleaved timing needs; alone: --variants {cell.variant} "
-                    f"--layers {cell.n_layer})"
+                    f"--layers {cell.n_layer} --compile {'on' if cell.compiled else 'off'})"
                 )
 
     @contextlib.contextmanager
