@@ -55,9 +55,10 @@ def load_run(
     # Another tokenizer.json would decode the same ids into other text, without an error.
     trained_with = ckpt.get("tokenizer_sha256")
     if trained_with is not None and file_sha256(tokenizer_path) != trained_with:
+        corpus = Path(config.data.root) / config.data.name / "tokenizer.json"
         raise CheckpointError(
             f"{tokenizer_path} is not the tokenizer {ckpt_path} was trained with (sha256 "
-            f"{trained_with[:12]}); copy that corpus's tokenizer.json back"
+            f"{trained_with[:12]}); copy that corpus's back (it was {corpus}, if unchanged since)"
         )
     if attention is not None:
         config = replace(config, model=replace(config.model, attention=attention))
@@ -71,8 +72,9 @@ def load_run(
             config.model.head_size,
         )
     except VariantUnavailable as e:
-        hint = "" if attention is not None else "; sample with another, e.g. --attention sdpa"
-        raise TrainError(f"{e}{hint}") from None
+        other = "naive" if config.model.attention == "sdpa" else "sdpa"
+        hint = "" if attention is not None else f"; sample with another, e.g. --attention {other}"
+        raise TrainError(f"sampling checks a variant as training does: {e}{hint}") from None
     model = GPT(config.model)
     with restoring(ckpt_path, "model"):
         model.load_state_dict(ckpt["model"])
