@@ -239,9 +239,10 @@ def check_runnable(config: Config, device: torch.device, amp_dtype: torch.dtype 
 
 def open_run(
     out_dir: Path, config: Config, tokenizer_sha256: str, resume: bool
-) -> dict[str, Any] | None:
-    """Check that `out_dir` can take this run, before anything is written; the checkpoint to
-    resume from (checked against the config and corpus), or None for a new run."""
+) -> tuple[Path, dict[str, Any] | None]:
+    """Check that `out_dir` can take this run, before anything is written. Returns the
+    checkpoint's path and the checkpoint to resume from (checked against the config and
+    corpus), or None for a new run."""
     if out_dir.exists() and not out_dir.is_dir():
         raise TrainError(f"--out {out_dir} is a file; give a run directory")
     if (out_dir / "meta.json").exists() or out_dir.resolve() == Path(config.data.root).resolve():
@@ -254,10 +255,10 @@ def open_run(
             f"new run (or delete {out_dir} to start it over)"
         )
     if not resume:
-        return None
+        return ckpt_path, None
     ckpt = load_checkpoint(ckpt_path)
     check_compatible(ckpt, config, tokenizer_sha256, ckpt_path)
-    return ckpt
+    return ckpt_path, ckpt
 
 
 def token_batches(
@@ -305,8 +306,7 @@ def train(
     data_dir = Path(config.data.root) / config.data.name
     onednn = check_runnable(config, device, amp_dtype)
 
-    ckpt_path = out_dir / CHECKPOINT
-    ckpt = open_run(out_dir, config, meta["tokenizer_sha256"], resume)
+    ckpt_path, ckpt = open_run(out_dir, config, meta["tokenizer_sha256"], resume)
 
     # Per rank, as in nanoGPT: ranks must draw different dropout masks. Initial weights may
     # differ too; DDP broadcasts rank 0's when it wraps the model.

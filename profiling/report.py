@@ -144,18 +144,15 @@ def headline_table(results: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _not_run_lines(rows: list[dict[str, Any]]) -> list[str]:
+def _not_run(rows: list[dict[str, Any]], bold: bool = False) -> list[str]:
     """One line per label and reason for the cells that did not run, their depths together."""
     depths: dict[tuple[str, str], list[str]] = {}
     for r in rows:
         if r["status"] != "ok":
             key = (label(r["variant"], r["compile"]), f"{r['status']}: {r['reason']}")
             depths.setdefault(key, []).append(str(r["n_layer"]))
-    if not depths:
-        return []
-    return ["", "Did not run:"] + [
-        f"- {name} @L{','.join(ns)}: {why}" for (name, why), ns in depths.items()
-    ]
+    mark = "**" if bold else ""
+    return [f"- {mark}{name}{mark} @L{','.join(ns)}: {why}" for (name, why), ns in depths.items()]
 
 
 def _noisy(step_ms: dict[str, float]) -> bool:
@@ -314,6 +311,7 @@ def write_report(out: Path, results: dict[str, Any], plots: bool = True) -> None
     meta, rows = results["meta"], results["rows"]
     if not rows:
         return
+    not_run = _not_run(rows)
     summary = [
         "Full training steps (forward + backward + AdamW), median step time in ms",
         f"machine: {_machine_line(meta)}",
@@ -325,7 +323,7 @@ def write_report(out: Path, results: dict[str, Any], plots: bool = True) -> None
         *_completeness(meta, rows),
         *_busy_warning(meta),
         *headline_table(results),
-        *_not_run_lines(rows),
+        *(["", "Did not run:", *not_run] if not_run else []),
     ]
     (out / "summary.txt").write_text("\n".join(summary) + "\n")
     (out / "report.md").write_text(_report_md(results))
@@ -429,11 +427,7 @@ def _report_md(results: dict[str, Any]) -> str:
         f"| {name} | " + " | ".join(_projected(s["projected"][str(n)]) for n in PROJECT_AT) + " |"
         for name, s in saved.items()
     ]
-    problems = [
-        f"- **{label(r['variant'], r['compile'])} L{r['n_layer']}**: {r['status']}: {r['reason']}"
-        for r in rows
-        if r["status"] != "ok"
-    ]
+    problems = _not_run(rows, bold=True)
     return "\n".join(
         [
             "# Training-step profile by attention variant and depth",
