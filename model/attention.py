@@ -183,7 +183,7 @@ VARIANTS: dict[str, Variant] = {
             flex,
             "flex_attention with a causal block mask, compiled",
             supports_dropout=False,
-            cuda_only="PyTorch has no flex_attention backward off CUDA (its forward runs, not its training)",
+            cuda_only="PyTorch has no flex_attention backward off CUDA; only its forward runs here",
             make_mask=causal_block_mask,
         ),
     )
