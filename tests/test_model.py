@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from model import (
@@ -270,10 +271,83 @@ def test_sequence_longer_than_block_size() -> None:
 
 
 def test_weight_tying_and_init() -> None:
-    model = GPT(tiny_config(n_layer=8))
+    torch.manual_seed(0)
+    model = GPT(tiny_config(n_layer=8, n_embd=64, block_size=256))
     assert model.lm_head.weight is model.wte.weight
-    proj = model.blocks[0].mlp.c_proj.weight
-    assert abs(proj.std().item() - 0.02 / 4) < 0.002  # 1/sqrt(2 * 8) = 1/4
+    for block in model.blocks:  # both residual branches' output projections: 1/sqrt(2 * 8)
+        for proj in (block.attn.c_proj.weight, block.mlp.c_proj.weight):
+            assert proj.std().item() == pytest.approx(0.02 / 4, rel=0.1)
+        assert block.attn.c_attn.weight.std().item() == pytest.approx(0.02, rel=0.1)
+    assert model.wte.weight.std().item() == pytest.approx(0.02, rel=0.1)
+    assert model.wpe.weight.std().item() == pytest.approx(0.02, rel=0.1)
+    biases = [m.bias for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert biases and all(torch.equal(b, torch.zeros_like(b)) for b in biases if b is not None)
+
+
+def test_pre_layernorm_residual_stream() -> None:
+    """With every residual branch's output projection zeroed, the blocks pass the stream
+    through untouched (pre-LN: the norms sit inside the branches), so the features are
+    ln_f(token + position embeddings). A post-LN block, or a missing ln_f, changes them."""
+    torch.manual_seed(0)
+    model = GPT(tiny_config())
+    with torch.no_grad():
+        for block in model.blocks:
+            for proj in (block.attn.c_proj, block.mlp.c_proj):
+                proj.weight.zero_()
+                proj.bias.zero_()
+            block.ln_1.weight.mul_(3)  # norms away from identity, so a misplaced one shows
+            block.ln_2.weight.mul_(3)
+        model.ln_f.weight.mul_(0.5)
+    idx = torch.randint(0, 97, (2, 16))
+    expected = model.ln_f(model.wte(idx) + model.wpe(torch.arange(16)))
+    torch.testing.assert_close(model.features(idx), expected)
+
+
+def test_every_parameter_gets_a_gradient() -> None:
+    torch.manual_seed(0)
+    model = GPT(tiny_config())
+    idx = torch.randint(0, 97, (2, 16))
+    model(idx, idx)[1].backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_position_embeddings_distinguish_positions() -> None:
+    """The same token repeated: attention over identical tokens averages identical values,
+    so only the position embeddings can make one position's logits differ from another's."""
+    torch.manual_seed(0)
+    model = GPT(tiny_config()).eval()
+    logits, _ = model(torch.full((1, 16), 5))
+    for t in range(1, 16):
+        assert not torch.allclose(logits[0, 0], logits[0, t]), t
+
+
+def test_loss_ignores_targets_of_minus_one() -> None:
+    torch.manual_seed(0)
+    model = GPT(tiny_config())
+    idx = torch.randint(0, 97, (2, 16))
+    targets = torch.randint(0, 97, (2, 16))
+    logits, _ = model(idx)
+    ignored = torch.rand(2, 16) < 0.4
+    _, loss = model(idx, targets.masked_fill(ignored, -1))
+    expected = F.cross_entropy(logits[~ignored], targets[~ignored])
+    torch.testing.assert_close(loss, expected)
+
+
+@pytest.mark.parametrize("module", ["drop", "attn.resid_dropout", "mlp.dropout"])
+def test_each_dropout_module_acts_in_training(module: str) -> None:
+    """Set one nn.Dropout at a time to p=0.5 (attention dropout off): the output must change
+    between two training forwards and not in eval, so each one is on the model's path."""
+    torch.manual_seed(0)
+    model = GPT(tiny_config())
+    chosen = [m for name, m in model.named_modules() if name.endswith(module)]
+    assert chosen
+    for m in chosen:
+        m.p = 0.5
+    idx = torch.randint(0, 97, (2, 16))
+    assert not torch.equal(model(idx)[0], model(idx)[0])
+    model.eval()
+    assert torch.equal(model(idx)[0], model(idx)[0])
 
 
 def test_generate() -> None:
