@@ -145,6 +145,7 @@ BAD = {
     "dropout-out-of-range": (None, ["--model.dropout=1.5"], ["model.dropout"]),
     "zero-log-interval": (None, ["--train.log_interval=0"], ["train.log_interval"]),
     "nan-lr": (None, ["--train.lr=nan"], ["train.lr", "finite"]),
+    "inf-lr": (None, ["--train.lr=inf"], ["train.lr", "finite"]),
     "empty-sample-prompt": (None, ['--train.sample_prompt=""'], ["train.sample_prompt"]),
     "min-lr-above-lr": (
         None,

@@ -21,12 +21,15 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
+import checkpoint
 import sample
 import train
 from config import TrainConfig, load_config
+from data.loader import TokenBatches
 from data.prepare import EOT, EOT_ID, prepare, split_documents
 from model import GPT, VARIANTS, available_variants, unavailable_reason
 
@@ -502,6 +505,7 @@ def test_interrupted_save_leaves_the_previous_checkpoint_whole(
 
     assert len(saves) == 2
     assert ckpt.read_bytes() == saves[1], "the checkpoint changed during the failed save"
+    assert not ckpt.with_name(ckpt.name + ".tmp").exists(), "the half-written file is left"
     assert load_ckpt(out)["step"] == 2
     # Resuming reads ckpt.pt, not the half-written temporary: it continues from step 2.
     assert run(data_root, out, "--train.max_steps=4", "--train.eval_interval=2", "--resume") == 0
@@ -1126,3 +1130,92 @@ def test_lr_warms_up_to_the_peak_once_then_decays_to_min_lr() -> None:
     assert all(a > b for a, b in itertools.pairwise(lrs[4:]))  # cosine: falls every step
     assert lrs[12] == pytest.approx((1e-3 + 1e-4) / 2)  # halfway through the decay
     assert lrs[20] == pytest.approx(1e-4) and min(lrs) >= 1e-4
+
+
+def test_every_param_group_follows_the_schedule(base_run: Path) -> None:
+    tc = load_config(base_run / "config.toml").train
+    groups = load_ckpt(base_run)["optimizer"]["param_groups"]
+    assert len(groups) == 2
+    assert all(g["lr"] == pytest.approx(train.lr_at(STEPS - 1, tc)) for g in groups)
+    for r in train_lines(base_run):  # the lr that step ran with: step s is lr_at(s - 1)
+        assert r["lr"] == pytest.approx(train.lr_at(r["step"] - 1, tc))
+
+
+# --- the optimizer and the step, by themselves ------------------------------------------------------
+
+
+def small_model(seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(
+        load_config(
+            TINY, ["--model.vocab_size=64", "--model.block_size=16", "--model.dropout=0"]
+        ).model
+    )
+
+
+def test_weight_decay_on_matrices_only() -> None:
+    model = small_model()
+    tc = TrainConfig(weight_decay=0.25, beta1=0.8, beta2=0.9)
+    decayed, plain = train.build_optimizer(model, tc, torch.device("cpu")).param_groups
+    matrices = {id(p) for p in model.parameters() if p.dim() == 2}
+    assert {id(p) for p in decayed["params"]} == matrices
+    assert {id(p) for p in plain["params"]} == {id(p) for p in model.parameters()} - matrices
+    assert (decayed["weight_decay"], plain["weight_decay"]) == (0.25, 0.0)
+    assert decayed["betas"] == plain["betas"] == (0.8, 0.9)
+
+
+def batch(seed: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, 64, (rows, 17), generator=torch.Generator().manual_seed(seed))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def sgd_step(model: GPT, micro: list[Any], clip: float) -> tuple[train.StepResult, torch.Tensor]:
+    """train_step with SGD at lr 1: the parameters move by exactly the (clipped) gradient."""
+    before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+    result = train.train_step(model, torch.optim.SGD(model.parameters(), lr=1.0), micro, clip)
+    after = torch.cat([p.detach().flatten() for p in model.parameters()])
+    return result, before - after
+
+
+def test_train_step_clips_the_update_and_reports_the_norm_before() -> None:
+    model = small_model()
+    x, y = batch(0, 4)
+    model(x, y)[1].backward()
+    norm = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
+    model.zero_grad()
+    assert norm > 1e-2
+    result, update = sgd_step(model, [(x, y)], clip=1e-2)
+    assert result.grad_norm == pytest.approx(norm.item(), rel=1e-5)
+    assert update.norm().item() == pytest.approx(1e-2, rel=1e-4)
+
+
+def test_gradient_accumulation_matches_one_batch_of_all_the_rows() -> None:
+    x, y = batch(0, 4)
+    one, update_one = sgd_step(small_model(), [(x, y)], clip=1e9)
+    two, update_two = sgd_step(small_model(), [(x[:2], y[:2]), (x[2:], y[2:])], clip=1e9)
+    assert two.loss.item() == pytest.approx(one.loss.item(), rel=1e-5)
+    assert two.grad_norm.item() == pytest.approx(one.grad_norm.item(), rel=1e-5)
+    torch.testing.assert_close(update_two, update_one, rtol=1e-4, atol=1e-7)
+
+
+def test_evaluate_is_the_mean_loss_over_its_fixed_windows(tmp_path: Path) -> None:
+    model = small_model()
+    tokens = tmp_path / "val.bin"
+    np.random.default_rng(0).integers(0, 64, 2000, dtype=np.uint16).tofile(tokens)
+    batches = TokenBatches(tokens, block_size=16, batch_size=4, seed=3, device=torch.device("cpu"))
+    with torch.no_grad():
+        model.eval()
+        expected = sum(model(*batches.next())[1].item() for _ in range(5)) / 5
+    model.train()
+    assert train.evaluate(model, batches, 5, None) == pytest.approx(expected, rel=1e-6)
+    assert train.evaluate(model, batches, 5, None) == pytest.approx(expected, rel=1e-6)
+    assert model.training
+
+
+def test_restore_rng_takes_this_ranks_state() -> None:
+    states = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        states.append({"torch": torch.get_rng_state()})
+    checkpoint.restore_rng(states, 0, 5, torch.device("cpu"), rank=1, world_size=2)
+    assert torch.equal(torch.get_rng_state(), states[1]["torch"])
