@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
+import csv
 import json
+import math
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch.autograd import DeviceType
 
 import profile_train
 from model import attention
-from profiling.analysis import fit_line, fits_by_label, op_diff, savings
+from profiling.analysis import fit_line, fits_by_label, line_se_at, op_diff, savings
 from profiling.measure import OtherLoad, parse_events, verify_backend
 from profiling.report import headline_table
 from profiling.sweep import Sweep
@@ -169,6 +173,8 @@ def test_backend_mismatch_fails_the_cell(tmp_path: Path, monkeypatch: pytest.Mon
     assert (
         "FLASH_ATTENTION" in row["reason"] and "_scaled_dot_product_attention_math" in row["reason"]
     )
+    # It was timed before the trace caught it; a failed cell reports no time, rate or MFU.
+    assert row["step_ms"] is row["tokens_per_s"] is row["mfu"] is None
 
 
 def test_each_round_starts_one_variant_later(
@@ -205,6 +211,43 @@ def test_each_round_starts_one_variant_later(
     assert rc == 0
     a, b, c = "naive", "inplace", "sdpa"
     assert ran[-9:] == [a, b, c, b, c, a, c, a, b]  # after the warm-up steps: 3 rounds
+
+
+TIMES_MS = [10, 20, 30, 40, 100]  # median 30 (the mean is 40), p10 14, p90 76
+
+
+def test_warm_up_is_left_out_and_the_timed_steps_summarised(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Scripted step times: the first step (compilation, if any) and the warm-up steps read
+    9 s, the timed ones 10, 20, 30, 40 and 100 ms. Only the timed ones may reach the row, its rate and MFU,
+    and the CSV must say the same as results.json."""
+    import profiling.sweep
+
+    calls: dict[int, int] = {}
+
+    def timed(fn, device):
+        fn()
+        i = calls[id(fn)] = calls.get(id(fn), -1) + 1
+        return 9.0 if i < 3 else TIMES_MS[i - 3] / 1e3
+
+    monkeypatch.setattr(profiling.sweep, "timed", timed)
+    args = ("--variants", "naive,sdpa", "--layers", "1", "--warmup", "3", "--steps", "5")
+    rc, results = sweep(tmp_path, *args, "--train.grad_accum=2")
+    assert rc == 0
+    assert sorted(calls.values()) == [7, 7]  # per cell: 1 first + 2 more warm-up + 5 timed
+    peak = results["meta"]["peak_flops"]
+    with open(tmp_path / "sweep" / "results.csv", newline="") as f:
+        csv_rows = {r["variant"]: r for r in csv.DictReader(f)}
+    for row in results["rows"]:
+        assert row["step_ms"] == pytest.approx({"median": 30, "p10": 14, "p90": 76, "n": 5})
+        assert row["tokens_per_s"] == pytest.approx(2 * 2 * 32 / 0.030)  # B x grad_accum x T
+        assert row["mfu"] == pytest.approx(row["flops_per_step"] / 0.030 / peak)
+        written = csv_rows[row["variant"]]
+        for key in ("median", "p10", "p90"):
+            assert float(written[f"step_ms_{key}"]) == pytest.approx(row["step_ms"][key])
+        assert float(written["tokens_per_s"]) == pytest.approx(row["tokens_per_s"])
+        assert float(written["mfu"]) == pytest.approx(row["mfu"])
 
 
 @pytest.mark.slow
@@ -388,8 +431,13 @@ def test_fits_recover_known_slopes() -> None:
     fit = fit_line([1, 2, 4, 8], [3 + 2 * x for x in (1, 2, 4, 8)])
     assert fit["slope"] == pytest.approx(2) and fit["intercept"] == pytest.approx(3)
     assert fit["r2"] == pytest.approx(1) and fit["slope_se"] == pytest.approx(0, abs=1e-12)
-    noisy = fit_line([1, 2, 3, 4], [1.1, 1.9, 3.2, 3.8])
-    assert 0.9 < noisy["r2"] < 1 and noisy["slope_se"] > 0
+    xs, ys = [1, 2, 3, 4], [1.1, 1.9, 3.2, 3.8]
+    noisy = fit_line(xs, ys)
+    slope, intercept = statistics.linear_regression(xs, ys)
+    (_, cov) = np.polyfit(xs, ys, 1, cov=True)  # scaled by the residual variance, n - 2 dof
+    assert noisy["slope"] == pytest.approx(slope) and noisy["intercept"] == pytest.approx(intercept)
+    assert noisy["r2"] == pytest.approx(statistics.correlation(xs, ys) ** 2)
+    assert noisy["slope_se"] == pytest.approx(math.sqrt(cov[0, 0]))
     assert fit_line([1, 2], [1, 2])["slope_se"] is None  # two points: no error estimate, not NaN
     assert fit_line([4, 4], [1, 2]) is None
 
@@ -415,8 +463,16 @@ def test_fits_recover_known_slopes() -> None:
     assert saved["se_method"] == "paired"
     assert saved["per_layer_se"] == pytest.approx(0, abs=1e-9)
     # Not measured at the same depths: the two slopes' errors, combined as independent.
-    saved = savings(rows[:-1])["sdpa"]
-    assert saved["se_method"] == "independent" and saved["per_layer_se"] > 0.3
+    saved, fits = savings(rows[:-1])["sdpa"], fits_by_label(rows[:-1])
+    assert saved["se_method"] == "independent"
+    ses = [fits[name]["step_ms"]["slope_se"] for name in ("naive", "sdpa")]
+    assert saved["per_layer_se"] == pytest.approx(math.hypot(*ses))
+    points = [
+        {r["n_layer"]: r["step_ms"]["median"] for r in rows[:-1] if r["variant"] == v}
+        for v in ("naive", "sdpa")
+    ]
+    at_48 = math.hypot(*(line_se_at(pts, 48) for pts in points))
+    assert saved["projected"]["48"]["saving_se"] == pytest.approx(at_48)
 
     # Compiled variants are compared with compiled naive, like against like.
     rows = [timed_row(v, n, 10 + k * n, c) for v, k, c in VARIANTS_SLOPES for n in (1, 2, 4)]
