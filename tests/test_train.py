@@ -1065,6 +1065,8 @@ def test_two_ranks_match_one_process_with_twice_the_batch(
         assert a["mfu"] == pytest.approx(a["tflops"] / 2)  # the job's rate over 2 devices' peak
     a, b = load_ckpt(ddp), load_ckpt(single)
     assert a["step"] == b["step"] == 3
+    # Each rank seeds with seed + rank (its own dropout masks), and both states are kept.
+    assert len(a["rng"]) == 2 and not torch.equal(a["rng"][0]["torch"], a["rng"][1]["torch"])
     for name, tensor in b["model"].items():
         torch.testing.assert_close(a["model"][name], tensor, atol=1e-5, rtol=0, msg=name)
 
