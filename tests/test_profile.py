@@ -251,13 +251,26 @@ def test_warm_up_is_left_out_and_the_timed_steps_summarised(
 
 
 @pytest.mark.slow
-def test_every_depth_traces_its_own_graphs(tmp_path: Path) -> None:
+def test_every_depth_traces_its_own_graphs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Identical blocks would reuse the first depth's Dynamo graphs and compile nothing; each
     cell also says whether Inductor's on-disk cache supplied its compiled graphs."""
+    import profiling.sweep
+
+    real_timed, seconds = profiling.sweep.timed, {}
+
+    def timed(fn, device):  # records each cell's step times, first (compiling) step first
+        t = real_timed(fn, device)
+        seconds.setdefault(id(fn), []).append(t)
+        return t
+
+    monkeypatch.setattr(profiling.sweep, "timed", timed)
     rc, results = sweep(tmp_path, "--variants", "naive", "--layers", "1,2", "--compile", "on")
     assert rc == 0
-    for row in results["rows"]:
-        assert row["status"] == "ok" and row["compile_s"] is not None
+    assert len(seconds) == len(results["rows"]) == 2
+    for row, (first, *steps) in zip(results["rows"], seconds.values(), strict=True):
+        assert row["status"] == "ok"
+        # The first step's time less a timed step's median (--warmup 1: no other warm-up).
+        assert row["compile_s"] == pytest.approx(first - statistics.median(steps))
         assert row["compile_cache"] in ("cold", "cached"), row["n_layer"]
     # The compiler's start-up is paid apart, so it is not charged to the first compiled cell.
     assert results["meta"]["compiler_startup_s"] > 0
