@@ -1134,6 +1134,22 @@ def test_lr_warms_up_to_the_peak_once_then_decays_to_min_lr() -> None:
     assert lrs[20] == pytest.approx(1e-4) and min(lrs) >= 1e-4
 
 
+def test_the_last_evaluation_is_of_the_final_weights_on_each_split(
+    base_run: Path, data_root: Path
+) -> None:
+    """val_loss on val.bin's fixed windows, train_loss on train.bin's own fixed windows."""
+    config = load_config(base_run / "config.toml")
+    model = GPT(config.model)
+    model.load_state_dict(load_ckpt(base_run)["model"])
+    cpu = torch.device("cpu")
+    batches = train.token_batches(config, data_root / "tiny", meta(data_root), cpu, 0, 1)
+    last = eval_lines(base_run)[-1]
+    assert last["step"] == STEPS
+    for key, sampler in (("val_loss", "val"), ("train_loss", "train_eval")):
+        expected = train.evaluate(model, batches[sampler], config.train.eval_batches, None)
+        assert last[key] == pytest.approx(expected, rel=1e-5), key
+
+
 def test_every_param_group_follows_the_schedule(base_run: Path) -> None:
     tc = load_config(base_run / "config.toml").train
     groups = load_ckpt(base_run)["optimizer"]["param_groups"]
