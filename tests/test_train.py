@@ -1141,12 +1141,23 @@ def test_the_last_evaluation_is_of_the_final_weights_on_each_split(
     config = load_config(base_run / "config.toml")
     model = GPT(config.model)
     model.load_state_dict(load_ckpt(base_run)["model"])
-    cpu = torch.device("cpu")
-    batches = train.token_batches(config, data_root / "tiny", meta(data_root), cpu, 0, 1)
+    cpu, folder = torch.device("cpu"), data_root / "tiny"
+    seeds = {
+        k: b.seed
+        for k, b in train.token_batches(config, folder, meta(data_root), cpu, 0, 1).items()
+    }
+    assert len(set(seeds.values())) == 3, "each sampler draws its own windows"
     last = eval_lines(base_run)[-1]
     assert last["step"] == STEPS
-    for key, sampler in (("val_loss", "val"), ("train_loss", "train_eval")):
-        expected = train.evaluate(model, batches[sampler], config.train.eval_batches, None)
+    for key, split, sampler in (("val_loss", "val", "val"), ("train_loss", "train", "train_eval")):
+        windows = TokenBatches(
+            folder / f"{split}.bin",
+            config.model.block_size,
+            config.train.batch_size,
+            seeds[sampler],
+            cpu,
+        )
+        expected = train.evaluate(model, windows, config.train.eval_batches, None)
         assert last[key] == pytest.approx(expected, rel=1e-5), key
 
 
