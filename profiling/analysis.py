@@ -327,6 +327,8 @@ def describe_diff(
             these = [f"    {_amount(d, region=False)}" for d in diffs if d["region"] == region]
             lines += [f"  {region}:", *these] if these else []
         return "\n".join(lines)
+    if unit == "kernel":
+        diffs = merge_by_kernel_label(diffs)
     named = [d for d in diffs if d["name"] not in BOOKKEEPING]
     parts = [_amount(d) for d in _largest_of_each_region(named, SHOWN)]
     if len(named) > SHOWN:
@@ -358,6 +360,95 @@ def _amount(d: dict[str, Any], region: bool = True) -> str:
     amount = f"{n:g}" if n != int(n) else str(int(n))
     more = "more" if d["per_layer"] > 0 else "fewer"
     return f"{amount} {d['name']} {more}" + (f" ({d['region']})" if region else "")
+
+
+# CUDA kernel names, as the profiler records them, are demangled C++ signatures: PyTorch's
+# elementwise kernels run 300-1100 characters, most of it the launcher's template arguments. In
+# prose a kernel goes by a short label (results.json and --diff keep the full names).
+_LAUNCHERS = frozenset(
+    (
+        "elementwise_kernel",
+        "vectorized_elementwise_kernel",
+        "unrolled_elementwise_kernel",
+        "elementwise_kernel_with_index",
+        "reduce_kernel",
+        "multi_tensor_apply_kernel",
+    )
+)
+# Wrappers inside a launcher's template arguments that do not name the operation.
+_WRAPPERS = frozenset(
+    (
+        "gpu_kernel_impl",
+        "gpu_kernel_impl_nocast",
+        "ReduceOp",
+        "func_wrapper_t",
+        "TensorListMetadata",
+        "FusedOptimizerTensorListMetadata",
+        "AUnaryFunctor",
+        "BUnaryFunctor",
+        "BinaryFunctor",
+        "lambda",
+        "operator",
+        "array",
+    )
+)
+_CALLEE = re.compile(r"([A-Za-z_]\w*)(?=[(<])")
+_LAMBDA_ARGS = re.compile(r"\{lambda\(([^()]+)\)#\d+\}")
+_TEMPLATE_ARG = re.compile(r"(?:Functor|ReduceOp|_add)<(?:c10::)?((?:unsigned )?\w+)")
+
+
+def kernel_label(name: str) -> str:
+    """A CUDA kernel's short name for prose.
+
+    A PyTorch launcher (`elementwise_kernel<128, 4, gpu_kernel_impl_nocast<direct_copy_kernel_cuda
+    (...)::{lambda(c10::BFloat16)#1}>>(...)`) goes by the operation it runs and its dtype,
+    `direct_copy_kernel_cuda<BFloat16>`, with "(casting)" when it loads or stores with a cast;
+    any other templated or C++ kernel by its unqualified name (`softmax_warp_forward`,
+    `fmha_cutlassF_bf16_aligned_64x64_rf_sm80`). Plain names (cuBLAS's `nvjet_…`, Triton's,
+    cuDNN's generated kernels, `Memcpy DtoD (Device -> Device)`) stay as they are.
+    """
+    s = name.removeprefix("void ").replace("(anonymous namespace)::", "")
+    head = re.match(r"[\w:]+", s)
+    if head is None or head.end() == len(s) or s[head.end()] not in "<(":
+        return name
+    base = head.group().rsplit("::", 1)[-1]
+    if base not in _LAUNCHERS:
+        return base
+    rest = s[head.end() :]
+    op = next((c for c in _CALLEE.findall(rest) if c not in _WRAPPERS), None)
+    if op is None:
+        return base
+    dtype = _kernel_dtype(rest)
+    text = f"{op}<{dtype}>" if dtype else op
+    return text + (" (casting)" if "WithCast" in rest else "")
+
+
+def _kernel_dtype(args: str) -> str | None:
+    """The data type a launcher's operation runs on: the first template argument of its
+    functor (or of ReduceOp), else the first non-bool parameter of its lambda (where's takes
+    the condition first, masked_fill's the mask last)."""
+    if m := _TEMPLATE_ARG.search(args):
+        return m.group(1)
+    for m in _LAMBDA_ARGS.finditer(args):
+        types = [t.strip().removeprefix("c10::") for t in m.group(1).split(",")]
+        if types != ["int"]:  # {lambda(int)#1}: the launcher's own index lambda
+            return next((t for t in types if t != "bool"), types[0])
+    return None
+
+
+def merge_by_kernel_label(
+    diffs: list[dict[str, Any]], threshold: float = 0.25
+) -> list[dict[str, Any]]:
+    """Kernel diffs summed by (region, kernel_label): launches of one operation through
+    different launchers (vectorized or not, say) count together; a sum under threshold drops."""
+    merged: dict[tuple[str, str], dict[str, Any]] = {}
+    for d in diffs:
+        key = (d["region"], kernel_label(d["name"]))
+        if key in merged:
+            merged[key]["per_layer"] = round(merged[key]["per_layer"] + d["per_layer"], 2)
+        else:
+            merged[key] = {**d, "name": key[1]}
+    return _by_region_and_size([d for d in merged.values() if abs(d["per_layer"]) >= threshold])
 
 
 # Categories of "where the time goes". By the op's name, which in this model says where it came

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ from profiling.analysis import (
     REGIONS,
     baselines,
     describe_diff,
+    kernel_label,
     label,
     labels,
     ok_rows,
@@ -268,7 +270,13 @@ def _time_line(name: str, r: dict[str, Any]) -> str:
             ". Inductor's fused kernels are not ATen operators: their time is in the remainder, "
             "not in the categories"
         )
-    top = ", ".join(f"`{n}` {ms:.1f}" for n, ms in list(times.items())[:6])
+    named = {n: ms for n, ms in times.items() if n != "other"}  # "other": the unlisted, summed
+    if cuda:  # by short label: one operation through several launchers counts once
+        by_label: dict[str, float] = defaultdict(float)
+        for n, ms in named.items():
+            by_label[kernel_label(n)] += ms
+        named = dict(sorted(by_label.items(), key=lambda kv: -kv[1]))
+    top = ", ".join(f"`{n}` {ms:.1f}" for n, ms in list(named.items())[:6])
     return line + f". Largest (ms): {top}."
 
 
@@ -410,6 +418,15 @@ WHERE_TIME_GOES_INTRO = [
 ]
 
 
+_KERNEL_LABELS = (
+    " In the findings and under where the time goes, a kernel goes by a short label: PyTorch's "
+    "elementwise, reduction and multi-tensor launchers by the operation they run and its dtype "
+    "(`direct_copy_kernel_cuda<float>`, with `(casting)` when it converts as it loads), other "
+    "kernels by their unqualified name, launches of one label summed; results.json and "
+    "`--diff` keep the full names."
+)
+
+
 def _serialised_text(meta: dict[str, Any]) -> str:
     if not meta["device"].startswith("cuda"):
         return ""
@@ -496,7 +513,8 @@ def _report_md(results: dict[str, Any]) -> str:
             "- **Ops and kernels**: separate steps under torch.profiler with a wait=1/warmup=1/active schedule; "
             "ATen ops (and the oneDNN linear's `cpu_linear::linear`/`mkldnn::_linear_pointwise`) counted (nested calls included, so `aten::masked_fill` and the `aten::clone` it makes both "
             "count) by the `record_function` region their start falls in; CUDA kernels (and memcpy/memset) by "
-            "the region of the runtime call that launched them, matched by correlation id.",
+            "the region of the runtime call that launched them, matched by correlation id."
+            + (_KERNEL_LABELS if any(r.get("kernels_per_step") for r in rows) else ""),
             *_unattributed_lines(rows),
             "- **Peak memory**: parameters and optimizer state resident before the step, plus the step's own "
             "peak above that: on CUDA from the caching allocator (`max_memory_allocated`) over one more step, "

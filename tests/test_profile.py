@@ -823,6 +823,51 @@ def test_diff_names_every_op_that_differs() -> None:
     assert lines[backward + 1 :] == ["    1 aten::bmm more"]
 
 
+def test_kernel_labels_name_the_operation_and_its_dtype() -> None:
+    """Kernel names as an H200 run recorded them (tests/cuda_kernel_names.json, each with the
+    label read off by hand): a PyTorch launcher goes by the operation it runs and its dtype,
+    other C++ kernels by their unqualified name, plain names unchanged."""
+    from profiling.analysis import kernel_label
+
+    names = json.loads((Path(__file__).parent / "cuda_kernel_names.json").read_text())
+    assert len(names) >= 16
+    for name, expected in names.items():
+        assert kernel_label(name) == expected, name[:120]
+
+
+def test_kernel_findings_merge_launchers_of_one_operation() -> None:
+    """One operation launched through two launchers (vectorized or not) is one label in the
+    findings: counts add, a net zero drops out; --diff keeps every full name."""
+    from profiling.analysis import describe_diff
+    from profiling.report import diff_text
+
+    def copy(vec: int, dtype: str = "c10::BFloat16") -> str:
+        return (
+            f"void at::native::elementwise_kernel<128, {vec}, at::native::gpu_kernel_impl_nocast<"
+            "at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}::"
+            f"operator()() const::{{lambda()#12}}::operator()() const::{{lambda({dtype})#1}}>"
+            "(at::TensorIteratorBase&)::{lambda(int)#1}>(int)"
+        )
+
+    fill = "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, "
+    fill += "std::array<char*, 1ul> >(int, at::native::FillFunctor<float>, std::array<char*, 1ul>)"
+    rows = []
+    for n in (1, 2):
+        a = {copy(2): 2 * n, "nvjet_x": n, copy(2, "float"): n}
+        b = {copy(4): 1 * n, copy(2): 3 * n, fill: n, copy(4, "float"): n}
+        for variant, kernels in (("a", a), ("b", b)):
+            row = _ops_row(variant, n, {"aten::mm": n})
+            row["kernels_per_step"] = {"forward": kernels, "backward": {}, "optimizer": {}}
+            rows.append(row)
+    text = describe_diff("a", "b", op_diff(rows, "a", "b", kind="kernels_per_step"), unit="kernel")
+    assert "2 direct_copy_kernel_cuda<BFloat16> fewer (forward)" in text
+    assert "1 FillFunctor<float> fewer (forward)" in text and "1 nvjet_x more (forward)" in text
+    assert "elementwise_kernel<128" not in text
+    assert "direct_copy_kernel_cuda<float>" not in text  # a net zero
+    full = diff_text(rows, "a", "b")
+    assert f"    1 {copy(4)} fewer" in full.splitlines() and f"    1 {copy(2)} fewer" in full
+
+
 def test_time_categories_compare_across_variants() -> None:
     """'Where the time goes' puts naive's batched matmuls and softmax in attention, as it does
     SDPA's fused kernel, and every linear-layer path (BLAS, the oneDNN custom op) in linear."""
@@ -884,6 +929,31 @@ def test_where_the_time_goes_shows_the_time_outside_the_operators() -> None:
     stored = {"linear layers": 0.5, "attention": 0.25, "everything else": 0.25}
     [line] = where_time_goes([_timed_row("naive", 100.0, naive, time_split=stored)])
     assert "linear layers 45.0 ms (45%), attention 22.5 ms (22%)" in line
+
+
+def test_where_the_time_goes_on_cuda_lists_kernels_by_label() -> None:
+    """On CUDA the largest kernels go by their labels, one operation's launchers summed; the
+    unlisted rest ('other') counts in the total but is not a kernel to list."""
+    from profiling.report import where_time_goes
+
+    def copy(vec: int) -> str:
+        return (
+            f"void at::native::elementwise_kernel<128, {vec}, at::native::gpu_kernel_impl_nocast<"
+            "at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}::"
+            "operator()() const::{lambda()#12}::operator()() const::{lambda(c10::BFloat16)#1}>"
+            "(at::TensorIteratorBase&)::{lambda(int)#1}>(int)"
+        )
+
+    kernels = {"other": 20.0, "nvjet_sm90_tst": 6.0, copy(2): 5.0, copy(4): 3.0}
+    split = {"everything else": 1.0}
+    row = _timed_row("sdpa", 40.0, {"aten::mm": 1.0}, device_ms_per_step=kernels, time_split=split)
+    [line] = where_time_goes([row])
+    assert (
+        "Kernel time in the profiled step 34.0 ms" in line and "no kernel running +6.0 ms" in line
+    )
+    assert line.endswith(
+        "Largest (ms): `direct_copy_kernel_cuda<BFloat16>` 8.0, `nvjet_sm90_tst` 6.0."
+    )
 
 
 def test_findings_compare_compiled_variants_with_compiled_naive() -> None:
