@@ -234,6 +234,19 @@ def test_checkpoint_holds_the_run_state_and_loads_weights_only(
         assert written_by["commit"] and head.stdout.startswith(written_by["commit"][:12])
 
 
+def test_readout_gain_script_times_both_modes(data_root: Path) -> None:
+    """scripts/readout_gain.py runs train.py's loop in each mode and prints only its table on
+    stdout (train.py's own lines go to stderr)."""
+    argv = [sys.executable, str(ROOT / "scripts" / "readout_gain.py"), "--config", str(TINY)]
+    argv += ["--steps", "6", "--skip", "2", "--rounds", "1", f"--data.root={data_root}"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    head, *modes = done.stdout.splitlines()
+    assert head.startswith(f"config {TINY} --data.root=") and "steps 3..5, median of 1 runs" in head
+    assert [m.split()[0] for m in modes] == ["lagged", "read"]
+    assert all(float(m.split()[-3]) > 0 for m in modes), modes  # the median ms per step
+
+
 # --- resume -----------------------------------------------------------------------------------------
 
 
