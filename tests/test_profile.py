@@ -835,26 +835,28 @@ def test_kernel_labels_name_the_operation_and_its_dtype() -> None:
         assert kernel_label(name) == expected, name[:120]
 
 
+def _copy_kernel(vec: int, dtype: str = "c10::BFloat16") -> str:
+    """A copy kernel's name as the profiler records it (shortened), launched `vec` wide."""
+    return (
+        f"void at::native::elementwise_kernel<128, {vec}, at::native::gpu_kernel_impl_nocast<"
+        "at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}::"
+        f"operator()() const::{{lambda()#12}}::operator()() const::{{lambda({dtype})#1}}>"
+        "(at::TensorIteratorBase&)::{lambda(int)#1}>(int)"
+    )
+
+
 def test_kernel_findings_merge_launchers_of_one_operation() -> None:
     """One operation launched through two launchers (vectorized or not) is one label in the
     findings: counts add, a net zero drops out; --diff keeps every full name."""
     from profiling.analysis import describe_diff
     from profiling.report import diff_text
 
-    def copy(vec: int, dtype: str = "c10::BFloat16") -> str:
-        return (
-            f"void at::native::elementwise_kernel<128, {vec}, at::native::gpu_kernel_impl_nocast<"
-            "at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}::"
-            f"operator()() const::{{lambda()#12}}::operator()() const::{{lambda({dtype})#1}}>"
-            "(at::TensorIteratorBase&)::{lambda(int)#1}>(int)"
-        )
-
     fill = "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, "
     fill += "std::array<char*, 1ul> >(int, at::native::FillFunctor<float>, std::array<char*, 1ul>)"
     rows = []
     for n in (1, 2):
-        a = {copy(2): 2 * n, "nvjet_x": n, copy(2, "float"): n}
-        b = {copy(4): 1 * n, copy(2): 3 * n, fill: n, copy(4, "float"): n}
+        a = {_copy_kernel(2): 2 * n, "nvjet_x": n, _copy_kernel(2, "float"): n}
+        b = {_copy_kernel(4): 1 * n, _copy_kernel(2): 3 * n, fill: n, _copy_kernel(4, "float"): n}
         for variant, kernels in (("a", a), ("b", b)):
             row = _ops_row(variant, n, {"aten::mm": n})
             row["kernels_per_step"] = {"forward": kernels, "backward": {}, "optimizer": {}}
@@ -865,7 +867,10 @@ def test_kernel_findings_merge_launchers_of_one_operation() -> None:
     assert "elementwise_kernel<128" not in text
     assert "direct_copy_kernel_cuda<float>" not in text  # a net zero
     full = diff_text(rows, "a", "b")
-    assert f"    1 {copy(4)} fewer" in full.splitlines() and f"    1 {copy(2)} fewer" in full
+    assert (
+        f"    1 {_copy_kernel(4)} fewer" in full.splitlines()
+        and f"    1 {_copy_kernel(2)} fewer" in full
+    )
 
 
 def test_time_categories_compare_across_variants() -> None:
@@ -936,15 +941,7 @@ def test_where_the_time_goes_on_cuda_lists_kernels_by_label() -> None:
     unlisted rest ('other') counts in the total but is not a kernel to list."""
     from profiling.report import where_time_goes
 
-    def copy(vec: int) -> str:
-        return (
-            f"void at::native::elementwise_kernel<128, {vec}, at::native::gpu_kernel_impl_nocast<"
-            "at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}::"
-            "operator()() const::{lambda()#12}::operator()() const::{lambda(c10::BFloat16)#1}>"
-            "(at::TensorIteratorBase&)::{lambda(int)#1}>(int)"
-        )
-
-    kernels = {"other": 20.0, "nvjet_sm90_tst": 6.0, copy(2): 5.0, copy(4): 3.0}
+    kernels = {"other": 20.0, "nvjet_sm90_tst": 6.0, _copy_kernel(2): 5.0, _copy_kernel(4): 3.0}
     split = {"everything else": 1.0}
     row = _timed_row("sdpa", 40.0, {"aten::mm": 1.0}, device_ms_per_step=kernels, time_split=split)
     [line] = where_time_goes([row])
