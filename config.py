@@ -21,7 +21,7 @@ import torch
 from model import GPTConfig
 
 CPU_LINEAR = ("auto", "onednn", "torch")  # see cpu_linear.py
-DTYPES = ("auto", "float32", "bfloat16")  # auto: bf16 autocast on CUDA, fp32 elsewhere
+DTYPES = ("auto", "float32", "tf32", "bfloat16")  # auto: bf16 autocast on CUDA, fp32 elsewhere
 
 
 @dataclass
@@ -33,7 +33,9 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     device: str = "auto"  # auto picks cuda > mps > cpu; or name one: cuda, cuda:1, mps, cpu
-    # auto: bf16 autocast on CUDA, fp32 elsewhere; or float32 (IEEE: no TF32) / bfloat16
+    # auto: bf16 autocast on CUDA, fp32 elsewhere; or float32 (IEEE, PyTorch's default), tf32
+    # (fp32 tensors, CUDA matmuls on TF32 tensor cores: 10-bit mantissa, as nanoGPT turns on),
+    # bfloat16 (autocast; parameters and optimizer state stay fp32)
     dtype: str = "auto"
     compile: bool = False  # torch.compile each block; pays off on GPUs, costs a compile up front
     # fp32 nn.Linear on CPUs (cpu_linear.py): auto takes oneDNN on AMD CPUs (about 2x MKL's

@@ -69,7 +69,20 @@ def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else None
     # No float16: it needs loss scaling, which this trainer omits; bfloat16 does not.
-    return {"float32": None, "bfloat16": torch.bfloat16}[dtype]
+    return {"float32": None, "tf32": None, "bfloat16": torch.bfloat16}[dtype]
+
+
+def set_fp32_matmul_precision(dtype: str, device: torch.device) -> None:
+    """For train.dtype="tf32", fp32 matmuls on CUDA run on TF32 tensor cores (inputs rounded to
+    a 10-bit mantissa, fp32 range and accumulation); for any other dtype they are IEEE fp32, as
+    PyTorch defaults. TF32 is a CUDA mode: asking for it elsewhere is an error, not a no-op."""
+    if dtype == "tf32" and device.type != "cuda":
+        raise ConfigError(
+            f"train.dtype='tf32': TF32 tensor cores are a CUDA feature, and this run is on "
+            f"{device}; use float32 there"
+        )
+    # PyTorch's own switch: "high" is TF32 for cuBLAS (and oneDNN), "highest" IEEE everywhere.
+    torch.set_float32_matmul_precision("high" if dtype == "tf32" else "highest")
 
 
 def autocast(

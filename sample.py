@@ -28,7 +28,7 @@ from checkpoint import CHECKPOINT, CheckpointError, load_checkpoint, model_confi
 from config import Config, load_config
 from data.prepare import EOT, file_sha256
 from model import GPT, VARIANTS, VariantUnavailable, check_variant
-from runtime import autocast, autocast_dtype, pick_device
+from runtime import autocast, autocast_dtype, pick_device, set_fp32_matmul_precision
 from train import USER_ERRORS, TrainError
 
 
@@ -105,6 +105,8 @@ def sample_run(
     generator = torch.Generator(device=dev).manual_seed(seed)
     idx = torch.tensor([ids], dtype=torch.long, device=dev)
     eot = tokenizer.token_to_id(EOT) if stop_at_eot else None
+    # A tf32 run samples with TF32 on CUDA; elsewhere in IEEE fp32, as it cannot train there
+    set_fp32_matmul_precision(config.train.dtype if dev.type == "cuda" else "float32", dev)
     with autocast(dev, autocast_dtype(config.train.dtype, dev)):  # the run's precision
         out = model.generate(
             idx,

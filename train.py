@@ -52,6 +52,7 @@ from runtime import (
     autocast_dtype,
     init_distributed,
     keep_freed_host_memory,
+    set_fp32_matmul_precision,
     wrap_ddp,
 )
 
@@ -300,6 +301,7 @@ def train(
     rank, world_size, device = init_distributed(tc)
     kept_host_memory = device.type == "cpu" and keep_freed_host_memory()
     master = rank == 0
+    set_fp32_matmul_precision(tc.dtype, device)
     amp_dtype = autocast_dtype(tc.dtype, device)
     meta = load_meta(config.data.root, config.data.name, config.model.vocab_size)
     check_vocab(meta, config.model.vocab_size, config.data.name)

@@ -44,7 +44,7 @@ from profiling.measure import (
     verify_backend,
 )
 from profiling.results import write_results
-from runtime import autocast_dtype, keep_freed_host_memory, pick_device
+from runtime import autocast_dtype, keep_freed_host_memory, pick_device, set_fp32_matmul_precision
 from train import build_model, train_step
 
 BATCH_POOL = 4  # distinct batches cycled through, drawn before timing so no I/O is timed
@@ -103,8 +103,12 @@ class Sweep:
     def __init__(self, config: Config, args: argparse.Namespace) -> None:
         self.config, self.args = config, args
         self.device = pick_device(config.train.device)
+        set_fp32_matmul_precision(config.train.dtype, self.device)  # before the peak is measured
         self.amp_dtype = autocast_dtype(config.train.dtype, self.device)
         self.dtype = self.amp_dtype or torch.float32
+        # tf32: fp32 tensors, TF32 matmuls; the peak is measured with them too
+        tf32 = config.train.dtype == "tf32"
+        self.dtype_name = "tf32" if tf32 else str(self.dtype).removeprefix("torch.")
         try:
             self.onednn = wants_onednn(
                 config.train.cpu_linear, self.device, self.amp_dtype is not None
@@ -158,7 +162,7 @@ class Sweep:
             "torch_version": torch.__version__,
             "python": platform.python_version(),
             "platform": platform.platform(),
-            "dtype": str(self.dtype).removeprefix("torch."),
+            "dtype": self.dtype_name,
             "autocast": self.amp_dtype is not None,
             "config": dataclasses.asdict(self.config),
             "config_file": str(self.args.config),
@@ -203,7 +207,7 @@ class Sweep:
             raise ConfigError(f"--out {self.out}: cannot make the folder ({e.strerror})") from None
         self.other_load = OtherLoad()
         print(
-            f"measuring the {self.dtype} matmul peak of {self.meta['device_name']} ...",
+            f"measuring the {self.dtype_name} matmul peak of {self.meta['device_name']} ...",
             file=sys.stderr,
         )
         start = matmul_peaks(self.device, self.dtype, self.args.peak_seconds)

@@ -644,6 +644,15 @@ def test_report_rerender_and_diff(naive_vs_inplace: dict, capsys: pytest.Capture
     assert profile_train.main(["--report", out, "--diff", ""]) == 2  # not a silent re-render
 
 
+def test_tf32_off_cuda_is_refused_before_anything_is_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, results = sweep(tmp_path, "--variants", "naive", "--layers", "1", "--train.dtype=tf32")
+    assert rc == 2 and not results
+    assert "train.dtype='tf32': TF32 tensor cores are a CUDA feature" in capsys.readouterr().err
+    assert not (tmp_path / "sweep").exists()
+
+
 @pytest.mark.cuda
 def test_cuda_sweep_counts_kernels(tmp_path: Path) -> None:
     rc, results = sweep(

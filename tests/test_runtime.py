@@ -13,10 +13,48 @@ import numpy as np
 import pytest
 import torch
 
-from runtime import StepReadout
+from config import ConfigError
+from runtime import StepReadout, set_fp32_matmul_precision
 
 ROOT = Path(__file__).resolve().parents[1]
 SLEEP_CYCLES = 1_000_000_000  # torch.cuda._sleep: about half a second at a GPU's ~2 GHz
+
+
+@pytest.fixture
+def matmul_precision():
+    """Puts back the process-wide fp32 matmul precision a test changes."""
+    before = torch.get_float32_matmul_precision()
+    yield
+    torch.set_float32_matmul_precision(before)
+
+
+def test_tf32_is_set_for_cuda_and_refused_elsewhere(matmul_precision: None) -> None:
+    cuda = torch.device("cuda")  # only named: setting the precision needs no GPU
+    set_fp32_matmul_precision("tf32", cuda)
+    assert torch.get_float32_matmul_precision() == "high"
+    for dtype in ("float32", "auto", "bfloat16"):  # any other dtype: IEEE fp32 matmuls again
+        set_fp32_matmul_precision("tf32", cuda)
+        set_fp32_matmul_precision(dtype, cuda)
+        assert torch.get_float32_matmul_precision() == "highest", dtype
+    for device in ("cpu", "mps"):
+        with pytest.raises(ConfigError, match=rf"train.dtype='tf32'.*{device}"):
+            set_fp32_matmul_precision("tf32", torch.device(device))
+    assert torch.get_float32_matmul_precision() == "highest", "a refusal changes nothing"
+
+
+@pytest.mark.cuda
+def test_tf32_rounds_cuda_matmuls(matmul_precision: None) -> None:
+    """TF32 keeps a 10-bit mantissa: its products are ~1e-3 off in relative terms, IEEE
+    fp32's ~1e-6. So the setting is seen to reach cuBLAS, not just a Python flag."""
+    device = torch.device("cuda")
+    a, b = (torch.randn(512, 512, dtype=torch.float64, device=device) for _ in range(2))
+    exact = a @ b
+
+    def error(dtype: str) -> float:
+        set_fp32_matmul_precision(dtype, device)
+        return ((a.float() @ b.float()).double() - exact).abs().max().item() / exact.abs().max()
+
+    assert error("tf32") > 30 * error("float32")
 
 
 def test_readout_gives_the_values_and_the_host_time_on_cpu() -> None:

@@ -843,6 +843,17 @@ def test_bad_train_values_are_config_errors(
     assert not out.exists(), "a config error must fail before writing anything"
 
 
+def test_tf32_off_cuda_is_a_config_error(
+    data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """TF32 is a CUDA tensor-core mode: asked for on a CPU it is refused, not run as fp32."""
+    out = tmp_path / "run"
+    assert run(data_root, out, "--train.device=cpu", "--train.dtype=tf32") == 2
+    error = error_of(capsys.readouterr().err)
+    assert "train.dtype='tf32'" in error and "cpu" in error
+    assert not out.exists(), "a config error must fail before writing anything"
+
+
 # --- metrics and signals stay clean across runs --------------------------------------------------------
 
 
