@@ -43,7 +43,11 @@ class TrainConfig:
     cpu_linear: str = "auto"
     seed: int = 1337  # one seed for init, dropout and batch sampling: runs are reproducible
     batch_size: int = 16  # sequences per micro-batch per process
-    grad_accum: int = 1  # micro-batches per optimizer step; global batch = this x batch x ranks
+    grad_accum: int = 1  # micro-batches per rank per optimizer step; see global_batch_size
+    # Sequences per optimizer step over all ranks, the same whatever their number (litgpt's and
+    # torchtitan's global batch size): grad_accum is then derived, global / (batch x ranks).
+    # 0: batch_size x grad_accum x ranks, more ranks taking more sequences per step.
+    global_batch_size: int = 0
     max_steps: int = 1000  # optimizer steps in the run
     lr: float = 1e-3  # peak learning rate, reached after warmup
     min_lr: float = 1e-4  # floor of the cosine decay, reached at max_steps
@@ -66,6 +70,7 @@ class TrainConfig:
         at_least = {
             "batch_size": 1,
             "grad_accum": 1,
+            "global_batch_size": 0,
             "max_steps": 1,
             "eval_batches": 1,
             "log_interval": 1,
@@ -85,6 +90,11 @@ class TrainConfig:
             raise ValueError(
                 "train.sample_prompt is empty: give at least one character, or set "
                 "train.sample_tokens=0 for no sample"
+            )
+        if self.global_batch_size % self.batch_size:
+            raise ValueError(
+                f"train.global_batch_size={self.global_batch_size} is not a multiple of "
+                f"train.batch_size={self.batch_size}, the sequences of one micro-batch"
             )
         if self.min_lr > self.lr:
             raise ValueError(
@@ -107,6 +117,29 @@ class TrainConfig:
                 raise ValueError(
                     f"train.device={self.device!r}: not a device; use auto, cpu, cuda, cuda:N or mps"
                 ) from None
+
+    def micro_batches(self, world_size: int) -> int:
+        """Micro-batches per rank in one optimizer step: grad_accum, or the number that makes
+        global_batch_size sequences on `world_size` ranks of batch_size each."""
+        if not self.global_batch_size:
+            return self.grad_accum
+        per_pass = self.batch_size * world_size
+        derived, rest = divmod(self.global_batch_size, per_pass)
+        ranks = f"{world_size} rank{'s' * (world_size > 1)}"
+        if rest or not derived:
+            raise ConfigError(
+                f"train.global_batch_size={self.global_batch_size} does not split into "
+                f"micro-batches of train.batch_size={self.batch_size} on {ranks}: it must be a "
+                f"multiple of {per_pass}"
+            )
+        if self.grad_accum not in (1, derived):
+            raise ConfigError(
+                f"train.grad_accum={self.grad_accum} and train.global_batch_size="
+                f"{self.global_batch_size} disagree: on {ranks} of train.batch_size="
+                f"{self.batch_size} that global batch takes {derived} micro-batches; leave "
+                "train.grad_accum out, it is derived"
+            )
+        return derived
 
 
 @dataclass

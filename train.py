@@ -302,6 +302,7 @@ def train(
     kept_host_memory = device.type == "cpu" and keep_freed_host_memory()
     master = rank == 0
     set_fp32_matmul_precision(tc.dtype, device)
+    grad_accum = tc.micro_batches(world_size)
     amp_dtype = autocast_dtype(tc.dtype, device)
     meta = load_meta(config.data.root, config.data.name, config.model.vocab_size)
     check_vocab(meta, config.model.vocab_size, config.data.name)
@@ -333,10 +334,14 @@ def train(
             restore_rng(ckpt["rng"], tc.seed, step, device, rank, world_size)
     model = wrap_ddp(raw_model, device) if world_size > 1 else raw_model
 
-    tokens_per_step = tc.batch_size * tc.grad_accum * world_size * config.model.block_size
+    tokens_per_step = tc.batch_size * grad_accum * world_size * config.model.block_size
     flops_per_step = raw_model.flops_per_token() * tokens_per_step
     # batch_size is per process, as in torchtitan: more ranks take more tokens per step.
     ranks_note = f" ({world_size} ranks x {tokens_per_step // world_size:,})" * (world_size > 1)
+    if grad_accum > 1:
+        ranks_note += f", {grad_accum} micro-batches of {tc.batch_size} sequences" + (
+            " per rank" * (world_size > 1)
+        )
     if master:
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
@@ -447,7 +452,7 @@ def train(
             readout = StepReadout(device)
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, tc)
-            micro = [batches["train"].next() for _ in range(tc.grad_accum)]
+            micro = [batches["train"].next() for _ in range(grad_accum)]
             loss, grad_norm = train_step(model, optimizer, micro, tc.grad_clip, amp_dtype)
             step += 1
             # One small all-reduce carries both the mean loss and "anyone asked to stop", so
@@ -555,7 +560,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(
             f"error: out of memory ({(str(e).strip() or type(e).__name__).splitlines()[0][:200]}); lower "
-            "train.batch_size (raise train.grad_accum to keep the tokens per step), or the "
+            "train.batch_size (raise train.grad_accum to keep the tokens per step; with "
+            "train.global_batch_size set, that is derived), or the "
             "model's size (model.block_size, n_layer, n_embd); the last checkpoint, if any, is "
             "as it was",
             file=sys.stderr,

@@ -101,6 +101,11 @@ def _one_line(error: BaseException) -> str:
 
 class Sweep:
     def __init__(self, config: Config, args: argparse.Namespace) -> None:
+        # One process: a global batch size is grad_accum micro-batches here, recorded as such
+        grad_accum = config.train.micro_batches(world_size=1)
+        config = dataclasses.replace(
+            config, train=dataclasses.replace(config.train, grad_accum=grad_accum)
+        )
         self.config, self.args = config, args
         self.device = pick_device(config.train.device)
         set_fp32_matmul_precision(config.train.dtype, self.device)  # before the peak is measured

@@ -156,7 +156,58 @@ BAD = {
     "float16": (None, ["--train.dtype=float16"], ["train.dtype", "bfloat16"]),
     "bogus-device": (None, ["--train.device=bogus"], ["train.device"]),
     "beta-of-one": (None, ["--train.beta2=1.0"], ["train.beta2"]),
+    "global-batch-not-whole-micro-batches": (
+        None,
+        ["--train.batch_size=16", "--train.global_batch_size=40"],
+        ["train.global_batch_size=40", "train.batch_size=16"],
+    ),
+    "negative-global-batch": (None, ["--train.global_batch_size=-8"], ["train.global_batch_size"]),
 }
+
+
+@pytest.mark.parametrize(("world_size", "micro_batches"), [(1, 8), (2, 4), (4, 2), (8, 1)])
+def test_a_global_batch_size_holds_whatever_the_ranks(world_size: int, micro_batches: int) -> None:
+    tc = TrainConfig(batch_size=4, global_batch_size=32)
+    assert tc.micro_batches(world_size) == micro_batches
+    assert tc.batch_size * tc.micro_batches(world_size) * world_size == 32
+    # grad_accum, if given, must agree: it is derived
+    assert (
+        TrainConfig(batch_size=4, global_batch_size=32, grad_accum=micro_batches).micro_batches(
+            world_size
+        )
+        == micro_batches
+    )
+
+
+def test_without_a_global_batch_size_grad_accum_is_per_rank() -> None:
+    tc = TrainConfig(batch_size=4, grad_accum=3)
+    assert [tc.micro_batches(n) for n in (1, 2, 8)] == [3, 3, 3]
+
+
+@pytest.mark.parametrize(
+    ("settings", "world_size", "named"),
+    [
+        (
+            {"global_batch_size": 32},
+            16,
+            ["train.global_batch_size=32", "16 ranks", "multiple of 64"],
+        ),
+        ({"global_batch_size": 32}, 3, ["train.global_batch_size=32", "3 ranks", "multiple of 12"]),
+        (
+            {"global_batch_size": 32, "grad_accum": 2},
+            1,
+            ["train.grad_accum=2", "train.global_batch_size=32", "takes 8 micro-batches"],
+        ),
+    ],
+)
+def test_a_global_batch_the_ranks_cannot_split_is_a_config_error(
+    settings: dict[str, int], world_size: int, named: list[str]
+) -> None:
+    tc = TrainConfig(batch_size=4, **settings)
+    with pytest.raises(ConfigError) as info:
+        tc.micro_batches(world_size)
+    for part in named:
+        assert part in str(info.value)
 
 
 def load_bad(tmp_path: Path, text: str | None, overrides: list[str]) -> Config:

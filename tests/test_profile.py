@@ -216,8 +216,10 @@ def test_each_round_starts_one_variant_later(
 TIMES_MS = [10, 20, 30, 40, 100]  # median 30 (the mean is 40), p10 14, p90 76
 
 
+# Two micro-batches of B=2 a step, asked for either way (one process: no ranks to divide by)
+@pytest.mark.parametrize("accumulation", ["--train.grad_accum=2", "--train.global_batch_size=4"])
 def test_warm_up_is_left_out_and_the_timed_steps_summarised(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, accumulation: str
 ) -> None:
     """Scripted step times: the first step (compilation, if any) and the warm-up steps read
     9 s, the timed ones 10, 20, 30, 40 and 100 ms. Only the timed ones may reach the row, its rate and MFU,
@@ -233,8 +235,9 @@ def test_warm_up_is_left_out_and_the_timed_steps_summarised(
 
     monkeypatch.setattr(profiling.sweep, "timed", timed)
     args = ("--variants", "naive,sdpa", "--layers", "1", "--warmup", "3", "--steps", "5")
-    rc, results = sweep(tmp_path, *args, "--train.grad_accum=2")
+    rc, results = sweep(tmp_path, *args, accumulation)
     assert rc == 0
+    assert results["meta"]["config"]["train"]["grad_accum"] == 2  # what ran, also if derived
     assert sorted(calls.values()) == [7, 7]  # per cell: 1 first + 2 more warm-up + 5 timed
     peak = results["meta"]["peak_flops"]
     with open(tmp_path / "sweep" / "results.csv", newline="") as f:

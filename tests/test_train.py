@@ -843,6 +843,16 @@ def test_bad_train_values_are_config_errors(
     assert not out.exists(), "a config error must fail before writing anything"
 
 
+def test_a_grad_accum_at_odds_with_the_global_batch_is_a_config_error(
+    data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run"  # tiny.toml: batch_size 4, so a global batch of 8 is 2 micro-batches
+    assert run(data_root, out, "--train.global_batch_size=8", "--train.grad_accum=3") == 2
+    error = error_of(capsys.readouterr().err)
+    assert "train.grad_accum=3" in error and "takes 2 micro-batches" in error
+    assert not out.exists(), "a config error must fail before writing anything"
+
+
 def test_tf32_off_cuda_is_a_config_error(
     data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -1066,19 +1076,41 @@ def torchrun(argv: list[str]) -> subprocess.CompletedProcess[str]:
     )
 
 
+# Each rank's share and what one process takes for the same step: grad_accum micro-batches of
+# twice the rows; or one config whose global batch holds, its micro-batches derived.
+SAME_STEP = {
+    "grad_accum=1": (
+        ["--train.batch_size=2"],
+        ["--train.batch_size=4"],
+        "128 tokens per step (2 ranks x 64)",
+    ),
+    "grad_accum=2": (
+        ["--train.batch_size=2", "--train.grad_accum=2"],
+        ["--train.batch_size=4", "--train.grad_accum=2"],
+        "256 tokens per step (2 ranks x 128), 2 micro-batches of 2 sequences per rank",
+    ),
+    "global_batch_size": (
+        ["--train.batch_size=2", "--train.global_batch_size=8"],
+        ["--train.batch_size=2", "--train.global_batch_size=8"],
+        "256 tokens per step (2 ranks x 128), 2 micro-batches of 2 sequences per rank",
+    ),
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("grad_accum", [1, 2])
-def test_two_ranks_match_one_process_with_twice_the_batch(
-    data_root: Path, tmp_path: Path, grad_accum: int
+@pytest.mark.parametrize(
+    ("per_rank", "one_process", "announced"), SAME_STEP.values(), ids=SAME_STEP
+)
+def test_two_ranks_match_one_process_taking_the_same_rows(
+    data_root: Path, tmp_path: Path, per_rank: list[str], one_process: list[str], announced: str
 ) -> None:
     common = ["--train.max_steps=3", "--train.eval_interval=0", "--train.eval_batches=1"]
-    common += [f"--train.grad_accum={grad_accum}", "--train.peak_tflops=1"]
+    common += ["--train.peak_tflops=1"]
     ddp, single = tmp_path / "ddp", tmp_path / "single"
-    argv = run_argv(data_root, ddp, *common, "--train.batch_size=2")
-    done = torchrun(argv)
+    done = torchrun(run_argv(data_root, ddp, *common, *per_rank))
     assert done.returncode == 0, done.stderr[:6000]
-    assert f"{128 * grad_accum:,} tokens per step (2 ranks x {64 * grad_accum:,})" in done.stdout
-    assert run(data_root, single, *common, "--train.batch_size=4") == 0
+    assert announced in done.stdout
+    assert run(data_root, single, *common, *one_process) == 0
 
     # Only rank 0 writes: one line per step and one for the final eval.
     assert [r["step"] for r in read_metrics(ddp)] == [1, 2, 3, 3]
