@@ -45,7 +45,8 @@ class TrainConfig:
     batch_size: int = 16  # sequences per micro-batch per process
     grad_accum: int = 1  # micro-batches per rank per optimizer step; see global_batch_size
     # Sequences per optimizer step over all ranks, the same whatever their number (litgpt's and
-    # torchtitan's global batch size): grad_accum is then derived, global / (batch x ranks).
+    # torchtitan's global batch size): grad_accum is then derived, global / (batch x ranks),
+    # and must be left at 1.
     # 0: batch_size x grad_accum x ranks, more ranks taking more sequences per step.
     global_batch_size: int = 0
     max_steps: int = 1000  # optimizer steps in the run
@@ -91,6 +92,14 @@ class TrainConfig:
                 "train.sample_prompt is empty: give at least one character, or set "
                 "train.sample_tokens=0 for no sample"
             )
+        if self.global_batch_size and self.grad_accum != 1:
+            # Both would set the micro-batches; and a run's config.toml must resume on any
+            # number of ranks, which a grad_accum fitted to one number would not.
+            raise ValueError(
+                f"train.grad_accum={self.grad_accum} with train.global_batch_size="
+                f"{self.global_batch_size}: a global batch size derives the micro-batches, "
+                "so set train.grad_accum=1 (or train.global_batch_size=0 to set them yourself)"
+            )
         if self.global_batch_size % self.batch_size:
             raise ValueError(
                 f"train.global_batch_size={self.global_batch_size} is not a multiple of "
@@ -131,13 +140,6 @@ class TrainConfig:
                 f"train.global_batch_size={self.global_batch_size} does not split into "
                 f"micro-batches of train.batch_size={self.batch_size} on {ranks}: it must be a "
                 f"multiple of {per_pass}"
-            )
-        if self.grad_accum not in (1, derived):
-            raise ConfigError(
-                f"train.grad_accum={self.grad_accum} and train.global_batch_size="
-                f"{self.global_batch_size} disagree: on {ranks} of train.batch_size="
-                f"{self.batch_size} that global batch takes {derived} micro-batches; leave "
-                "train.grad_accum out, it is derived"
             )
         return derived
 

@@ -104,7 +104,8 @@ class Sweep:
         # One process: a global batch size is grad_accum micro-batches here, recorded as such
         grad_accum = config.train.micro_batches(world_size=1)
         config = dataclasses.replace(
-            config, train=dataclasses.replace(config.train, grad_accum=grad_accum)
+            config,
+            train=dataclasses.replace(config.train, grad_accum=grad_accum, global_batch_size=0),
         )
         self.config, self.args = config, args
         self.device = pick_device(config.train.device)

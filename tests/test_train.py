@@ -843,14 +843,18 @@ def test_bad_train_values_are_config_errors(
     assert not out.exists(), "a config error must fail before writing anything"
 
 
-def test_a_grad_accum_at_odds_with_the_global_batch_is_a_config_error(
-    data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    out = tmp_path / "run"  # tiny.toml: batch_size 4, so a global batch of 8 is 2 micro-batches
-    assert run(data_root, out, "--train.global_batch_size=8", "--train.grad_accum=3") == 2
-    error = error_of(capsys.readouterr().err)
-    assert "train.grad_accum=3" in error and "takes 2 micro-batches" in error
-    assert not out.exists(), "a config error must fail before writing anything"
+def test_a_global_batch_size_is_that_many_micro_batches(data_root: Path, tmp_path: Path) -> None:
+    """tiny.toml: batch_size 4, so a global batch of 8 on one process is 2 micro-batches: the
+    same run as grad_accum=2, and its config.toml keeps grad_accum at 1 (any number of ranks
+    can resume it)."""
+    common = ["--train.max_steps=3", "--train.eval_interval=0", "--train.eval_batches=1"]
+    by_global, by_accum = tmp_path / "global", tmp_path / "accum"
+    assert run(data_root, by_global, *common, "--train.global_batch_size=8") == 0
+    assert run(data_root, by_accum, *common, "--train.grad_accum=2") == 0
+    for a, b in zip(train_lines(by_global), train_lines(by_accum), strict=True):
+        assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"]
+    saved = load_config(by_global / "config.toml").train
+    assert (saved.global_batch_size, saved.grad_accum) == (8, 1)
 
 
 def test_tf32_off_cuda_is_a_config_error(
@@ -1007,6 +1011,21 @@ def test_sample_a_run_whose_variant_cannot_run_here_names_it_and_the_way_out(
     err = error_of(capsys.readouterr().err)
     assert "'sdpa-efficient' cannot run on cpu" in err and "--attention sdpa" in err
     assert sample_text(capsys, out, "--device", "cpu", "--attention", "sdpa").startswith("def ")
+
+
+def test_sample_a_tf32_run_off_cuda_in_ieee_fp32(
+    base_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A GPU run trained with TF32, sampled on a CPU: fp32 as usual, not refused."""
+    greedy = sample_text(capsys, base_run, "--temperature", "0")
+    out = copy_run(base_run, tmp_path / "run")
+    ckpt = load_ckpt(out)
+    ckpt["config"]["train"]["dtype"] = "tf32"
+    torch.save(ckpt, out / train.CHECKPOINT)
+    toml = out / "config.toml"
+    toml.write_text(toml.read_text().replace('dtype = "auto"', 'dtype = "tf32"'))
+    assert sample_text(capsys, out, "--temperature", "0", "--device", "cpu") == greedy
+    assert torch.get_float32_matmul_precision() == "highest"
 
 
 def test_sample_longer_than_the_context(base_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
