@@ -187,20 +187,16 @@ def test_without_a_global_batch_size_grad_accum_is_per_rank() -> None:
 
 
 @pytest.mark.parametrize(
-    ("settings", "world_size", "named"),
+    ("world_size", "named"),
     [
-        (
-            {"global_batch_size": 32},
-            16,
-            ["train.global_batch_size=32", "16 ranks", "multiple of 64"],
-        ),
-        ({"global_batch_size": 32}, 3, ["train.global_batch_size=32", "3 ranks", "multiple of 12"]),
+        (16, ["train.global_batch_size=32", "16 ranks", "multiple of 64"]),
+        (3, ["train.global_batch_size=32", "3 ranks", "multiple of 12"]),
     ],
 )
 def test_a_global_batch_the_ranks_cannot_split_is_a_config_error(
-    settings: dict[str, int], world_size: int, named: list[str]
+    world_size: int, named: list[str]
 ) -> None:
-    tc = TrainConfig(batch_size=4, **settings)
+    tc = TrainConfig(batch_size=4, global_batch_size=32)
     with pytest.raises(ConfigError) as info:
         tc.micro_batches(world_size)
     for part in named:

@@ -131,6 +131,21 @@ def copy_run(run_dir: Path, to: Path) -> Path:
     return Path(shutil.copytree(run_dir, to))
 
 
+def copy_run_trained_with(run_dir: Path, to: Path, section: str, key: str, value: str) -> Path:
+    """A copy of a run whose checkpoint and config.toml both say it was trained with
+    section.key = value (a run from another machine, say)."""
+    out = copy_run(run_dir, to)
+    ckpt = load_ckpt(out)
+    was = ckpt["config"][section][key]
+    ckpt["config"][section][key] = value
+    torch.save(ckpt, out / train.CHECKPOINT)
+    toml = out / "config.toml"
+    text = toml.read_text()
+    assert text.count(f'{key} = "{was}"') == 1, f"{key} is not a single string in {toml}"
+    toml.write_text(text.replace(f'{key} = "{was}"', f'{key} = "{value}"'))
+    return out
+
+
 SHARED_OVERRIDES = (f"--train.max_steps={STEPS}",)
 
 
@@ -1000,12 +1015,7 @@ def test_sample_a_run_whose_variant_cannot_run_here_names_it_and_the_way_out(
     base_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A GPU run trained with a CUDA-only kernel, sampled on a CPU."""
-    out = copy_run(base_run, tmp_path / "run")
-    ckpt = load_ckpt(out)
-    ckpt["config"]["model"]["attention"] = "sdpa-efficient"
-    torch.save(ckpt, out / train.CHECKPOINT)
-    toml = out / "config.toml"
-    toml.write_text(toml.read_text().replace('attention = "naive"', 'attention = "sdpa-efficient"'))
+    out = copy_run_trained_with(base_run, tmp_path / "run", "model", "attention", "sdpa-efficient")
     capsys.readouterr()
     assert sample.main(["--run", str(out), "--device", "cpu"]) == 2
     err = error_of(capsys.readouterr().err)
@@ -1018,12 +1028,7 @@ def test_sample_a_tf32_run_off_cuda_in_ieee_fp32(
 ) -> None:
     """A GPU run trained with TF32, sampled on a CPU: fp32 as usual, not refused."""
     greedy = sample_text(capsys, base_run, "--temperature", "0")
-    out = copy_run(base_run, tmp_path / "run")
-    ckpt = load_ckpt(out)
-    ckpt["config"]["train"]["dtype"] = "tf32"
-    torch.save(ckpt, out / train.CHECKPOINT)
-    toml = out / "config.toml"
-    toml.write_text(toml.read_text().replace('dtype = "auto"', 'dtype = "tf32"'))
+    out = copy_run_trained_with(base_run, tmp_path / "run", "train", "dtype", "tf32")
     assert sample_text(capsys, out, "--temperature", "0", "--device", "cpu") == greedy
     assert torch.get_float32_matmul_precision() == "highest"
 
