@@ -110,19 +110,45 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM (`timeout`, a job scheduler), handled as Ctrl-C is: the rows and plots stay."""
 
 
-def _terminate(signum: int, frame: object) -> None:
-    raise Terminated
+class Interrupts:
+    """While active, SIGINT and SIGTERM raise at once, as Ctrl-C does, and are remembered.
+
+    Python runs a signal handler in whatever code is running when the signal lands. In a weakref
+    callback or a `__del__` (Dynamo and Inductor run many), the exception it raises is printed
+    as "Exception ignored" and dropped: the sweep checks `raise_if_received` at every step and
+    cell, so such a signal stops it there instead of being lost.
+    """
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> Interrupts:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.received = signum
+        self.raise_if_received()
+
+    def raise_if_received(self) -> None:
+        if self.received == signal.SIGTERM:
+            raise Terminated
+        if self.received is not None:
+            raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
-    previous = signal.signal(signal.SIGTERM, _terminate)
-    try:
-        return _main(argv)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    with Interrupts() as interrupts:
+        return _main(argv, interrupts)
 
 
-def _main(argv: list[str] | None) -> int:
+def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
     args, overrides = parse_args(argv)
     ours: Path | None = None  # --out once known to be new or empty: what it holds is this sweep's
     out_existed = default_out = False
@@ -189,6 +215,7 @@ def _main(argv: list[str] | None) -> int:
         compile_modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
         sweep = Sweep(config, args)  # the last check of the input; nothing is written before
         sweep.link_latest = default_out
+        sweep.raise_if_interrupted = interrupts.raise_if_received
         sweep.run(variants, layers, compile_modes)
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)

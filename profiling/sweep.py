@@ -126,6 +126,9 @@ class Sweep:
             self.host_memory = "keep"
         self.out = Path(args.out)
         self.link_latest = False  # set by main for a default (timestamped) output folder
+        # Set by main: raises if a Ctrl-C or SIGTERM arrived, in case Python dropped the
+        # exception its handler raised. Called before every step.
+        self.raise_if_interrupted: Callable[[], None] = lambda: None
         self.rows: list[dict[str, Any]] = []
         self.batches = self._batches()
         self.meta = self._meta()
@@ -199,6 +202,7 @@ class Sweep:
         turn = itertools.count()
 
         def step() -> object:
+            self.raise_if_interrupted()
             micro = self.batches[next(turn) % BATCH_POOL]
             return train_step(cell.model, cell.optimizer, micro, tc.grad_clip, self.amp_dtype)
 

@@ -11,6 +11,7 @@ import statistics
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -341,6 +342,36 @@ def test_interrupted_sweep_keeps_what_it_measured(
     ]
     for name in ("report.md", "step_time_vs_layers.png", "memory_vs_layers.png"):
         assert (tmp_path / "sweep" / name).is_file(), f"{name} not written on Ctrl-C"
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_whose_exception_python_drops_still_stops_the_sweep(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stop: signal.Signals
+) -> None:
+    """A signal that lands in a weakref callback (Dynamo runs many): Python prints the
+    handler's exception as 'Exception ignored' and goes on. The sweep stops at its next step."""
+    real_time = Sweep._time
+
+    def time_after_a_dropped_signal(self, cells, bar):
+        if cells[0].n_layer == 2:
+
+            def callback(ref: weakref.ref) -> None:
+                os.kill(os.getpid(), stop)
+                for _ in range(10_000):  # the handler runs in here; its exception is dropped
+                    pass
+
+            referent = Sweep.__new__(Sweep)
+            ref = weakref.ref(referent, callback)  # noqa: F841 (kept alive until the del)
+            del referent
+        return real_time(self, cells, bar)
+
+    dropped: list[type[BaseException]] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: dropped.append(u.exc_type))
+    monkeypatch.setattr(Sweep, "_time", time_after_a_dropped_signal)
+    rc, results = sweep(tmp_path, "--variants", "naive", "--layers", "1,2")
+    assert dropped and issubclass(dropped[0], KeyboardInterrupt), "the case under test happened"
+    assert rc == 128 + stop
+    assert [(r["variant"], r["n_layer"]) for r in results["rows"]] == [("naive", 1)]
 
 
 def test_ctrl_c_during_the_closing_peak_reading_still_draws_the_plots(
