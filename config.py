@@ -240,6 +240,16 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     return Config(**built)
 
 
+def config_diff(a: Config, b: Config) -> list[tuple[str, Any, Any]]:
+    """('section.field', value in a, value in b) for every field whose values differ."""
+    return [
+        (f"{section}.{key}", value, getattr(getattr(b, section), key))
+        for section, values in dataclasses.asdict(a).items()
+        for key, value in values.items()
+        if value != getattr(getattr(b, section), key)
+    ]
+
+
 def dump_toml(config: Config) -> str:
     """The effective config, as TOML that load_config reads back to the same Config."""
     lines = []

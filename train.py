@@ -1,7 +1,7 @@
 """Train a GPT on a prepared corpus, with any attention variant, on one device or under torchrun.
 
     python train.py --config configs/default.toml [--section.field=value ...] [--out DIR]
-    python train.py --config configs/default.toml --resume
+    python train.py --out runs/default --resume [--train.max_steps=N ...]   # its own config.toml
     torchrun --nproc_per_node=2 train.py --config configs/tiny.toml
 
 A run directory holds ckpt.pt, config.toml, metrics.jsonl and the corpus's tokenizer.json.
@@ -39,7 +39,7 @@ from checkpoint import (
     rng_states,
     save_checkpoint,
 )
-from config import Config, ConfigError, TrainConfig, dump_toml, load_config
+from config import Config, ConfigError, TrainConfig, config_diff, dump_toml, load_config
 from cpu_linear import use_onednn_linears, wants_onednn
 from data.loader import DataError, TokenBatches, check_vocab, load_meta
 from metrics import MetricsLog, start_metrics
@@ -511,6 +511,28 @@ def train(
     return RunEnd(out_dir, step, step - first_step, None)
 
 
+def run_config(out: Path, config_file: Path | None, overrides: list[str], resume: bool) -> Config:
+    """The config to train with: on --resume, the run's own config.toml, whatever --config says
+    (`make train ARGS=--resume` gives configs/default.toml: the run's overrides must not fall
+    back to that file's values), with the overrides given now on top; otherwise --config's."""
+    saved = out / "config.toml"
+    if not (resume and saved.is_file()):
+        return load_config(config_file, overrides)
+    config = load_config(saved, overrides)
+    if config_file is not None and int(os.environ.get("RANK", 0)) == 0:
+        differ = config_diff(config, load_config(config_file, overrides))
+        if differ:
+            fields = ", ".join(
+                f"{name} = {ours!r} (there {theirs!r})" for name, ours, theirs in differ
+            )
+            print(
+                f"resuming with {saved}, the run's own config; {config_file} differs, and the "
+                f"run keeps {fields}; to change a field now, give --section.field=value",
+                file=sys.stderr,
+            )
+    return config
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__,
@@ -521,7 +543,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--config",
         type=Path,
-        help="TOML file with [model], [data], [train] (with --resume: default the run's config.toml)",
+        help="TOML file with [model], [data], [train]; with --resume, the run's own config.toml "
+        "is used instead when it has one",
     )
     parser.add_argument(
         "--out",
@@ -544,10 +567,7 @@ def main(argv: list[str] | None = None) -> int:
         # runs/<config name>; the built-in defaults are not configs/default.toml, so not
         # runs/default, where `make train` keeps that config's run.
         out = args.out or Path("runs") / (args.config.stem if args.config else "builtin")
-        config_file = args.config
-        if config_file is None and args.resume and (out / "config.toml").is_file():
-            config_file = out / "config.toml"  # resume what was run, not the built-in defaults
-        config = load_config(config_file, overrides)
+        config = run_config(out, args.config, overrides, args.resume)
         end = train(config, out, resume=args.resume, stop_after=args.stop_after)
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)

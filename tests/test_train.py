@@ -631,6 +631,28 @@ def test_resume_without_config_continues_with_the_runs_own_config(
     assert load_config(out / "config.toml").model == load_config(base_run / "config.toml").model
 
 
+def test_resume_with_config_keeps_the_runs_own_settings_and_names_those_that_differ(
+    data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`make train ARGS=--resume` gives configs/default.toml again: the settings the run was
+    started with must not fall back to that file's, and a setting given now still applies."""
+    out = tmp_path / "run"
+    started = ("--train.max_steps=8", "--train.lr=0.01")  # tiny.toml: 20 and 0.003
+    assert run(data_root, out, *started, "--stop-after", "2") == 0
+    capsys.readouterr()
+    assert run(data_root, out, "--resume", "--stop-after", "1") == 0
+    err = capsys.readouterr().err
+    assert "train.max_steps = 8 (there 20)" in err and "train.lr = 0.01 (there 0.003)" in err
+    assert "model." not in err, "only the fields that differ are named"
+    kept = load_config(out / "config.toml").train
+    assert (kept.max_steps, kept.lr, load_ckpt(out)["step"]) == (8, 0.01, 3)
+    assert train_lines(out)[-1]["lr"] == pytest.approx(train.lr_at(2, kept))
+
+    assert run(data_root, out, "--resume", "--train.max_steps=9") == 0
+    assert load_ckpt(out)["step"] == 9
+    assert load_config(out / "config.toml").train.lr == 0.01
+
+
 def test_resume_reads_a_checkpoint_with_the_older_single_rng_state(
     base_run: Path, tmp_path: Path
 ) -> None:
