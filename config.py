@@ -171,7 +171,24 @@ def _check_type(key: str, value: Any, expected: Any) -> Any:
     elif isinstance(expected, type) and isinstance(value, expected):
         return value
     name = getattr(expected, "__name__", str(expected))
-    raise ConfigError(f"{key}: expected {name}, got {type(value).__name__} {value!r}")
+    raise ConfigError(
+        f"{key}: expected {name}, got {type(value).__name__} {value!r}{_spelling(value, expected)}"
+    )
+
+
+def _spelling(value: Any, expected: Any) -> str:
+    """How TOML spells what a Python habit typed: --train.compile=False, --train.lr=.001."""
+    if not isinstance(value, str):
+        return ""
+    if expected is bool and value.lower() in ("true", "false"):
+        return f" (TOML spells it {value.lower()})"
+    if expected is float:
+        try:
+            number = float(value)
+        except ValueError:
+            return ""
+        return f" (TOML spells it {number!r})" if math.isfinite(number) else ""
+    return ""
 
 
 def _build(cls: type, values: dict[str, Any], section: str) -> Any:
@@ -259,7 +276,8 @@ def dump_toml(config: Config) -> str:
             if isinstance(value, bool):
                 text = "true" if value else "false"
             elif isinstance(value, str):
-                text = json.dumps(value, ensure_ascii=False)  # JSON's escapes are TOML's
+                # JSON's escapes are TOML's; TOML also forbids a raw DEL, which JSON leaves
+                text = json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
             else:
                 text = repr(value)
             lines.append(f"{key} = {text}")

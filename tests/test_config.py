@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -94,6 +95,16 @@ def test_a_string_field_takes_an_override_that_reads_as_another_type(
 def test_a_typed_field_still_refuses_text() -> None:
     with pytest.raises(ConfigError, match=r"train\.max_steps: expected int"):
         load_config(None, ["--train.max_steps=ten"])
+
+
+@pytest.mark.parametrize(
+    ("arg", "spelled"),
+    [("--train.compile=False", "false"), ("--train.lr=.001", "0.001"), ("--train.lr=2.", "2.0")],
+)
+def test_a_python_spelling_is_refused_with_the_toml_one(arg: str, spelled: str) -> None:
+    """nanoGPT's configurator reads Python literals; TOML does not, so the error says how."""
+    with pytest.raises(ConfigError, match=rf"\(TOML spells it {re.escape(spelled)}\)$"):
+        load_config(None, [arg])
 
 
 def test_overrides_reach_the_config() -> None:
@@ -265,8 +276,9 @@ def test_malformed_toml_names_the_file(tmp_path: Path) -> None:
         ["--train.lr=1e-12", "--train.min_lr=0", "--train.grad_clip=1e300"],
         ['--train.sample_prompt="quote \\" back\\\\slash\\nnewline\\ttab é ü"'],
         ['--data.root="C:\\\\data\\\\corpora"'],
+        ['--train.sample_prompt="control \\u0001 and DEL \\u007f"'],
     ],
-    ids=["tiny", "overrides", "extreme-floats", "escapes", "windows-path"],
+    ids=["tiny", "overrides", "extreme-floats", "escapes", "windows-path", "control-chars"],
 )
 def test_dump_toml_round_trips(tmp_path: Path, overrides: list[str]) -> None:
     config = load_config(TINY, overrides)
