@@ -332,6 +332,8 @@ def train(
             return RunEnd(out_dir, step, 0, None)
         with restoring(ckpt_path, "rng"):
             restore_rng(ckpt["rng"], tc.seed, step, device, rank, world_size)
+    resumed = ckpt is not None
+    del ckpt  # its copy of the weights and optimizer state: host memory the run no longer needs
     model = wrap_ddp(raw_model, device) if world_size > 1 else raw_model
 
     tokens_per_step = tc.batch_size * grad_accum * world_size * config.model.block_size
@@ -348,7 +350,7 @@ def train(
         except OSError as e:  # a file on the path, a dangling link, no permission
             raise TrainError(f"--out {out_dir}: cannot make the directory ({e.strerror})") from None
         (out_dir / "config.toml").write_text(dump_toml(config))
-        start_metrics(out_dir / "metrics.jsonl", step if ckpt is not None else None)
+        start_metrics(out_dir / "metrics.jsonl", step if resumed else None)
         shutil.copyfile(data_dir / "tokenizer.json", out_dir / "tokenizer.json")
         print(
             f"{config.model.attention}: {raw_model.num_params() / 1e6:.2f}M parameters "

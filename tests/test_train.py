@@ -16,6 +16,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -651,6 +652,26 @@ def test_resume_with_config_keeps_the_runs_own_settings_and_names_those_that_dif
     assert run(data_root, out, "--resume", "--train.max_steps=9") == 0
     assert load_ckpt(out)["step"] == 9
     assert load_config(out / "config.toml").train.lr == 0.01
+
+
+def test_resume_does_not_keep_the_loaded_checkpoint_in_memory(
+    base_run: Path, data_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its weights are copied into the model: holding it too costs a model's size of host RAM."""
+    out = copy_run(base_run, tmp_path / "run")
+    real_open_run = train.open_run
+    loaded: list[weakref.ref] = []
+
+    def open_run(*args: Any) -> tuple[Path, dict[str, Any] | None]:
+        path, ckpt = real_open_run(*args)
+        loaded.extend(weakref.ref(t) for t in ckpt["model"].values())
+        return path, ckpt
+
+    monkeypatch.setattr(train, "open_run", open_run)
+    held = []
+    misbehave_at(monkeypatch, 1, before=lambda: held.extend(r for r in loaded if r() is not None))
+    assert run(data_root, out, f"--train.max_steps={STEPS + 1}", "--resume") == 0
+    assert loaded and not held
 
 
 def test_resume_reads_a_checkpoint_with_the_older_single_rng_state(
