@@ -154,6 +154,18 @@ def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
     out_existed = default_out = False
     try:
         if args.report is not None:
+            defaults = vars(parse_args([])[0])
+            others = [
+                f"--{key.replace('_', '-')}"
+                for key, value in vars(args).items()
+                if key not in ("report", "diff") and value != defaults[key]
+            ]
+            if others or overrides:
+                raise ConfigError(
+                    f"--report re-renders the sweep in {args.report} as it was measured and takes "
+                    f"only --diff, not {' '.join(others + overrides)}; other settings need a new "
+                    f"sweep"
+                )
             return _rerender(args)
         config = load_config(args.config, overrides)
         default_out = args.out is None

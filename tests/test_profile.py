@@ -676,6 +676,11 @@ def test_report_rerender_and_diff(naive_vs_inplace: dict, capsys: pytest.Capture
     assert "inplcae" in err and "naive, inplace" in err
     assert profile_train.main(["--report", out, "--diff", "naive"]) == 2
     assert profile_train.main(["--report", out, "--diff", ""]) == 2  # not a silent re-render
+    # What a re-render cannot do is refused, not ignored: it would print all variants as measured.
+    capsys.readouterr()
+    assert profile_train.main(["--report", out, "--variants", "inplace", "--model.n_embd=64"]) == 2
+    err = capsys.readouterr().err
+    assert "only --diff, not --variants --model.n_embd=64" in err
 
 
 def test_tf32_off_cuda_is_refused_before_anything_is_written(
