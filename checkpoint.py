@@ -132,21 +132,27 @@ def _not_ours(path: Path, entry: str, detail: str) -> CheckpointError:
 
 def model_config_diff(ckpt: dict[str, Any], current: dict[str, Any], now: str = "now") -> str:
     """The model fields whose values differ between the checkpoint and `current`, or ''
-    (also when the checkpoint records no config)."""
+    (also when the checkpoint records no config).
+
+    The attention variant is not compared: it holds no weights, and every variant computes the
+    same function, so a run trained with cuDNN's attention on a GPU goes on, or samples, with
+    `sdpa` on a CPU.
+    """
     saved = _saved_model_config(ckpt)
     if saved is None:
         return ""
     return "; ".join(
         f"{k}: {saved.get(k)!r} in checkpoint, {v!r} {now}"
         for k, v in current.items()
-        if saved.get(k) != v
+        if saved.get(k) != v and k != "attention"
     )
 
 
 def check_compatible(
     ckpt: dict[str, Any], config: Config, tokenizer_sha256: str, path: Path
 ) -> None:
-    """Resuming needs the same model config and the same tokenizer as the checkpoint."""
+    """Resuming needs the same model config (the attention variant aside) and the same
+    tokenizer as the checkpoint."""
     diff = model_config_diff(ckpt, asdict(config.model))
     if diff:
         raise CheckpointError(f"checkpoint {path} was made with another model config: {diff}")

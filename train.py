@@ -310,6 +310,13 @@ def train(
     onednn = check_runnable(config, device, amp_dtype)
 
     ckpt_path, ckpt = open_run(out_dir, config, meta["tokenizer_sha256"], resume)
+    trained_with = ckpt["config"]["model"].get("attention") if ckpt is not None else None
+    if master and trained_with not in (None, config.model.attention):
+        print(
+            f"resuming with attention {config.model.attention}; the run trained with "
+            f"{trained_with} so far (attention holds no weights)",
+            file=sys.stderr,
+        )
 
     # Per rank, as in nanoGPT: ranks must draw different dropout masks. Initial weights may
     # differ too; DDP broadcasts rank 0's when it wraps the model.

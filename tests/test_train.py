@@ -406,6 +406,17 @@ def test_sample_with_a_config_toml_edited_after_training_is_an_error(
     assert "does not match" in err and f"{named}: " in err and "in config.toml" in err
 
 
+def test_sample_takes_a_config_toml_whose_attention_differs_from_the_checkpoints(
+    base_run: Path, tmp_path: Path
+) -> None:
+    """A resume that changed the variant and stopped before its first save leaves them so."""
+    out = copy_run(base_run, tmp_path / "run")
+    toml = out / "config.toml"
+    toml.write_text(toml.read_text().replace('attention = "naive"', 'attention = "sdpa"'))
+    assert load_config(toml).model.attention == "sdpa"
+    assert sample.main(["--run", str(out), "--tokens", "4"]) == 0
+
+
 @pytest.mark.parametrize(
     "damage",
     ["model", "optimizer", "data", "rng", "step", "tokenizer_sha256", "config.model"],
@@ -480,6 +491,25 @@ def test_resume_with_another_model_config_names_the_field(
     assert "n_layer" in err and "model config" in err
     assert "n_embd" not in err, "only the fields that differ are named"
     assert ((out / train.CHECKPOINT).read_bytes(), (out / "config.toml").read_text()) == before
+
+
+def test_resume_may_change_the_attention_variant(
+    base_run: Path, data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It holds no weights: a run trained with one variant (cuDNN's, say, on a GPU) goes on
+    with another (sdpa on a CPU)."""
+    out = copy_run(base_run, tmp_path / "run")
+    capsys.readouterr()
+    assert (
+        run(data_root, out, f"--train.max_steps={STEPS + 1}", "--model.attention=sdpa", "--resume")
+        == 0
+    )
+    assert (
+        "resuming with attention sdpa; the run trained with naive so far" in capsys.readouterr().err
+    )
+    assert load_ckpt(out)["step"] == STEPS + 1
+    assert load_ckpt(out)["config"]["model"]["attention"] == "sdpa"
+    assert load_config(out / "config.toml").model.attention == "sdpa"
 
 
 def test_resume_with_other_optimizer_settings_uses_them(
