@@ -260,10 +260,15 @@ def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
     return 0
 
 
-def _default_out(config_path: Path) -> Path:
-    """profiles/<config>/<UTC timestamp>."""
-    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
-    return Path("profiles") / config_path.stem / stamp
+def _default_out(config_path: Path, now: dt.datetime | None = None) -> Path:
+    """profiles/<config>/<UTC timestamp>, with -2, -3, ... after a sweep of the same second."""
+    stamp = (now or dt.datetime.now(dt.UTC)).strftime("%Y%m%d-%H%M%S")
+    first = out = Path("profiles") / config_path.stem / stamp
+    n = 1
+    while out.exists():
+        n += 1
+        out = first.with_name(f"{stamp}-{n}")
+    return out
 
 
 def _rerender(args: argparse.Namespace) -> int:

@@ -212,7 +212,13 @@ class Sweep:
 
     def run(self, variants: list[str], layers: list[int], compile_modes: list[bool]) -> None:
         try:
-            self.out.mkdir(parents=True, exist_ok=True)
+            # A default folder is this sweep's alone: one started in the same second may have
+            # taken the name since main chose it.
+            self.out.mkdir(parents=True, exist_ok=not self.link_latest)
+        except FileExistsError:
+            raise ConfigError(
+                f"{self.out} was taken by another sweep started at the same time; run again"
+            ) from None
         except OSError as e:  # a file on the path, a dangling link, no permission
             raise ConfigError(f"--out {self.out}: cannot make the folder ({e.strerror})") from None
         self.other_load = OtherLoad()

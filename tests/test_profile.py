@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import datetime as dt
 import json
 import math
 import os
@@ -644,6 +645,23 @@ def test_bad_arguments_leave_no_default_output_folder(
     quick = ["--variants", "naive", "--layers", "1", "--steps", "1", "--warmup", "1", *TINY]
     assert profile_train.main(["--config", config, *quick, "--peak-seconds", "0.02"]) == 0
     assert (tmp_path / "profiles" / "profile" / "latest" / "results.json").is_file()
+
+
+def test_sweeps_started_in_the_same_second_get_folders_of_their_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    config, now = Path("configs/profile.toml"), dt.datetime(2026, 11, 30, 12, 0, 0)
+    first = profile_train._default_out(config, now)
+    assert first == Path("profiles/profile/20261130-120000")
+    first.mkdir(parents=True)
+    assert profile_train._default_out(config, now) == first.with_name("20261130-120000-2")
+    # Both chose the name before either made it: the second to make it stops, and writes nothing.
+    monkeypatch.setattr(profile_train, "_default_out", lambda *args: first)
+    argv = ["--config", str(ROOT / config), "--variants", "naive", "--layers", "1", *TINY]
+    assert profile_train.main(argv) == 2
+    assert "taken by another sweep started at the same time" in capsys.readouterr().err
+    assert not any(first.iterdir())
 
 
 def test_earlier_sweep_is_not_overwritten(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
