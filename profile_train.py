@@ -115,8 +115,8 @@ class Interrupts:
 
     Python runs a signal handler in whatever code is running when the signal lands. In a weakref
     callback or a `__del__` (Dynamo and Inductor run many), the exception it raises is printed
-    as "Exception ignored" and dropped: the sweep checks `raise_if_received` at every step and
-    cell, so such a signal stops it there instead of being lost.
+    as "Exception ignored" and dropped: the sweep calls `raise_if_received` before every step,
+    so such a signal stops it there instead of being lost.
     """
 
     def __init__(self) -> None:
