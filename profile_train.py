@@ -36,7 +36,7 @@ from model import VARIANTS, available_variants, unavailable_reason
 from profiling.report import diff_text
 from profiling.results import write_results
 from profiling.sweep import Sweep
-from runtime import autocast_dtype, pick_device
+from runtime import SignalScope, autocast_dtype, pick_device
 from train import USER_ERRORS
 
 
@@ -110,7 +110,7 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM (`timeout`, a job scheduler), handled as Ctrl-C is: the rows and plots stay."""
 
 
-class Interrupts:
+class Interrupts(SignalScope):
     """While active, SIGINT and SIGTERM raise at once, as Ctrl-C does, and are remembered.
 
     Python runs a signal handler in whatever code is running when the signal lands. In a weakref
@@ -120,17 +120,8 @@ class Interrupts:
     """
 
     def __init__(self) -> None:
+        super().__init__()
         self.received: int | None = None
-        self._previous: dict[int, object] = {}
-
-    def __enter__(self) -> Interrupts:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
 
     def _handle(self, signum: int, frame: object) -> None:
         self.received = signum

@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 import time
-from typing import Any
+from typing import Any, Self
 
 import torch
 import torch.distributed as dist
@@ -122,18 +122,14 @@ def wrap_ddp(model: torch.nn.Module, device: torch.device) -> DDP:
     )
 
 
-class StopSignal:
-    """While active, SIGINT/SIGTERM set a flag; the loop finishes its step, saves and exits.
-    A second signal does not wait: it raises KeyboardInterrupt (no save).
-
-    The previous handlers come back on exit, so a caller's Ctrl-C works again afterwards.
-    """
+class SignalScope:
+    """While active, SIGINT and SIGTERM go to `_handle`. The previous handlers come back on
+    exit, so a caller's Ctrl-C works again afterwards."""
 
     def __init__(self) -> None:
-        self.received: str | None = None
         self._previous: dict[int, Any] = {}
 
-    def __enter__(self) -> StopSignal:
+    def __enter__(self) -> Self:
         for sig in (signal.SIGINT, signal.SIGTERM):
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
@@ -141,6 +137,18 @@ class StopSignal:
     def __exit__(self, *exc: object) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        raise NotImplementedError
+
+
+class StopSignal(SignalScope):
+    """While active, SIGINT/SIGTERM set a flag; the loop finishes its step, saves and exits.
+    A second signal does not wait: it raises KeyboardInterrupt (no save)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.received: str | None = None
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.received is not None:  # a second signal: the step may hang; stop now
