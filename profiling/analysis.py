@@ -114,33 +114,30 @@ def savings(
     the two fitted lines project at 12, 24 and 48 layers. Compiled labels are compared with the
     compiled baseline ('sdpa+compile' with 'naive+compile'): like against like.
 
-    The saving is the difference of the two slopes. The variants of one depth are timed
-    interleaved, so a disturbance of the machine hits both, and their difference at each depth
-    is freer of it than either: the standard error is that of the line fitted to the per-depth
-    differences (`se_method` 'paired'). Where the two were not measured at the same depths it
-    is the two slopes' errors combined as if independent ('independent'). Each projection
-    carries its standard error the same way (`saving_se`, `percent_se`: None where the fits
-    have no error, i.e. two depths); the percent's treats naive's projected time as exact.
-    Where either line projects a time of zero or less (noisy fits over few depths), the
-    projection is None throughout, with `why_none`.
+    Both lines are fitted over the depths the two measured (`depths`): a step's cost is not
+    exactly linear in depth, so slopes over different depths (a sweep stopped part-way, a cell
+    that failed) would differ by that curvature as well. The saving is the slope of the
+    per-depth differences; the variants of one depth are timed interleaved, so a disturbance
+    of the machine hits both, and their difference is freer of it than either: its standard
+    error is that of the line fitted to the differences. Each projection carries its standard
+    error the same way (`saving_se`, `percent_se`; the percent's treats naive's projected time
+    as exact). The errors are None with two depths; a label with fewer than two depths in
+    common with its baseline is left out. Where either line projects a time of zero or less
+    (noisy fits over few depths), the projection is None throughout, with `why_none`.
     """
     points = {name: by_metric[metric] for name, by_metric in _points(rows).items()}
-    fits = {name: fit_line(list(pts), list(pts.values())) for name, pts in points.items()}
     reference_of = baselines(rows, baseline)
     out = {}
-    for name, fit in fits.items():
+    for name, these in points.items():
         reference = reference_of[name]
-        base = fits.get(reference)
-        if name == reference or fit is None or base is None:
+        if name == reference or reference not in points:
             continue
-        ref_points, these = points[reference], points[name]
-        if ref_points.keys() == these.keys():
-            diffs = {n: ref_points[n] - these[n] for n in these}
-            se, method = fit_line(list(diffs), list(diffs.values()))["slope_se"], "paired"
-        elif base["slope_se"] is not None and fit["slope_se"] is not None:
-            se, method = math.sqrt(base["slope_se"] ** 2 + fit["slope_se"] ** 2), "independent"
-        else:
-            se, method = None, None
+        depths = sorted(points[reference].keys() & these.keys())
+        base = fit_line(depths, [points[reference][n] for n in depths])
+        fit = fit_line(depths, [these[n] for n in depths])
+        if base is None or fit is None:
+            continue
+        diffs = {n: points[reference][n] - these[n] for n in depths}
         projected = {}
         for layers in PROJECT_AT:
             ref = base["intercept"] + base["slope"] * layers
@@ -155,7 +152,7 @@ def savings(
                     "why_none": f"{worse}'s fitted {metric} is {min(ref, this):.1f} at {layers} layers",
                 }
                 continue
-            saving_se = _saving_se_at(ref_points, these, method, layers)
+            saving_se = line_se_at(diffs, layers)
             projected[str(layers)] = {
                 "saving": ref - this,
                 "percent": 100 * (ref - this) / ref,
@@ -164,22 +161,11 @@ def savings(
             }
         out[name] = {
             "per_layer": base["slope"] - fit["slope"],
-            "per_layer_se": se,
-            "se_method": method,
+            "per_layer_se": fit_line(depths, list(diffs.values()))["slope_se"],
+            "depths": depths,
             "projected": projected,
         }
     return out
-
-
-def _saving_se_at(
-    ref: dict[int, float], these: dict[int, float], method: str | None, x: float
-) -> float | None:
-    """The standard error of a projected saving at x layers, as `savings` takes the slope's."""
-    if method == "paired":
-        return line_se_at({n: ref[n] - these[n] for n in these}, x)
-    if method == "independent":
-        return math.hypot(line_se_at(ref, x), line_se_at(these, x))
-    return None
 
 
 def op_slopes(

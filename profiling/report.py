@@ -130,10 +130,10 @@ def headline_table(results: dict[str, Any]) -> list[str]:
         )
         ops_fit = fits.get(name, {}).get("ops_per_step.total")
         cells.append(_fmt(ops_fit["slope"] if ops_fit else None, ".0f"))
-        cells.append(
-            _fmt(last["peak_mem_bytes"] / MiB if last and last["peak_mem_bytes"] else None)
-        )
+        measured = last and last["status"] == "ok" and last["peak_mem_bytes"]
+        cells.append(_fmt(last["peak_mem_bytes"] / MiB if measured else None))
         lines.append("| " + " | ".join(cells) + " |")
+    lines += _fewer_depths(saved, layers)
     if any(r["compile"] for r in rows):
         lines += ["", "`+compile` rows are compared with `naive+compile`, like against like."]
     if any(r["step_ms"] and _noisy(r["step_ms"]) for r in rows):
@@ -144,6 +144,35 @@ def headline_table(results: dict[str, Any]) -> list[str]:
             "certain. Rerun to check.",
         ]
     return lines
+
+
+def _fewer_depths(saved: dict[str, dict[str, Any]], layers: list[int]) -> list[str]:
+    """Which savings were fitted over fewer depths than the sweep's: both lines over the
+    depths the variant and its naive have in common."""
+    notes = [
+        f"`{name}` against naive at L{','.join(map(str, s['depths']))} only, the depths both measured."
+        for name, s in saved.items()
+        if s["depths"] != layers
+    ]
+    return ["", "Savings, like against like: " + " ".join(notes)] if notes else []
+
+
+def _t95(dof: int) -> float:
+    """Student's t quantile for a two-sided 95% interval: tabled to 10 degrees of freedom,
+    then the Cornish-Fisher expansion around the normal's (off by 0.002 at most there)."""
+    table = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
+    if dof <= len(table):
+        return table[dof - 1]
+    z = 1.959964
+    return z + (z**3 + z) / (4 * dof) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * dof**2)
+
+
+def _interval_text(rows: list[dict[str, Any]]) -> str:
+    """How wide a 95% interval is, in standard errors, at this sweep's number of depths."""
+    n = len({r["n_layer"] for r in rows})
+    if n < 3:
+        return f"with {n} depth{'s' if n > 1 else ''}, as here, there is none"
+    return f"{n - 2} with {n} depths, as here: a 95% interval is ± {_t95(n - 2):.1f} se"
 
 
 def _not_run(rows: list[dict[str, Any]], bold: bool = False) -> list[str]:
@@ -387,9 +416,10 @@ def _fits_table(fits: dict[str, dict[str, dict[str, float]]]) -> list[str]:
     ]
     for name, by_metric in fits.items():
         for metric, f in sorted(by_metric.items()):
+            r2 = f"{f['r2']:.4f}" if f.get("points", 3) > 2 else "– (2 depths)"
             lines.append(
                 f"| {name} | {metric} | {f['slope']:.4g} | {_fmt(f['slope_se'], '.2g')} | "
-                f"{f['intercept']:.4g} | {f['r2']:.4f} |"
+                f"{f['intercept']:.4g} | {r2} |"
             )
     return lines
 
@@ -476,8 +506,7 @@ def _report_md(results: dict[str, Any]) -> str:
             "## Projected savings against naive (`+compile` rows: against naive+compile; from "
             "the fitted lines)",
             "",
-            "± the standard error of the fitted line of per-depth differences at that depth (for "
-            "variants not measured at naive's depths, of the two lines combined). It says how well "
+            "± the standard error of the fitted line of per-depth differences at that depth. It says how well "
             "the line is pinned down there, not whether a layer's cost stays the same that far "
             "beyond the depths measured.",
             "",
@@ -528,9 +557,10 @@ def _report_md(results: dict[str, Any]) -> str:
             "- **Backend check**: every pinned SDPA cell's trace must contain its backend's ATen op "
             "(and, on CUDA, a kernel whose name matches it); otherwise the cell is marked failed.",
             "- **Fits**: least squares of each metric against n_layer; the slope is the per-layer cost, "
-            "± its standard error, which has n − 2 degrees of freedom for n depths (2 with 4 depths: "
-            "a 95% interval is ± 4.3 se). Savings are the difference of slopes against naive (a "
-            "`+compile` variant's against `naive+compile`), ± the "
+            f"± its standard error, which has n − 2 degrees of freedom for n depths ({_interval_text(rows)}). "
+            "Savings are the difference of slopes against naive (a "
+            "`+compile` variant's against `naive+compile`), both fitted over the depths the two "
+            "measured, ± the "
             "standard error of the line fitted to the per-depth differences: the variants of a depth "
             "are timed interleaved, so a disturbance they share cancels there.",
             "",

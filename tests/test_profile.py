@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import csv
 import datetime as dt
 import json
@@ -508,19 +509,20 @@ def test_fits_recover_known_slopes() -> None:
     fits, saved = fits_by_label(rows), savings(rows)["sdpa"]
     assert fits["naive"]["step_ms"]["slope_se"] > 0.3 and fits["sdpa"]["step_ms"]["slope_se"] > 0.3
     assert saved["per_layer"] == pytest.approx(2)
-    assert saved["se_method"] == "paired"
     assert saved["per_layer_se"] == pytest.approx(0, abs=1e-9)
-    # Not measured at the same depths: the two slopes' errors, combined as independent.
-    saved, fits = savings(rows[:-1])["sdpa"], fits_by_label(rows[:-1])
-    assert saved["se_method"] == "independent"
-    ses = [fits[name]["step_ms"]["slope_se"] for name in ("naive", "sdpa")]
-    assert saved["per_layer_se"] == pytest.approx(math.hypot(*ses))
-    points = [
-        {r["n_layer"]: r["step_ms"]["median"] for r in rows[:-1] if r["variant"] == v}
-        for v in ("naive", "sdpa")
+    # A step's cost bends a little with depth; a variant that lacks a depth (a sweep stopped
+    # part-way, a failed cell) is compared over the depths both have, not slope against slope
+    # over different ranges.
+    bent = [
+        timed_row(v, n, 10 + k * n + 0.2 * n * n)
+        for v, k in (("naive", 5), ("sdpa", 3))
+        for n in (1, 2, 4, 8)
     ]
-    at_48 = math.hypot(*(line_se_at(pts, 48) for pts in points))
-    assert saved["projected"]["48"]["saving_se"] == pytest.approx(at_48)
+    saved = savings(bent[:-1])["sdpa"]
+    assert saved["depths"] == [1, 2, 4]
+    assert saved["per_layer"] == pytest.approx(2) and saved["per_layer_se"] == pytest.approx(0)
+    assert saved["projected"]["48"]["saving"] == pytest.approx(96)
+    assert "sdpa" not in savings(bent[:2] + bent[4:5])  # one depth in common: no saving
 
     # Compiled variants are compared with compiled naive, like against like.
     rows = [timed_row(v, n, 10 + k * n, c) for v, k, c in VARIANTS_SLOPES for n in (1, 2, 4)]
@@ -1097,3 +1099,25 @@ def test_other_load_sees_another_busy_process() -> None:
         busy.wait()
     cores = os.cpu_count() or 1
     assert share is not None and share > 0.6 / cores  # one busy process: about 1/cores
+
+
+def test_a_failed_cell_leaves_the_report_honest(naive_vs_inplace: dict) -> None:
+    """The report's interval matches the sweep's depths; a cell that failed its backend check
+    shows no memory figure, its variant's saving is fitted over the depths both measured
+    (and says so), and a line through two points claims no r²."""
+    from profiling.report import _report_md
+
+    report = _report_md(naive_vs_inplace)
+    assert "1 with 3 depths, as here: a 95% interval is ± 12.7 se" in report
+    assert "the depths both measured" not in report
+
+    results = copy.deepcopy(naive_vs_inplace)
+    failed = next(r for r in results["rows"] if r["variant"] == "sdpa-math" and r["n_layer"] == 3)
+    failed.update(status="failed", reason="backend check", step_ms=None, tokens_per_s=None)
+    assert failed["peak_mem_bytes"]
+    results["fits"] = fits_by_label(results["rows"])
+    report = _report_md(results)
+    headline = next(line for line in report.splitlines() if line.startswith("| sdpa-math |"))
+    assert headline.endswith("| – |"), headline
+    assert "`sdpa-math` against naive at L1,2 only, the depths both measured." in report
+    assert "| sdpa-math | step_ms |" in report and "| – (2 depths) |" in report
