@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 REGIONS = ("forward", "backward", "optimizer")  # the record_function names in train_step
@@ -307,14 +308,16 @@ def describe_diff(
             f"{a} vs {b}, one depth measured (n_layer={n}): the whole step's difference divided "
             f"by {n}, ops outside the layers included"
         )
+    if unit == "kernel" and full:  # every full name, but one kernel renumbered is none
+        diffs = merge_by_kernel_label(diffs, threshold=0.005, key_of=unnumbered)
+    elif unit == "kernel":
+        diffs = merge_by_kernel_label(diffs)
     if full:
         lines = [f"{head}, every {unit} that differs:"]
         for region in REGIONS:
             these = [f"    {_amount(d, region=False)}" for d in diffs if d["region"] == region]
             lines += [f"  {region}:", *these] if these else []
         return "\n".join(lines)
-    if unit == "kernel":
-        diffs = merge_by_kernel_label(diffs)
     named = [d for d in diffs if d["name"] not in BOOKKEEPING]
     parts = [_amount(d) for d in _largest_of_each_region(named, SHOWN)]
     if len(named) > SHOWN:
@@ -383,6 +386,14 @@ _LAMBDA_ARGS = re.compile(r"\{lambda\(([^()]+)\)#\d+\}")
 _TEMPLATE_ARG = re.compile(r"(?:Functor|ReduceOp|_add)<(?:c10::)?((?:unsigned )?\w+)")
 
 
+_TRITON_SERIAL = re.compile(r"(triton_\w+?)_\d+")
+
+
+def unnumbered(name: str) -> str:
+    """A Triton kernel's name without the serial number Inductor gives it within its graph."""
+    return triton.group(1) if (triton := _TRITON_SERIAL.fullmatch(name)) else name
+
+
 def kernel_label(name: str) -> str:
     """A CUDA kernel's short name for prose.
 
@@ -391,8 +402,13 @@ def kernel_label(name: str) -> str:
     `direct_copy_kernel_cuda<BFloat16>`, with "(casting)" when it loads or stores with a cast;
     any other templated or C++ kernel by its unqualified name (`softmax_warp_forward`,
     `fmha_cutlassF_bf16_aligned_64x64_rf_sm80`). Plain names (cuBLAS's `nvjet_…`, Triton's,
-    cuDNN's generated kernels, `Memcpy DtoD (Device -> Device)`) stay as they are.
+    cuDNN's generated kernels, `Memcpy DtoD (Device -> Device)`) stay as they are, but for the
+    serial number Inductor gives each Triton kernel within its graph
+    (`triton_poi_fused_gelu_view_13` is `triton_poi_fused_gelu_view`): the same fused kernel
+    is numbered differently in two variants' graphs.
     """
+    if (plain := unnumbered(name)) != name:
+        return plain
     s = name.removeprefix("void ").replace("(anonymous namespace)::", "")
     head = re.match(r"[\w:]+", s)
     if head is None or head.end() == len(s) or s[head.end()] not in "<(":
@@ -423,13 +439,15 @@ def _kernel_dtype(args: str) -> str | None:
 
 
 def merge_by_kernel_label(
-    diffs: list[dict[str, Any]], threshold: float = 0.25
+    diffs: list[dict[str, Any]],
+    threshold: float = 0.25,
+    key_of: Callable[[str], str] = kernel_label,
 ) -> list[dict[str, Any]]:
     """Kernel diffs summed by (region, kernel_label): launches of one operation through
     different launchers (vectorized or not, say) count together; a sum under threshold drops."""
     merged: dict[tuple[str, str], dict[str, Any]] = {}
     for d in diffs:
-        key = (d["region"], kernel_label(d["name"]))
+        key = (d["region"], key_of(d["name"]))
         if key in merged:
             merged[key]["per_layer"] = round(merged[key]["per_layer"] + d["per_layer"], 2)
         else:

@@ -23,7 +23,7 @@ from torch.autograd import DeviceType
 
 import profile_train
 from model import attention
-from profiling.analysis import fit_line, fits_by_label, line_se_at, op_diff, savings
+from profiling.analysis import fit_line, fits_by_label, op_diff, savings
 from profiling.measure import OtherLoad, parse_events, verify_backend
 from profiling.report import headline_table
 from profiling.sweep import Sweep
@@ -901,6 +901,24 @@ def test_kernel_labels_name_the_operation_and_its_dtype() -> None:
     assert len(names) >= 16
     for name, expected in names.items():
         assert kernel_label(name) == expected, name[:120]
+
+
+def test_renumbered_triton_kernels_are_no_difference() -> None:
+    """Inductor numbers a graph's Triton kernels in order, so one fused kernel is `_13` in one
+    variant's graph and `_8` in another's: the kernel diff counts them as the same kernel."""
+    from profiling.analysis import merge_by_kernel_label
+
+    def diff(name: str, per_layer: float) -> dict:
+        return {"region": "forward", "name": name, "per_layer": per_layer}
+
+    merged = merge_by_kernel_label(
+        [
+            diff("triton_poi_fused_gelu_view_13", -2.0),
+            diff("triton_poi_fused_gelu_view_8", 2.0),
+            diff("triton_per_fused__softmax_masked_fill_5", -1.0),
+        ]
+    )
+    assert merged == [diff("triton_per_fused__softmax_masked_fill", -1.0)]
 
 
 def _copy_kernel(vec: int, dtype: str = "c10::BFloat16") -> str:
