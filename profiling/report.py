@@ -170,8 +170,10 @@ def _t95(dof: int) -> float:
 def _interval_text(rows: list[dict[str, Any]]) -> str:
     """How wide a 95% interval is, in standard errors, at this sweep's number of depths."""
     n = len({r["n_layer"] for r in rows})
-    if n < 3:
-        return f"with {n} depth{'s' if n > 1 else ''}, as here, there is none"
+    if n == 1:
+        return "one depth, as here, fits no line"
+    if n == 2:
+        return "none with 2 depths, as here: a line through two points leaves no residual"
     return f"{n - 2} with {n} depths, as here: a 95% interval is ± {_t95(n - 2):.1f} se"
 
 

@@ -1123,11 +1123,14 @@ def test_a_failed_cell_leaves_the_report_honest(naive_vs_inplace: dict) -> None:
     """The report's interval matches the sweep's depths; a cell that failed its backend check
     shows no memory figure, its variant's saving is fitted over the depths both measured
     (and says so), and a line through two points claims no r²."""
-    from profiling.report import _report_md
+    from profiling.report import _interval_text, _report_md
 
     report = _report_md(naive_vs_inplace)
     assert "1 with 3 depths, as here: a 95% interval is ± 12.7 se" in report
     assert "the depths both measured" not in report
+    two = [timed_row("naive", n, 10.0 * n) for n in (1, 2)]
+    assert "none with 2 depths" in _interval_text(two)
+    assert "fits no line" in _interval_text(two[:1])
 
     results = copy.deepcopy(naive_vs_inplace)
     failed = next(r for r in results["rows"] if r["variant"] == "sdpa-math" and r["n_layer"] == 3)
