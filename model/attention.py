@@ -8,10 +8,10 @@ Every variant is a plain function
 
     q, k, v    (B, H, T, D)
     mask       the causal mask in the variant's own form, made once per forward pass by the
-               model (outside any compiled block) and shared by every layer: for most, a
-               (T, T) bool tensor, True where a query may NOT attend, sliced from a buffer
-               built once; for flex, a BlockMask from `Variant.make_mask`. SDPA variants
-               ignore it and pass is_causal=True.
+               model (outside any compiled block) and shared by every layer: for naive and
+               inplace, a (T, T) bool tensor, True where a query may NOT attend, sliced from a
+               buffer built once; for flex, a BlockMask from `Variant.make_mask`. SDPA
+               variants get None and pass is_causal=True, so their models hold no T x T mask.
     dropout_p  probability of dropping an attention weight; 0.0 outside training.
     y          (B, H, T, D)
 
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-AttentionFn = Callable[[Tensor, Tensor, Tensor, Tensor, float], Tensor]
+AttentionFn = Callable[[Tensor, Tensor, Tensor, Any, float], Tensor]
 
 
 def naive(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dropout_p: float) -> Tensor:
@@ -68,7 +68,7 @@ def inplace(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dropout_p: float) -> 
     return att @ v  # (B, H, T, D)
 
 
-def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dropout_p: float) -> Tensor:
+def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: None, dropout_p: float) -> Tensor:
     """PyTorch's fused entry point; PyTorch picks the backend for these inputs.
 
     is_causal=True instead of passing `mask`: an explicit mask rules out the flash and
@@ -83,7 +83,7 @@ def _pinned(backend: SDPBackend) -> AttentionFn:
     # and a pinned sdpa_kernel is not honoured (a compiled SDPA-math block ran the CPU flash
     # kernel). Eager, the pin holds; the rest of a compiled block stays compiled around it.
     @torch.compiler.disable
-    def fn(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dropout_p: float) -> Tensor:
+    def fn(q: Tensor, k: Tensor, v: Tensor, mask: None, dropout_p: float) -> Tensor:
         # sdpa_kernel with a single backend: if it cannot take these inputs, torch raises
         # instead of quietly using another kernel.
         with sdpa_kernel(backend):
@@ -91,6 +91,11 @@ def _pinned(backend: SDPBackend) -> AttentionFn:
 
     fn.__doc__ = f"SDPA pinned to SDPBackend.{backend.name}."
     return fn
+
+
+def no_mask(T: int, device: torch.device) -> None:
+    """The mask of the SDPA variants: none, is_causal=True says it."""
+    return None
 
 
 def _causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
@@ -151,24 +156,32 @@ VARIANTS: dict[str, Variant] = {
     for v in (
         Variant("naive", naive, "matmul, scale, masked_fill (out of place), softmax, matmul"),
         Variant("inplace", inplace, "naive with masked_fill_: no hidden copy"),
-        Variant("sdpa", sdpa, "F.scaled_dot_product_attention, backend chosen by PyTorch"),
+        Variant(
+            "sdpa",
+            sdpa,
+            "F.scaled_dot_product_attention, backend chosen by PyTorch",
+            make_mask=no_mask,
+        ),
         Variant(
             "sdpa-math",
             _pinned(SDPBackend.MATH),
             "SDPA pinned to the math backend",
             backend=SDPBackend.MATH,
+            make_mask=no_mask,
         ),
         Variant(
             "sdpa-flash",
             _pinned(SDPBackend.FLASH_ATTENTION),
             "SDPA pinned to the flash backend",
             backend=SDPBackend.FLASH_ATTENTION,
+            make_mask=no_mask,
         ),
         Variant(
             "sdpa-efficient",
             _pinned(SDPBackend.EFFICIENT_ATTENTION),
             "SDPA pinned to the memory-efficient backend",
             backend=SDPBackend.EFFICIENT_ATTENTION,
+            make_mask=no_mask,
             cuda_only="the memory-efficient SDPA kernel exists only for CUDA",
         ),
         Variant(
@@ -176,6 +189,7 @@ VARIANTS: dict[str, Variant] = {
             _pinned(SDPBackend.CUDNN_ATTENTION),
             "SDPA pinned to the cuDNN backend",
             backend=SDPBackend.CUDNN_ATTENTION,
+            make_mask=no_mask,
             cuda_only="the cuDNN SDPA kernel exists only for CUDA",
         ),
         Variant(

@@ -79,9 +79,13 @@ class GPT(nn.Module):
         # Tied: the same matrix embeds tokens and scores them; saves V*C parameters.
         self.lm_head.weight = self.wte.weight
         self.variant = get_variant(config.attention)
-        # True above the diagonal: positions a query may not see. Built once for the longest
-        # context and sliced per forward. Not persistent: it is derived, not learned.
-        mask = torch.ones(config.block_size, config.block_size, dtype=torch.bool).triu(1)
+        # For the variants that read a boolean mask: True above the diagonal, positions a
+        # query may not see. Built once for the longest context and sliced per forward; the
+        # others (SDPA, flex) hold none, as it would take block_size^2 bytes. Not persistent:
+        # it is derived, not learned.
+        mask = None
+        if self.variant.make_mask is None:
+            mask = torch.ones(config.block_size, config.block_size, dtype=torch.bool).triu(1)
         self.register_buffer("causal_mask", mask, persistent=False)
         self.apply(self._init_weights)
         # GPT-2: each block adds two residual branches, so scale their output projections
@@ -114,7 +118,7 @@ class GPT(nn.Module):
     def attention_mask(self, T: int) -> Any:
         """The causal mask for length T in the form this model's attention variant takes."""
         if self.variant.make_mask is not None:
-            return self.variant.make_mask(T, self.causal_mask.device)
+            return self.variant.make_mask(T, self.wpe.weight.device)
         return self.causal_mask[:T, :T]
 
     def features(self, idx: Tensor) -> Tensor:

@@ -270,6 +270,23 @@ def test_sequence_longer_than_block_size() -> None:
         model(torch.zeros(1, 9, dtype=torch.long))
 
 
+def test_only_boolean_mask_variants_hold_a_causal_mask() -> None:
+    """naive and inplace read a (block_size, block_size) mask; SDPA passes is_causal and
+    flex builds its own, so their models hold none: at block_size 32768 it would be 1 GiB."""
+    for name, variant in VARIANTS.items():
+        model = GPT(tiny_config(name, block_size=128))
+        held = model.causal_mask is not None
+        assert held == (name in ("naive", "inplace")), name
+        assert "causal_mask" not in model.state_dict()
+        if variant.backend is not None or name == "sdpa":
+            assert model.attention_mask(16) is None, name
+    assert GPT(tiny_config("naive")).attention_mask(3).tolist() == [
+        [False, True, True],
+        [False, False, True],
+        [False, False, False],
+    ]
+
+
 def test_weight_tying_and_init() -> None:
     torch.manual_seed(0)
     model = GPT(tiny_config(n_layer=8, n_embd=64, block_size=256))
