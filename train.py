@@ -318,11 +318,13 @@ def train(
             file=sys.stderr,
         )
 
+    # Before the model: a corpus too small for the batch is told in a second, not after a
+    # model of block_size (and its memory) is built.
+    batches = token_batches(config, data_dir, meta, device, rank, world_size)
     # Per rank, as in nanoGPT: ranks must draw different dropout masks. Initial weights may
     # differ too; DDP broadcasts rank 0's when it wraps the model.
     torch.manual_seed(tc.seed + rank)
     raw_model, optimizer = build_model(config.model, tc, device, onednn=onednn, compile=tc.compile)
-    batches = token_batches(config, data_dir, meta, device, rank, world_size)
     step = 0
     if ckpt is not None:
         with restoring(ckpt_path, "model"):

@@ -862,9 +862,15 @@ def test_corpus_shorter_than_a_block_is_an_error(
 
 
 def test_a_batch_larger_than_the_corpus_is_an_error(
-    data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch
 ) -> None:
-    """A typo'd batch_size (10^8) would gather its rows in host memory until it runs out."""
+    """A typo'd batch_size (10^8) would gather its rows in host memory until it runs out.
+    Told before a model is built: a typo'd block_size makes that model huge."""
+
+    def build_model(*args, **kwargs):
+        raise AssertionError("the model was built before the data was checked")
+
+    monkeypatch.setattr(train, "build_model", build_model)
     assert run(data_root, tmp_path / "run", "--train.batch_size=100000000") == 2
     err = error_of(capsys.readouterr().err)
     assert "train.batch_size=100000000" in err and "lower train.batch_size" in err
