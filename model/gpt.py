@@ -162,7 +162,8 @@ class GPT(nn.Module):
         smallest normal number, ~1e-38) is greedy, and an infinite one samples uniformly.
 
         top_k keeps the k likeliest tokens; top_p (nucleus sampling) then the fewest of the
-        likeliest whose probabilities, after temperature, add up to at least top_p.
+        likeliest whose probabilities, after temperature, add up to at least top_p. Likeliest
+        by the model's scores: with an infinite temperature, top_k=1 is still greedy.
 
         vocab_limit: sample only ids below it, for a tokenizer with fewer tokens than the
         model's (padded) vocab_size; the rows above it have no text to decode to.
@@ -192,13 +193,16 @@ class GPT(nn.Module):
             else:
                 # Shifted so the largest is 0: a tiny temperature then gives 0 and -inf, not inf,
                 # and an infinite one all zeros (uniform), not NaN.
-                logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
+                shifted = logits - logits.amax(dim=-1, keepdim=True)
+                scaled = shifted / temperature
+                # The likeliest are chosen by the model's scores, not the scaled ones: a huge
+                # temperature ties them all at 0, and top_k or top_p would then keep any.
                 if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                probs = F.softmax(logits, dim=-1)
+                    kth = torch.topk(shifted, min(top_k, shifted.size(-1))).values[:, [-1]]
+                    scaled = scaled.masked_fill(shifted < kth, float("-inf"))
+                probs = F.softmax(scaled, dim=-1)
                 if top_p is not None and top_p < 1:
-                    probs = _nucleus(probs, top_p)
+                    probs = _nucleus(probs, top_p, shifted)
                 next_id = torch.multinomial(probs, num_samples=1, generator=generator)
             idx = torch.cat((idx, next_id), dim=1)
             if stop_id is not None:
@@ -208,11 +212,13 @@ class GPT(nn.Module):
         return idx
 
 
-def _nucleus(probs: Tensor, top_p: float) -> Tensor:
+def _nucleus(probs: Tensor, top_p: float, scores: Tensor) -> Tensor:
     """probs (B, V) cut to the fewest likeliest tokens whose mass reaches top_p (the likeliest
-    is always kept); multinomial renormalises what is left."""
+    is always kept); multinomial renormalises what is left. Likeliest by scores (B, V), which
+    order the tokens as probs do but without the ties a huge temperature makes."""
     # Stable: of tokens tied at the cut, the same ones are kept on every device.
-    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
+    order = scores.argsort(dim=-1, descending=True, stable=True)
+    sorted_probs = probs.gather(-1, order)
     # Drop a token when the mass before it already reaches top_p.
     drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
     return probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))

@@ -397,7 +397,7 @@ def test_nucleus_keeps_the_fewest_likeliest_tokens_reaching_top_p(
         if kept is None
         else torch.empty(4).scatter_(0, torch.tensor(order), torch.tensor(kept))[None]
     )
-    assert torch.equal(_nucleus(unsorted, top_p), expected)
+    assert torch.equal(_nucleus(unsorted, top_p, unsorted.log()), expected)
 
 
 def test_generate_top_p() -> None:
@@ -414,6 +414,23 @@ def test_generate_top_p() -> None:
     for bad in (0.0, 1.5, math.nan):
         with pytest.raises(ValueError, match=f"top_p={bad}"):
             model.generate(prompt, 1, top_p=bad)
+
+
+@pytest.mark.parametrize("temperature", [math.inf, 1e38])
+def test_top_k_and_top_p_keep_the_likeliest_at_any_temperature(temperature: float) -> None:
+    """A huge temperature flattens the scaled scores to ties; the tokens kept are still the
+    model's likeliest, so top_k=1 (or a top_p below one token's share) stays greedy."""
+    torch.manual_seed(0)
+    model = GPT(tiny_config()).eval()
+    prompt = torch.randint(0, 97, (2, 5))
+
+    def sample(**kwargs: Any) -> Tensor:
+        return model.generate(prompt, 12, generator=torch.Generator().manual_seed(1), **kwargs)
+
+    greedy = sample(temperature=0)
+    assert torch.equal(sample(temperature=temperature, top_k=1), greedy)
+    assert torch.equal(sample(temperature=temperature, top_p=0.005), greedy)  # 1/97 > 0.005
+    assert not torch.equal(sample(temperature=temperature, top_k=2), greedy)
 
 
 def test_generate_stops_once_every_row_sampled_the_stop_id() -> None:
