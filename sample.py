@@ -61,7 +61,9 @@ def load_run(
             f"{trained_with[:12]}); copy that corpus's back (it was {corpus}, if unchanged since)"
         )
     if attention is not None:
-        config = replace(config, model=replace(config.model, attention=attention))
+        # Dropout off too: sampling never applies it, and flex, which has none, would refuse
+        # a run trained with it.
+        config = replace(config, model=replace(config.model, attention=attention, dropout=0.0))
     try:
         # The training check (forward and backward, dropout off): stricter than sampling
         # needs only for flex off CUDA, which runs forward on a CPU but is refused here.

@@ -1136,6 +1136,22 @@ def test_sample_bad_arguments_name_the_flag(
     assert named in error_of(capsys.readouterr().err)
 
 
+def test_sampling_with_another_variant_is_not_refused_for_training_dropout(
+    data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """flex has no dropout, which only training applies: a run trained with dropout may still
+    be sampled with it (here, on a CPU, it is refused for its own reason)."""
+    out = tmp_path / "run"
+    one_step = ["--train.max_steps=1", "--train.eval_interval=0", "--train.eval_batches=1"]
+    assert run(data_root, out, "--model.dropout=0.1", *one_step) == 0
+    capsys.readouterr()
+    assert sample.main(["--run", str(out), "--attention", "flex", "--tokens", "2"]) == 2
+    err = error_of(capsys.readouterr().err)
+    assert "cannot apply attention dropout" not in err and "off CUDA" in err
+    model, _, _ = sample.load_run(out, torch.device("cpu"), attention="inplace")
+    assert model.config.dropout == 0.0 and load_config(out / "config.toml").model.dropout == 0.1
+
+
 def test_sample_from_a_missing_dir_or_a_file_says_so(
     base_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
