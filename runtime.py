@@ -40,6 +40,15 @@ def pick_device(name: str, setting: str = "train.device") -> torch.device:
         ) from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"{setting}={name!r}: CUDA is not available on this machine")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ConfigError(
+            f"{setting}={name!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+            f"cuda:0 to cuda:{torch.cuda.device_count() - 1}"
+        )
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"{setting}={name!r}: MPS (Apple GPUs) is not available on this machine")
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise ConfigError(f"{setting}={name!r}: use auto, cpu, cuda, cuda:N or mps")
     return device
 
 

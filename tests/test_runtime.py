@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from config import ConfigError
-from runtime import StepReadout, set_fp32_matmul_precision
+from runtime import StepReadout, pick_device, set_fp32_matmul_precision
 
 ROOT = Path(__file__).resolve().parents[1]
 SLEEP_CYCLES = 1_000_000_000  # torch.cuda._sleep: about half a second at a GPU's ~2 GHz
@@ -153,3 +154,21 @@ def test_a_training_run_on_cuda(tmp_path: Path) -> None:
     assert max(peaks) <= 1.05 * min(peaks), peaks
     ckpt = torch.load(out / "ckpt.pt", map_location="cpu", weights_only=True)
     assert ckpt["step"] == 12 and ckpt["config"]["train"]["device"] == "cuda"
+
+
+@pytest.mark.parametrize(
+    ("name", "says"),
+    [
+        ("mps", "MPS (Apple GPUs) is not available"),
+        ("meta", "use auto, cpu, cuda, cuda:N or mps"),
+        ("gpu", "not a device"),
+        (f"cuda:{torch.cuda.device_count()}", "CUDA"),
+    ],
+)
+def test_a_device_this_machine_lacks_is_a_config_error(name: str, says: str) -> None:
+    """Refused by name before anything is built, not a dispatcher traceback mid-run."""
+    if name == "mps" and torch.backends.mps.is_available():
+        pytest.skip("this machine has MPS")
+    with pytest.raises(ConfigError, match=re.escape(says)) as refused:
+        pick_device(name, "--device")
+    assert str(refused.value).startswith(f"--device={name!r}")
