@@ -65,7 +65,7 @@ class TrainConfig:
     # times the number of ranks.
     peak_tflops: float = 0.0
     sample_tokens: int = 200  # tokens sampled at the end of `make train`; 0 disables
-    sample_prompt: str = "def "  # prompt for that sample
+    sample_prompt: str = "def"  # no trailing space: a space begins the next word's token
 
     def __post_init__(self) -> None:
         at_least = {

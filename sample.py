@@ -1,6 +1,6 @@
 """Generate text from a trained run.
 
-    python sample.py --run runs/default --prompt "def " [--tokens 200] [--temperature 0.8]
+    python sample.py --run runs/default --prompt "def" [--tokens 200] [--temperature 0.8]
         [--top-k 50] [--top-p 0.95] [--stop-at-eot] [--attention sdpa]
 
 Reads the run's checkpoint, config and tokenizer (train.py copies it into the run directory).
