@@ -170,7 +170,7 @@ class GPT(nn.Module):
         stop_id: stop once every row has sampled it (a row that has goes on sampling until
         then: cut each at its first stop_id after the prompt).
         """
-        if temperature < 0:
+        if not temperature >= 0:  # NaN too
             raise ValueError(f"temperature={temperature}: must be >= 0")
         if top_k is not None and top_k <= 0:
             raise ValueError(f"top_k={top_k}: must be a positive integer or None")

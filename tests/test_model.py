@@ -414,6 +414,9 @@ def test_generate_top_p() -> None:
     for bad in (0.0, 1.5, math.nan):
         with pytest.raises(ValueError, match=f"top_p={bad}"):
             model.generate(prompt, 1, top_p=bad)
+    for bad in (-1.0, math.nan):
+        with pytest.raises(ValueError, match=f"temperature={bad}"):
+            model.generate(prompt, 1, temperature=bad)
 
 
 @pytest.mark.parametrize("temperature", [math.inf, 1e38])
