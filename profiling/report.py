@@ -532,9 +532,10 @@ def _report_md(results: dict[str, Any]) -> str:
             "- **Step time**: no profiler attached; warm-up steps excluded; the device synchronised before "
             "and after each step"
             + _serialised_text(meta)
-            + "; the variants of one depth run interleaved round by round, each round "
-            "starting one later (A B C, B C A, C A B, …), so machine drift hits all alike and no variant "
-            "always follows the same one. Median with 10th/90th percentiles over the timed steps.",
+            + "; the variants of one depth run interleaved round by round, so machine drift "
+            "hits all alike, "
+            + _round_order_text(meta)
+            + ". Median with 10th/90th percentiles over the timed steps.",
             "- **Compile time**: for `+compile` cells, the first step's time minus the median "
             "step. Dynamo is reset before each depth, so every compiled cell traces its graphs "
             "anew instead of reusing the last depth's; `(cached)` marks a cell whose compiled "
@@ -575,6 +576,16 @@ def _report_md(results: dict[str, Any]) -> str:
             "",
         ]
     )
+
+
+def _round_order_text(meta: dict[str, Any]) -> str:
+    if meta.get("round_order") == "balanced":
+        return (
+            "each round in an order of a balanced Latin square (Williams design: A B C, "
+            "B C A, C A B, C B A, A C B, B A C), so every variant takes every position and "
+            "directly follows every other equally often over the rounds"
+        )
+    return "each round starting one later (A B C, B C A, C A B, …)"
 
 
 def _startup_text(meta: dict[str, Any]) -> str:

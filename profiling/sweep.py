@@ -50,6 +50,19 @@ from train import build_model, train_step
 BATCH_POOL = 4  # distinct batches cycled through, drawn before timing so no I/O is timed
 
 
+def balanced_orders(n: int) -> list[list[int]]:
+    """Orders of n cells for successive rounds: a Williams design, the balanced Latin square.
+
+    Over the rows every cell takes every position equally often and directly follows every
+    other cell equally often: n rows for even n, 2n for odd (the rows and their reverses).
+    Rotating one order (A B C, B C A, C A B) would put A after C in two rounds of three.
+    """
+    # 0, 1, n-1, 2, n-2, ...: its successive differences are all distinct mod n.
+    first = [0] + [(k + 1) // 2 if k % 2 else n - k // 2 for k in range(1, n)]
+    rows = [[(c + shift) % n for c in first] for shift in range(n)]
+    return rows if n % 2 == 0 else rows + [row[::-1] for row in rows]
+
+
 @dataclasses.dataclass
 class Cell:
     variant: str
@@ -178,6 +191,7 @@ class Sweep:
             "data": self.args.data,
             "steps": self.args.steps,
             "warmup": self.args.warmup,
+            "round_order": "balanced",  # balanced_orders; sweeps before it rotated one order
             "profile_steps": self.args.profile_steps,
             "command": "python " + shlex.join(sys.argv),
             "out": str(self.out),
@@ -315,12 +329,13 @@ class Sweep:
                     cell.compile_cache = _compile_cache(before, _compile_counters())
                 for _ in range(self.args.warmup - 1):
                     timed(cell.step, self.device)
+        orders = balanced_orders(len(cells))
         for r in range(self.args.steps):
             bar.set_postfix_str(f"L{cells[0].n_layer} round {r + 1}/{self.args.steps}")
-            # A B C, B C A, C A B, ...: drift hits every variant alike, and no variant always
-            # follows the same one, so what a step inherits from the one before (caches, the
-            # heap's layout) is shared too.
-            for cell in cells[r % len(cells) :] + cells[: r % len(cells)]:
+            # Rounds of every cell: drift hits every variant alike; each round's order from a
+            # balanced Latin square, so each cell follows every other equally often and what a
+            # step inherits from the one before (caches, the heap's layout) is shared too.
+            for cell in (cells[i] for i in orders[r % len(orders)]):
                 if cell.step is None:
                     continue
                 with self._guard(cell):

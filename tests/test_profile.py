@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import csv
 import datetime as dt
+import itertools
 import json
 import math
 import os
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import time
 import weakref
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -180,10 +182,23 @@ def test_backend_mismatch_fails_the_cell(tmp_path: Path, monkeypatch: pytest.Mon
     assert row["step_ms"] is row["tokens_per_s"] is row["mfu"] is None
 
 
-def test_each_round_starts_one_variant_later(
+@pytest.mark.parametrize("n", range(1, 9))
+def test_round_orders_are_balanced(n: int) -> None:
+    """Every cell takes every position, and directly follows every other, equally often."""
+    from profiling.sweep import balanced_orders
+
+    rows = balanced_orders(n)
+    assert all(sorted(row) == list(range(n)) for row in rows)
+    positions = Counter((c, i) for row in rows for i, c in enumerate(row))
+    follows = Counter(pair for row in rows for pair in itertools.pairwise(row))
+    assert len(positions) == n * n and len(set(positions.values())) == 1
+    assert len(follows) == n * (n - 1) and len(set(follows.values())) <= 1
+
+
+def test_the_sweep_times_rounds_in_balanced_orders(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """What the first step of a round pays (page faults after the last cell) is shared by all."""
+    """What a step inherits from the one before it (page faults, caches) is shared by all."""
     import profiling.sweep
 
     ran: list[str] = []
@@ -210,10 +225,11 @@ def test_each_round_starts_one_variant_later(
     monkeypatch.setattr(profiling.sweep, "timed", timed)
     for name in ("naive", "inplace", "sdpa"):
         monkeypatch.setitem(attention.VARIANTS, name, recording(name))
-    rc, _ = sweep(tmp_path, "--variants", "naive,inplace,sdpa", "--layers", "1", "--steps", "3")
+    rc, _ = sweep(tmp_path, "--variants", "naive,inplace,sdpa", "--layers", "1", "--steps", "6")
     assert rc == 0
     a, b, c = "naive", "inplace", "sdpa"
-    assert ran[-9:] == [a, b, c, b, c, a, c, a, b]  # after the warm-up steps: 3 rounds
+    rounds = [ran[i : i + 3] for i in range(len(ran) - 18, len(ran), 3)]  # after the warm-up
+    assert rounds == [[a, b, c], [b, c, a], [c, a, b], [c, b, a], [a, c, b], [b, a, c]]
 
 
 TIMES_MS = [10, 20, 30, 40, 100]  # median 30 (the mean is 40), p10 14, p90 76
@@ -1142,3 +1158,15 @@ def test_a_failed_cell_leaves_the_report_honest(naive_vs_inplace: dict) -> None:
     assert headline.endswith("| – |"), headline
     assert "`sdpa-math` against naive at L1,2 only, the depths both measured." in report
     assert "| sdpa-math | step_ms |" in report and "| – (2 depths) |" in report
+
+
+def test_the_report_states_the_round_order_its_sweep_used(naive_vs_inplace: dict) -> None:
+    """A sweep made before the balanced orders is still described as it was timed."""
+    from profiling.report import _report_md
+
+    assert naive_vs_inplace["meta"]["round_order"] == "balanced"
+    assert "balanced Latin square" in _report_md(naive_vs_inplace)
+    older = copy.deepcopy(naive_vs_inplace)
+    del older["meta"]["round_order"]
+    report = _report_md(older)
+    assert "each round starting one later" in report and "Latin" not in report
