@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import gzip
+import itertools
 import os
 import re
 import resource
@@ -155,8 +156,10 @@ def count_flops(step: Callable[[], object]) -> dict[str, int]:
 
 
 def resident_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of parameters and optimizer state: what lives on the device between steps."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of parameters, buffers (naive's causal mask) and optimizer state: what lives on
+    the device between steps."""
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    total = sum(t.numel() * t.element_size() for t in tensors)
     for state in optimizer.state.values():
         total += sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t))
     return total

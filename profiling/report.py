@@ -548,7 +548,7 @@ def _report_md(results: dict[str, Any]) -> str:
             "the region of the runtime call that launched them, matched by correlation id."
             + (_KERNEL_LABELS if any(r.get("kernels_per_step") for r in rows) else ""),
             *_unattributed_lines(rows),
-            "- **Peak memory**: parameters and optimizer state resident before the step, plus the step's own "
+            "- **Peak memory**: parameters, buffers and optimizer state resident before the step, plus the step's own "
             "peak above that: on CUDA from the caching allocator (`max_memory_allocated`) over one more step, "
             "on CPU from the profiler's allocation events in the profiled step.",
             "- **FLOPs and MFU**: `torch.utils.flop_counter` over one eager `naive` step at each depth "

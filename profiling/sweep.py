@@ -50,6 +50,13 @@ from train import build_model, train_step
 BATCH_POOL = 4  # distinct batches cycled through, drawn before timing so no I/O is timed
 
 
+def out_of_memory(e: BaseException) -> bool:
+    """CUDA's allocator raises OutOfMemoryError; the CPU's a RuntimeError that says so."""
+    return isinstance(e, torch.OutOfMemoryError | MemoryError) or (
+        isinstance(e, RuntimeError) and "can't allocate memory" in str(e)
+    )
+
+
 def balanced_orders(n: int) -> list[list[int]]:
     """Orders of n cells for successive rounds: a Williams design, the balanced Latin square.
 
@@ -358,10 +365,8 @@ class Sweep:
         """A cell that fails is recorded as failed; the sweep goes on."""
         try:
             yield
-        except torch.OutOfMemoryError as e:
-            cell.fail("oom", e)
         except Exception as e:  # not KeyboardInterrupt: Ctrl-C stops the sweep
-            cell.fail("failed", e)
+            cell.fail("oom" if out_of_memory(e) else "failed", e)
         if cell.status != "ok" and self.device.type == "cuda":
             torch.cuda.empty_cache()
 

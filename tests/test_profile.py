@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import dataclasses
 import datetime as dt
 import itertools
 import json
@@ -312,14 +313,25 @@ def test_failing_cells_do_not_stop_the_sweep(
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return attention.naive(q, k, v, mask, dropout_p)
 
+    def too_big_for_the_host(q, k, v, mask, dropout_p):
+        if q.size(0) > 1:  # what the CPU allocator raises: a plain RuntimeError
+            raise RuntimeError(
+                "[enforce fail at alloc_cpu.cpp:124] data. DefaultCPUAllocator: can't allocate "
+                "memory: you tried to allocate 35184372088832 bytes. Error code 12"
+            )
+        return attention.naive(q, k, v, mask, dropout_p)
+
     monkeypatch.setitem(
         attention.VARIANTS, "inplace", attention.Variant("inplace", broken, "broken")
     )
     monkeypatch.setitem(
         attention.VARIANTS, "sdpa-math", attention.Variant("sdpa-math", too_big, "too big")
     )
+    monkeypatch.setitem(
+        attention.VARIANTS, "sdpa", attention.Variant("sdpa", too_big_for_the_host, "too big")
+    )
     rc, results = sweep(
-        tmp_path, "--variants", "naive,inplace,sdpa-efficient,sdpa-math", "--layers", "1,2"
+        tmp_path, "--variants", "naive,inplace,sdpa-efficient,sdpa-math,sdpa", "--layers", "1,2"
     )
     assert rc == 0
     status = {(r["variant"], r["n_layer"]): (r["status"], r["reason"]) for r in results["rows"]}
@@ -328,8 +340,10 @@ def test_failing_cells_do_not_stop_the_sweep(
     # Out of memory beside the depth's other cells: the reason says so, and how to run it alone.
     oom, why = status[("sdpa-math", 2)]
     assert oom == "oom" and why.startswith("OutOfMemoryError: CUDA out of memory")
-    assert "1 other cell(s) of n_layer=2 in memory" in why
+    assert "other cell(s) of n_layer=2 in memory" in why
     assert "--variants sdpa-math --layers 2 --compile off" in why
+    oom, why = status[("sdpa", 1)]
+    assert oom == "oom" and "DefaultCPUAllocator: can't allocate memory" in why
     assert status[("sdpa-efficient", 1)][0] == "unsupported"
     assert "only for CUDA" in status[("sdpa-efficient", 1)][1]
     assert "did not run" in (tmp_path / "sweep" / "report.md").read_text()
@@ -1170,3 +1184,25 @@ def test_the_report_states_the_round_order_its_sweep_used(naive_vs_inplace: dict
     del older["meta"]["round_order"]
     report = _report_md(older)
     assert "each round starting one later" in report and "Latin" not in report
+
+
+def test_resident_memory_counts_the_causal_mask_naive_holds() -> None:
+    """Peak memory's resident part: parameters, optimizer state, and buffers, the one place
+    naive and inplace hold more than the SDPA variants (a block_size^2 bool mask)."""
+    from model import GPT, GPTConfig
+    from profiling.measure import resident_bytes
+
+    config = GPTConfig(vocab_size=64, block_size=48, n_layer=1, n_head=2, n_embd=16)
+
+    def resident(attention: str) -> int:
+        model = GPT(dataclasses.replace(config, attention=attention))
+        optimizer = torch.optim.AdamW(model.parameters())
+        model(torch.zeros(1, 8, dtype=torch.long))[0].sum().backward()
+        optimizer.step()
+        return resident_bytes(model, optimizer)
+
+    tensors = list(GPT(config).parameters())  # 16: lm_head shares the embedding's
+    weights = 4 * sum(p.numel() for p in tensors)
+    # Weights and AdamW's two moments, in fp32, and its 4-byte step count per tensor.
+    assert resident("sdpa") == 3 * weights + 4 * len(tensors)
+    assert resident("naive") - resident("sdpa") == 48 * 48
