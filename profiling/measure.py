@@ -179,7 +179,7 @@ class StepProfile:
     cpu_self_us: Counter = field(default_factory=Counter)
     device_us: Counter = field(default_factory=Counter)
     trace: Path | None = None
-    trace_bytes: int = 0
+    trace_bytes: int = 0  # unzipped: what a viewer loads
 
     def per_step(self, steps: int) -> dict[str, dict[str, dict[str, float]]]:
         def scale(by_region: dict[str, Counter]) -> dict[str, dict[str, float]]:
@@ -300,13 +300,16 @@ def profiled_steps(
 
 
 def _export_trace(prof: profile, path: Path) -> tuple[Path, int]:
+    """Writes the trace gzipped to path; returns it and its size unzipped, the size a viewer
+    loads (JSON traces compress about 14x)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     raw = path.with_suffix("")  # foo.json.gz -> foo.json
     prof.export_chrome_trace(str(raw))
+    size = raw.stat().st_size
     with open(raw, "rb") as src, gzip.open(path, "wb", compresslevel=6) as dst:
         shutil.copyfileobj(src, dst)
     os.remove(raw)
-    return path, path.stat().st_size
+    return path, size
 
 
 def verify_backend(

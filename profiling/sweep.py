@@ -316,7 +316,10 @@ class Sweep:
             self._build(cell)
             by_op = count_flops(cell.step)
             return sum(by_op.values()), by_op.get("aten.bmm", 0)
-        tqdm.write(f"warning: no FLOP count at n_layer={n_layer} ({cell.reason}); no MFU there")
+        tqdm.write(
+            f"warning: no FLOP count at n_layer={n_layer} ({cell.reason}); no MFU there",
+            file=sys.stderr,
+        )
         return 0, 0
 
     def _time(self, cells: list[Cell], bar: tqdm) -> None:
@@ -445,8 +448,9 @@ class Sweep:
         seen = results[0]
         if seen.trace_bytes > TRACE_WARN_BYTES:
             tqdm.write(
-                f"warning: trace {seen.trace} is {seen.trace_bytes / 2**20:.0f} MB; "
-                f"lower --profile-steps or the model size"
+                f"warning: trace {seen.trace} is {seen.trace_bytes / 2**20:.0f} MB unzipped, "
+                "what a viewer loads; lower --profile-steps or the model size",
+                file=sys.stderr,
             )
         counts = seen.per_step(active)
         fields: dict[str, Any] = {

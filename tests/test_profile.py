@@ -1206,3 +1206,18 @@ def test_resident_memory_counts_the_causal_mask_naive_holds() -> None:
     # Weights and AdamW's two moments, in fp32, and its 4-byte step count per tensor.
     assert resident("sdpa") == 3 * weights + 4 * len(tensors)
     assert resident("naive") - resident("sdpa") == 48 * 48
+
+
+def test_the_trace_warning_goes_by_the_size_a_viewer_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Traces are gzipped (about 14x smaller); the warning weighs the JSON a viewer unzips."""
+    import gzip
+
+    import profiling.sweep
+
+    monkeypatch.setattr(profiling.sweep, "TRACE_WARN_BYTES", 10**5)
+    assert sweep(tmp_path, "--variants", "naive", "--layers", "1")[0] == 0
+    (trace,) = (tmp_path / "sweep" / "traces").glob("*.json.gz")
+    assert trace.stat().st_size < 10**5 < len(gzip.decompress(trace.read_bytes()))
+    assert f"warning: trace {trace} is" in capsys.readouterr().err
