@@ -59,6 +59,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Any config field can be overridden, as in train.py: --train.cpu_linear=torch "
+        "--model.n_embd=256 (not model.n_layer or model.attention: --layers and --variants)",
         allow_abbrev=False,  # unknown --flags are config overrides; never guess a prefix
     )
     p.add_argument("--config", type=Path, default=Path("configs/profile.toml"))

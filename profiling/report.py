@@ -222,6 +222,11 @@ def _machine_line(meta: dict[str, Any]) -> str:
     )
 
 
+def _commit_text(meta: dict[str, Any]) -> str:
+    """', code at commit 1a2b3c4d5e6f': which code measured, where the sweep knew it."""
+    return f", code at commit {meta['commit']}" if meta.get("commit") else ""
+
+
 BUSY_SHARE = 0.10  # other processes' share of the CPUs above which the report warns
 
 
@@ -357,7 +362,7 @@ def write_report(out: Path, results: dict[str, Any], plots: bool = True) -> None
         f"setup:   {_setup_line(meta)}",
         f"peak:    {meta['peak_flops'] / 1e9:.1f} GFLOP/s {meta['dtype']} matmul, measured on the spot"
         f"{_peak_paths(meta)}",
-        f"command: {meta['command']}",
+        f"command: {meta['command']}{_commit_text(meta)}",
         "",
         *_completeness(meta, rows),
         *_busy_warning(meta),
@@ -486,7 +491,7 @@ def _report_md(results: dict[str, Any]) -> str:
             f"- **Machine**: {_machine_line(meta)}",
             f"- **Setup**: {_setup_line(meta)}; {_steps(meta['steps'], 'timed step')} per cell after {_steps(meta['warmup'], 'warm-up step')}",
             f"- **Matmul peak** ({meta['dtype']}): {_peak_readings(meta)}{_peak_paths(meta)}",
-            f"- **Command**: `{meta['command']}` (config `{meta['config_file']}`), started {meta['started_at']}",
+            f"- **Command**: `{meta['command']}` (config `{meta['config_file']}`{_commit_text(meta)}), started {meta['started_at']}",
             "",
             "## Headline",
             "",

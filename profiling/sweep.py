@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from checkpoint import provenance
 from config import Config, ConfigError
 from cpu_linear import cpu_field, wants_onednn
 from data.loader import TokenBatches, check_vocab, load_meta
@@ -189,6 +190,7 @@ class Sweep:
             "host_memory": self.host_memory,
             "linear": "oneDNN" if self.onednn else "torch",
             "torch_version": torch.__version__,
+            "commit": provenance()["commit"],  # this project's, '-dirty' with local changes
             "python": platform.python_version(),
             "platform": platform.platform(),
             "dtype": self.dtype_name,

@@ -1221,3 +1221,16 @@ def test_the_trace_warning_goes_by_the_size_a_viewer_loads(
     (trace,) = (tmp_path / "sweep" / "traces").glob("*.json.gz")
     assert trace.stat().st_size < 10**5 < len(gzip.decompress(trace.read_bytes()))
     assert f"warning: trace {trace} is" in capsys.readouterr().err
+
+
+def test_a_sweep_records_the_code_that_measured_it(naive_vs_inplace: dict) -> None:
+    """The git commit (as checkpoints record it), so a result can be traced to its code."""
+    from checkpoint import provenance
+    from profiling.report import _report_md
+
+    meta = naive_vs_inplace["meta"]
+    assert meta["commit"] == provenance()["commit"]
+    with_commit = {**naive_vs_inplace, "meta": {**meta, "commit": "0123456789ab-dirty"}}
+    assert "code at commit 0123456789ab-dirty)" in _report_md(with_commit)
+    without = {**naive_vs_inplace, "meta": {**meta, "commit": None}}
+    assert "code at commit" not in _report_md(without)
