@@ -264,7 +264,10 @@ def _load_hub(
 ) -> Dataset:
     datasets = _import_datasets()
     try:
-        rows = datasets.load_dataset(dataset, config, split=split, cache_dir=str(cache_dir))
+        if _saved_to_disk(Path(dataset)):  # load_dataset refuses these and names load_from_disk
+            rows = _split_of(datasets.load_from_disk(dataset), split)
+        else:
+            rows = datasets.load_dataset(dataset, config, split=split, cache_dir=str(cache_dir))
     # The Hub client, fsspec and the builders raise many types; to the user all of them mean
     # "could not load", and the chained cause keeps the detail.
     except Exception as error:
@@ -280,6 +283,20 @@ def _load_hub(
             f"--text-column {text_column!r} of {dataset!r} holds {feature}, not strings"
         )
     return rows.select_columns([text_column])
+
+
+def _saved_to_disk(path: Path) -> bool:
+    """A folder `Dataset.save_to_disk` (state.json) or `DatasetDict.save_to_disk` wrote."""
+    return (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
+
+
+def _split_of(saved: Any, split: str) -> Dataset:
+    """The split of a saved DatasetDict; a saved Dataset is one split already, taken whole."""
+    if not hasattr(saved, "keys"):
+        return saved
+    if split not in saved:
+        raise ValueError(f"the saved DatasetDict has splits {list(saved)}, not {split!r}")
+    return saved[split]
 
 
 def sha256_text(text: str) -> str:

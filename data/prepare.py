@@ -420,7 +420,11 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--stdlib", action="store_true", help="this Python's stdlib .py files")
     source.add_argument("--files", nargs="+", metavar="PATH_OR_GLOB", help="one document per file")
-    source.add_argument("--hub", metavar="DATASET", help="a datasets name or local dataset folder")
+    source.add_argument(
+        "--hub",
+        metavar="DATASET",
+        help="a Hub dataset name, or a local folder of data files or one save_to_disk wrote",
+    )
     parser.add_argument("--hub-config", help="--hub: dataset configuration name")
     parser.add_argument("--split", default="train", help="--hub: split to load (default train)")
     parser.add_argument("--text-column", default="text", help="--hub: column with the documents")

@@ -178,6 +178,27 @@ def test_hub_reads_local_parquet_folder(tmp_path: Path) -> None:
         prepare("hubby", hub=str(folder), split="validation", text_column="body", out_root=tmp_path)
 
 
+def test_hub_reads_a_folder_save_to_disk_wrote(tmp_path: Path) -> None:
+    """`load_dataset` refuses such a folder (and names `load_from_disk`); --hub takes it."""
+    import datasets
+
+    texts = [_document(w) for w in WORDS]
+    splits = datasets.DatasetDict(
+        train=datasets.Dataset.from_dict({"text": texts}),
+        test=datasets.Dataset.from_dict({"text": texts[:2]}),
+    )
+    splits.save_to_disk(str(tmp_path / "dict"))
+    splits["train"].save_to_disk(str(tmp_path / "one"))
+    for folder in ("dict", "one"):
+        hub = str(tmp_path / folder)
+        out = prepare(folder, hub=hub, vocab_size=VOCAB, out_root=tmp_path / "out")
+        assert _meta(out)["source"]["rows"] == len(WORDS)
+        documents = _decode_split(out, "train") + _decode_split(out, "val")
+        assert sorted(documents) == sorted(texts)
+    with pytest.raises(PrepareError, match=r"cannot load split 'val'.*splits \['train', 'test'\]"):
+        prepare("x", hub=str(tmp_path / "dict"), split="val", out_root=tmp_path / "out")
+
+
 def test_stdlib_capped_is_deterministic(tmp_path: Path) -> None:
     """The same in another process, with another string-hash seed: nothing depends on it."""
     kwargs = {"stdlib": True, "max_bytes": 40_000, "vocab_size": 300}
