@@ -134,18 +134,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--run", type=Path, required=True, help="run directory written by train.py")
     parser.add_argument(
-        "--prompt", default="\n", help='text to continue; "<|endoftext|>" starts a new document'
+        "--prompt",
+        default="\n",
+        help='text to continue (default: a newline); "<|endoftext|>" starts a new document',
     )
-    parser.add_argument("--tokens", type=int, default=200, help="tokens to generate")
-    parser.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
+    parser.add_argument("--tokens", type=int, default=200, help="tokens to generate (default: %(default)s)")
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default: %(default)s)")
     parser.add_argument(
-        "--top-k", type=int, default=50, help="sample from the k likeliest; 0 = all"
+        "--top-k", type=int, default=50, help="sample from the k likeliest; 0 = all (default: %(default)s)"
     )
     parser.add_argument(
         "--top-p",
         type=float,
         default=1.0,
-        help="then the fewest likeliest whose probabilities reach p (nucleus); 1 = all",
+        help="then the fewest likeliest whose probabilities reach p (nucleus); 1 = all (default)",
     )
     parser.add_argument(
         "--stop-at-eot",
@@ -158,8 +160,10 @@ def main(argv: list[str] | None = None) -> int:
         metavar="VARIANT",
         help=f"attention variant to sample with (default: the run's): {', '.join(VARIANTS)}",
     )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="auto")
+    parser.add_argument("--seed", type=int, default=0, help="of the sampling (default: %(default)s)")
+    parser.add_argument(
+        "--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps"
+    )
     args = parser.parse_args(argv)
     # Each flag's valid values (comparisons that NaN fails too) and what to say otherwise.
     problems = {
