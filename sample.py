@@ -138,10 +138,17 @@ def main(argv: list[str] | None = None) -> int:
         default="\n",
         help='text to continue (default: a newline); "<|endoftext|>" starts a new document',
     )
-    parser.add_argument("--tokens", type=int, default=200, help="tokens to generate (default: %(default)s)")
-    parser.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default: %(default)s)")
     parser.add_argument(
-        "--top-k", type=int, default=50, help="sample from the k likeliest; 0 = all (default: %(default)s)"
+        "--tokens", type=int, default=200, help="tokens to generate (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--temperature", type=float, default=0.8, help="0 is greedy (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--top-k",
+        type=int,
+        default=50,
+        help="sample from the k likeliest; 0 = all (default: %(default)s)",
     )
     parser.add_argument(
         "--top-p",
@@ -160,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
         metavar="VARIANT",
         help=f"attention variant to sample with (default: the run's): {', '.join(VARIANTS)}",
     )
-    parser.add_argument("--seed", type=int, default=0, help="of the sampling (default: %(default)s)")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="of the sampling (default: %(default)s)"
+    )
     parser.add_argument(
         "--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps"
     )
