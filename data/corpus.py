@@ -265,6 +265,8 @@ def _load_hub(
     datasets = _import_datasets()
     try:
         if _saved_to_disk(Path(dataset)):  # load_dataset refuses these and names load_from_disk
+            if config is not None:
+                raise ValueError("a folder save_to_disk wrote has no configurations (--hub-config)")
             rows = _split_of(datasets.load_from_disk(dataset), split)
         else:
             rows = datasets.load_dataset(dataset, config, split=split, cache_dir=str(cache_dir))
@@ -291,8 +293,11 @@ def _saved_to_disk(path: Path) -> bool:
 
 
 def _split_of(saved: Any, split: str) -> Dataset:
-    """The split of a saved DatasetDict; a saved Dataset is one split already, taken whole."""
+    """The split of a saved DatasetDict; a saved Dataset is one split already, taken whole
+    (under the default split name, so that no other split is read as this one)."""
     if not hasattr(saved, "keys"):
+        if split != "train":
+            raise ValueError("the folder holds one Dataset, not splits: leave --split out")
         return saved
     if split not in saved:
         raise ValueError(f"the saved DatasetDict has splits {list(saved)}, not {split!r}")

@@ -299,6 +299,10 @@ def describe_diff(
     Ops that do work are named, the SHOWN first; views and allocations are summed at the end.
     full: every op that differs, views included, by region, one a line, no cap (for --diff).
     """
+    if unit == "kernel" and full:  # every full name, but one kernel renumbered is none
+        diffs = merge_by_kernel_label(diffs, threshold=0.005, key_of=unnumbered)
+    elif unit == "kernel":
+        diffs = merge_by_kernel_label(diffs)
     if not diffs:
         return f"{a} vs {b}: the same {unit} counts per layer."
     head = f"{a} vs {b}, per layer per step"
@@ -308,10 +312,6 @@ def describe_diff(
             f"{a} vs {b}, one depth measured (n_layer={n}): the whole step's difference divided "
             f"by {n}, ops outside the layers included"
         )
-    if unit == "kernel" and full:  # every full name, but one kernel renumbered is none
-        diffs = merge_by_kernel_label(diffs, threshold=0.005, key_of=unnumbered)
-    elif unit == "kernel":
-        diffs = merge_by_kernel_label(diffs)
     if full:
         lines = [f"{head}, every {unit} that differs:"]
         for region in REGIONS:

@@ -133,7 +133,7 @@ def headline_table(results: dict[str, Any]) -> list[str]:
         measured = last and last["status"] == "ok" and last["peak_mem_bytes"]
         cells.append(_fmt(last["peak_mem_bytes"] / MiB if measured else None))
         lines.append("| " + " | ".join(cells) + " |")
-    lines += _fewer_depths(saved, layers)
+    lines += _fewer_depths(saved, layers, baselines(rows))
     if any(r["compile"] for r in rows):
         lines += ["", "`+compile` rows are compared with `naive+compile`, like against like."]
     if any(r["step_ms"] and _noisy(r["step_ms"]) for r in rows):
@@ -146,11 +146,14 @@ def headline_table(results: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _fewer_depths(saved: dict[str, dict[str, Any]], layers: list[int]) -> list[str]:
+def _fewer_depths(
+    saved: dict[str, dict[str, Any]], layers: list[int], reference_of: dict[str, str]
+) -> list[str]:
     """Which savings were fitted over fewer depths than the sweep's: both lines over the
     depths the variant and its naive have in common."""
     notes = [
-        f"`{name}` against naive at L{','.join(map(str, s['depths']))} only, the depths both measured."
+        f"`{name}` against {reference_of[name]} at L{','.join(map(str, s['depths']))} only, "
+        "the depths both measured."
         for name, s in saved.items()
         if s["depths"] != layers
     ]
@@ -169,7 +172,7 @@ def _t95(dof: int) -> float:
 
 def _interval_text(rows: list[dict[str, Any]]) -> str:
     """How wide a 95% interval is, in standard errors, at this sweep's number of depths."""
-    n = len({r["n_layer"] for r in rows})
+    n = len({r["n_layer"] for r in rows if r["status"] == "ok" and r.get("step_ms")})
     if n == 1:
         return "one depth, as here, fits no line"
     if n == 2:
@@ -553,7 +556,7 @@ def _report_md(results: dict[str, Any]) -> str:
             "the region of the runtime call that launched them, matched by correlation id."
             + (_KERNEL_LABELS if any(r.get("kernels_per_step") for r in rows) else ""),
             *_unattributed_lines(rows),
-            "- **Peak memory**: parameters, buffers and optimizer state resident before the step, plus the step's own "
+            f"- **Peak memory**: {meta.get('resident', 'parameters and optimizer state')} resident before the step, plus the step's own "
             "peak above that: on CUDA from the caching allocator (`max_memory_allocated`) over one more step, "
             "on CPU from the profiler's allocation events in the profiled step.",
             "- **FLOPs and MFU**: `torch.utils.flop_counter` over one eager `naive` step at each depth "
@@ -586,9 +589,10 @@ def _report_md(results: dict[str, Any]) -> str:
 def _round_order_text(meta: dict[str, Any]) -> str:
     if meta.get("round_order") == "balanced":
         return (
-            "each round in an order of a balanced Latin square (Williams design: A B C, "
-            "B C A, C A B, C B A, A C B, B A C), so every variant takes every position and "
-            "directly follows every other equally often over the rounds"
+            "each round in an order of a balanced Latin square (Williams design; for three: "
+            "A B C, B C A, C A B, A C B, C B A, B A C), so over each full set of orders every "
+            "variant takes every position and, within a round, directly follows every other "
+            "equally often, and none runs twice in a row"
         )
     return "each round starting one later (A B C, B C A, C A B, …)"
 

@@ -197,6 +197,10 @@ def test_hub_reads_a_folder_save_to_disk_wrote(tmp_path: Path) -> None:
         assert sorted(documents) == sorted(texts)
     with pytest.raises(PrepareError, match=r"cannot load split 'val'.*splits \['train', 'test'\]"):
         prepare("x", hub=str(tmp_path / "dict"), split="val", out_root=tmp_path / "out")
+    with pytest.raises(PrepareError, match=r"one Dataset, not splits: leave --split out"):
+        prepare("x", hub=str(tmp_path / "one"), split="test", out_root=tmp_path / "out")
+    with pytest.raises(PrepareError, match=r"no configurations \(--hub-config\)"):
+        prepare("x", hub=str(tmp_path / "dict"), hub_config="c", out_root=tmp_path / "out")
 
 
 def test_stdlib_capped_is_deterministic(tmp_path: Path) -> None:

@@ -183,9 +183,10 @@ def test_backend_mismatch_fails_the_cell(tmp_path: Path, monkeypatch: pytest.Mon
     assert row["step_ms"] is row["tokens_per_s"] is row["mfu"] is None
 
 
-@pytest.mark.parametrize("n", range(1, 9))
+@pytest.mark.parametrize("n", range(3, 10))
 def test_round_orders_are_balanced(n: int) -> None:
-    """Every cell takes every position, and directly follows every other, equally often."""
+    """Every cell takes every position, and within a round directly follows every other,
+    equally often; rounds run back to back, and no cell ever runs twice in a row."""
     from profiling.sweep import balanced_orders
 
     rows = balanced_orders(n)
@@ -193,7 +194,10 @@ def test_round_orders_are_balanced(n: int) -> None:
     positions = Counter((c, i) for row in rows for i, c in enumerate(row))
     follows = Counter(pair for row in rows for pair in itertools.pairwise(row))
     assert len(positions) == n * n and len(set(positions.values())) == 1
-    assert len(follows) == n * (n - 1) and len(set(follows.values())) <= 1
+    assert len(follows) == n * (n - 1) and len(set(follows.values())) == 1
+    back_to_back = [c for row in rows * 2 for c in row]  # the rows repeat
+    assert all(a != b for a, b in itertools.pairwise(back_to_back))
+    assert balanced_orders(2) == [[0, 1]] and balanced_orders(1) == [[0]]  # they alternate
 
 
 def test_the_sweep_times_rounds_in_balanced_orders(
@@ -230,7 +234,7 @@ def test_the_sweep_times_rounds_in_balanced_orders(
     assert rc == 0
     a, b, c = "naive", "inplace", "sdpa"
     rounds = [ran[i : i + 3] for i in range(len(ran) - 18, len(ran), 3)]  # after the warm-up
-    assert rounds == [[a, b, c], [b, c, a], [c, a, b], [c, b, a], [a, c, b], [b, a, c]]
+    assert rounds == [[a, b, c], [b, c, a], [c, a, b], [a, c, b], [c, b, a], [b, a, c]]
 
 
 TIMES_MS = [10, 20, 30, 40, 100]  # median 30 (the mean is 40), p10 14, p90 76
@@ -936,7 +940,7 @@ def test_kernel_labels_name_the_operation_and_its_dtype() -> None:
 def test_renumbered_triton_kernels_are_no_difference() -> None:
     """Inductor numbers a graph's Triton kernels in order, so one fused kernel is `_13` in one
     variant's graph and `_8` in another's: the kernel diff counts them as the same kernel."""
-    from profiling.analysis import merge_by_kernel_label
+    from profiling.analysis import describe_diff, merge_by_kernel_label
 
     def diff(name: str, per_layer: float) -> dict:
         return {"region": "forward", "name": name, "per_layer": per_layer}
@@ -949,6 +953,13 @@ def test_renumbered_triton_kernels_are_no_difference() -> None:
         ]
     )
     assert merged == [diff("triton_per_fused__softmax_masked_fill", -1.0)]
+    renumbered = [
+        diff("triton_poi_fused_gelu_view_13", -2.0),
+        diff("triton_poi_fused_gelu_view_8", 2.0),
+    ]
+    for full in (False, True):
+        text = describe_diff("a", "b", renumbered, unit="kernel", full=full)
+        assert text == "a vs b: the same kernel counts per layer."
 
 
 def _copy_kernel(vec: int, dtype: str = "c10::BFloat16") -> str:
@@ -1174,16 +1185,44 @@ def test_a_failed_cell_leaves_the_report_honest(naive_vs_inplace: dict) -> None:
     assert "| sdpa-math | step_ms |" in report and "| – (2 depths) |" in report
 
 
-def test_the_report_states_the_round_order_its_sweep_used(naive_vs_inplace: dict) -> None:
-    """A sweep made before the balanced orders is still described as it was timed."""
+def test_the_report_states_the_method_its_sweep_used(naive_vs_inplace: dict) -> None:
+    """A sweep made before the balanced orders, or before buffers counted as resident
+    memory, is still described as it was measured."""
     from profiling.report import _report_md
 
     assert naive_vs_inplace["meta"]["round_order"] == "balanced"
-    assert "balanced Latin square" in _report_md(naive_vs_inplace)
+    report = _report_md(naive_vs_inplace)
+    assert "balanced Latin square" in report
+    assert "parameters, buffers and optimizer state resident" in report
     older = copy.deepcopy(naive_vs_inplace)
-    del older["meta"]["round_order"]
+    del older["meta"]["round_order"], older["meta"]["resident"]
     report = _report_md(older)
     assert "each round starting one later" in report and "Latin" not in report
+    assert "parameters and optimizer state resident" in report
+
+
+def test_report_details_follow_the_cells_that_measured() -> None:
+    """Degrees of freedom count the depths that measured; a compiled saving fitted over fewer
+    depths names the baseline it is against, naive+compile."""
+    from profiling.analysis import baselines
+    from profiling.report import _fewer_depths, _interval_text
+
+    def oom(row: dict) -> dict:
+        return {**row, "status": "oom", "step_ms": None}
+
+    rows = [
+        timed_row(v, n, 10.0 + k * n, True)
+        for v, k in (("naive", 5), ("sdpa", 3))
+        for n in (1, 2, 4, 8)
+    ]
+    all_oom_at_8 = [oom(r) if r["n_layer"] == 8 else r for r in rows]
+    assert _interval_text(all_oom_at_8).startswith("1 with 3 depths")
+    sdpa_oom_at_8 = [oom(r) if r["n_layer"] == 8 and r["variant"] == "sdpa" else r for r in rows]
+    assert _interval_text(sdpa_oom_at_8).startswith("2 with 4 depths")
+    notes = _fewer_depths(savings(sdpa_oom_at_8), [1, 2, 4, 8], baselines(sdpa_oom_at_8))
+    assert notes[-1].endswith(
+        "`sdpa+compile` against naive+compile at L1,2,4 only, the depths both measured."
+    )
 
 
 def test_resident_memory_counts_the_causal_mask_naive_holds() -> None:
