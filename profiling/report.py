@@ -545,7 +545,9 @@ def _report_md(results: dict[str, Any]) -> str:
             + _round_order_text(meta)
             + ". Median with 10th/90th percentiles over the timed steps.",
             "- **Compile time**: for `+compile` cells, the first step's time minus the median "
-            "step. Dynamo is reset before each depth, so every compiled cell traces its graphs "
+            "step"
+            + _eager_excess_text(meta)
+            + ". Dynamo is reset before each depth, so every compiled cell traces its graphs "
             "anew instead of reusing the last depth's; `(cached)` marks a cell whose compiled "
             "graphs Inductor then found in its on-disk cache, from an earlier depth or run: its "
             "time is mostly that tracing, not a compile from scratch." + _startup_text(meta),
@@ -583,6 +585,16 @@ def _report_md(results: dict[str, Any]) -> str:
             "variant adds or removes. Open a trace from `traces/` in https://ui.perfetto.dev or chrome://tracing.",
             "",
         ]
+    )
+
+
+def _eager_excess_text(meta: dict[str, Any]) -> str:
+    if meta.get("compile_time") != "less eager":
+        return ""
+    return (
+        ", less the same difference of the eager cell of that variant and depth where the "
+        "sweep timed one (`eager_excess_s`: AdamW's state and the allocator's and oneDNN's "
+        "set-up, which any first step pays)"
     )
 
 
