@@ -20,6 +20,12 @@ PY=${PYTHON:-python3}
 LAYERS=${LAYERS:-1,4,12}
 COMPILED_LAYERS=${COMPILED_LAYERS:-1,12}
 STEPS=${STEPS:-8}
+# A rerun into the same folder (a warm machine keeps it) moves the earlier run aside, whole:
+# the sweeps refuse a folder that holds one, and its log would be overwritten.
+if [ -d "$OUT" ] && [ -n "$(ls -A "$OUT")" ]; then
+  earlier="$OUT.earlier-$(date -u +%Y%m%dT%H%M%S)"
+  mv "$OUT" "$earlier" && echo "gpu_check: the earlier run in $OUT is now in $earlier"
+fi
 mkdir -p "$OUT"
 exec > >(tee "$OUT/gpu_check.log") 2>&1
 

@@ -1310,3 +1310,24 @@ def test_a_sweep_records_the_code_that_measured_it(naive_vs_inplace: dict) -> No
     assert "code at commit 0123456789ab-dirty)" in _report_md(with_commit)
     without = {**naive_vs_inplace, "meta": {**meta, "commit": None}}
     assert "code at commit" not in _report_md(without)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA it would run the whole check")
+def test_a_gpu_check_rerun_keeps_the_earlier_run(tmp_path: Path) -> None:
+    """A warm machine keeps OUT between calls: a rerun moves the earlier run aside, whole,
+    rather than have the sweeps refuse the folder and the log overwritten. (Here, without
+    CUDA, each run stops after its first checks, and says why.)"""
+    out = tmp_path / "gc"
+    env = {**os.environ, "PYTHON": sys.executable}
+    for _ in range(2):
+        done = subprocess.run(
+            ["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(out)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 1 and "no torch with CUDA" in done.stdout
+    (earlier,) = tmp_path.glob("gc.earlier-*")
+    assert "no torch with CUDA" in (earlier / "gpu_check.log").read_text()
+    assert f"the earlier run in {out} is now in {earlier}" in done.stdout
