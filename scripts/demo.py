@@ -37,9 +37,15 @@ def main() -> int:
     tc = TrainConfig()
     onednn = wants_onednn(tc.cpu_linear, device, amp is not None)  # as train.py decides
     config = GPTConfig(vocab_size=512, block_size=128, n_layer=2, n_head=4, n_embd=128)
+    torch.manual_seed(0)  # the same batch on every run
     batch = torch.randint(0, config.vocab_size, (4, config.block_size + 1), device=device)
-    print(f"one training step per variant on {device} ({dtype}), B=4 T={config.block_size}")
-    print("(first-step times include warm-up: not a benchmark; see make profile)")
+    linear = ", nn.Linear through oneDNN" if onednn else ""
+    print(f"one training step per variant on {device} ({dtype}{linear}), B=4 T={config.block_size}")
+    print("(each a first step, with its own warm-up: not a benchmark; see make profile)")
+    # The process's one-time set-up (thread pools, allocator, kernel caches) on an untimed step,
+    # so that the first variant listed does not pay it for all of them.
+    model, optimizer = build_model(config, tc, device, onednn=onednn, compile=False)
+    train_step(model, optimizer, [(batch[:, :-1], batch[:, 1:])], 1.0, amp).loss.item()
     for name, variant in VARIANTS.items():
         reason = unavailable_reason(name, device, dtype, config.head_size)
         if reason is not None:

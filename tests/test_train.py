@@ -1423,3 +1423,21 @@ def test_restore_rng_takes_this_ranks_state() -> None:
         states.append({"torch": torch.get_rng_state()})
     checkpoint.restore_rng(states, 0, 5, torch.device("cpu"), rank=1, world_size=2)
     assert torch.equal(torch.get_rng_state(), states[1]["torch"])
+
+
+def test_the_demo_steps_every_variant_that_runs_here_to_one_loss() -> None:
+    """make demo: every variant computes the same function, so the same first loss, on the
+    same (seeded) batch; those that cannot run here say why."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "demo.py"), "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    losses = {
+        line.split()[0]: line.split()[2] for line in done.stdout.splitlines() if " loss " in line
+    }
+    assert set(losses) == {"naive", "inplace", "sdpa", "sdpa-math", "sdpa-flash"}
+    assert len(set(losses.values())) == 1, losses
+    assert done.stdout.count("skipped:") == 3
