@@ -110,6 +110,8 @@ class TrainConfig:
                 f"train.min_lr={self.min_lr} is above train.lr={self.lr}: the cosine decay "
                 "would rise; min_lr is the floor the schedule decays to"
             )
+        if not 0 <= self.seed < 2**63:  # the samplers seed their generators with seed + 2
+            raise ValueError(f"train.seed={self.seed}: must be in [0, 2**63)")
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"train.{name}={getattr(self, name)}: must be in [0, 1)")
@@ -233,28 +235,45 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     if path is not None:
         path = Path(path)
         try:
-            raw = tomllib.loads(path.read_text())
+            raw = tomllib.loads(path.read_text(encoding="utf-8"))  # TOML is UTF-8 by spec
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist") from None
-        except tomllib.TOMLDecodeError as e:
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"config file {path}: {e}") from None
     sections = [f.name for f in dataclasses.fields(Config)]
     hints = typing.get_type_hints(Config)
+
+    def check_section(section: str, values: Any) -> None:
+        if section not in sections:
+            raise ConfigError(f"unknown section [{section}]; valid sections: {', '.join(sections)}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"{section}: expected a [{section}] table, got {values!r}")
+
+    for section, values in raw.items():  # the file's own, before overrides go into them
+        check_section(section, values)
     for arg in overrides:
         section, key, value = parse_override(arg)
         field_types = typing.get_type_hints(hints[section]) if section in sections else {}
         if field_types.get(key) is str and not isinstance(value, str):
             # --data.name=2024 or --train.sample_prompt=true: the text as typed, not a number
             value = arg.split("=", 1)[1]
+        if isinstance(value, str) and not _is_utf8(value):
+            raise ConfigError(f"--{section}.{key}: not valid UTF-8 text")
         raw.setdefault(section, {})[key] = value
     built = {}
     for section, values in raw.items():
-        if section not in sections:
-            raise ConfigError(f"unknown section [{section}]; valid sections: {', '.join(sections)}")
-        if not isinstance(values, dict):
-            raise ConfigError(f"{section}: expected a [{section}] table, got {values!r}")
+        check_section(section, values)
         built[section] = _build(hints[section], values, section)
     return Config(**built)
+
+
+def _is_utf8(text: str) -> bool:
+    """False for the lone surrogates Python decodes invalid UTF-8 in argv into."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def config_diff(a: Config, b: Config) -> list[tuple[str, Any, Any]]:

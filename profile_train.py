@@ -248,7 +248,7 @@ def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
         else:
             print("interrupted", file=sys.stderr)
         return 128 + (signal.SIGTERM if isinstance(stop, Terminated) else signal.SIGINT)
-    print((args.out / "summary.txt").read_text())
+    print((args.out / "summary.txt").read_text(encoding="utf-8"))
     print(f"report: {args.out / 'report.md'}")
     return 0
 
@@ -296,7 +296,7 @@ def _rerender(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"{path} is damaged ({type(e).__name__}: {e}); was it edited by hand?"
         ) from None
-    print((args.report / "summary.txt").read_text())
+    print((args.report / "summary.txt").read_text(encoding="utf-8"))
     return 0
 
 

@@ -358,7 +358,7 @@ def train(
             out_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:  # a file on the path, a dangling link, no permission
             raise TrainError(f"--out {out_dir}: cannot make the directory ({e.strerror})") from None
-        (out_dir / "config.toml").write_text(dump_toml(config))
+        (out_dir / "config.toml").write_text(dump_toml(config), encoding="utf-8")
         start_metrics(out_dir / "metrics.jsonl", step if resumed else None)
         shutil.copyfile(data_dir / "tokenizer.json", out_dir / "tokenizer.json")
         print(

@@ -372,8 +372,8 @@ def write_report(out: Path, results: dict[str, Any], plots: bool = True) -> None
         *headline_table(results),
         *(["", "Did not run:", *not_run] if not_run else []),
     ]
-    (out / "summary.txt").write_text("\n".join(summary) + "\n")
-    (out / "report.md").write_text(_report_md(results))
+    (out / "summary.txt").write_text("\n".join(summary) + "\n", encoding="utf-8")
+    (out / "report.md").write_text(_report_md(results), encoding="utf-8")
     if plots:
         plot_results(out, results, _setup_line(results["meta"]))
 

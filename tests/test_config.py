@@ -138,6 +138,15 @@ BAD = {
     "str-for-float-file": ('[train]\nlr = "fast"\n', [], ["train.lr"]),
     "str-for-int-file": ('[train]\nbatch_size = "x"\n', [], ["train.batch_size"]),
     "section-not-a-table": ("train = 3\n", [], ["train"]),
+    "section-not-a-table-with-an-override": ("train = 3\n", ["--train.lr=1.0"], ["train"]),
+    "array-of-tables": ("[[train]]\nlr = 1.0\n", ["--train.lr=1.0"], ["train"]),
+    "seed-beyond-63-bits": (None, ["--train.seed=18446744073709551615"], ["train.seed"]),
+    "negative-seed": (None, ["--train.seed=-1"], ["train.seed"]),
+    "invalid-utf8-argument": (
+        None,
+        ["--train.sample_prompt=a\udcff"],
+        ["--train.sample_prompt", "UTF-8"],
+    ),
     "not-an-override": (None, ["--train.lr"], ["--train.lr", "--section.field=value"]),
     "mistyped-option": (None, ["--variant=sdpa"], ["unknown option '--variant=sdpa'", "--help"]),
     "stray-word": (None, ["sdpa"], ["unexpected argument 'sdpa'"]),
@@ -229,7 +238,17 @@ def test_bad_config_raises_config_error_naming_the_key(
 
 
 @pytest.mark.parametrize(
-    "case", ["unknown-section", "unknown-key", "str-for-int", "str-for-int-file", "unknown-variant"]
+    "case",
+    [
+        "unknown-section",
+        "unknown-key",
+        "str-for-int",
+        "str-for-int-file",
+        "unknown-variant",
+        "section-not-a-table-with-an-override",
+        "seed-beyond-63-bits",
+        "invalid-utf8-argument",
+    ],
 )
 def test_train_main_exits_2_on_a_bad_config(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str
