@@ -109,9 +109,13 @@ _linear.register_autograd(_backward, setup_context=_save)
 
 
 class OneDNNLinear(nn.Linear):
-    """An nn.Linear whose forward and backward run through oneDNN (fp32, CPU)."""
+    """An nn.Linear whose forward and backward run through oneDNN (fp32, CPU); any other
+    input (another dtype, under autocast, off the CPU, an empty batch) takes nn.Linear's path."""
 
     def forward(self, x: Tensor) -> Tensor:
+        fp32 = x.dtype == self.weight.dtype == torch.float32
+        if not (fp32 and x.is_cpu and x.numel() and not torch.is_autocast_enabled("cpu")):
+            return super().forward(x)
         y = _linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias)
         return y.view(*x.shape[:-1], self.out_features)
 

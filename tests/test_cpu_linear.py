@@ -53,6 +53,28 @@ def test_onednn_linear_equals_nn_linear(shape: tuple[int, ...], bias: bool) -> N
 
 
 @needs_onednn
+def test_inputs_onednn_cannot_take_go_through_nn_linear() -> None:
+    """float64, an empty batch, bf16 under autocast: nn.Linear's results, not a oneDNN error."""
+    torch.manual_seed(0)
+    ref = nn.Linear(16, 8)
+    fast = nn.Linear(16, 8)
+    fast.load_state_dict(ref.state_dict())
+    use_onednn_linears(fast)
+    for x in (torch.randn(3, 16), torch.empty(0, 16)):
+        xr, xf = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ref(xr).sum().backward()
+        fast(xf).sum().backward()
+        torch.testing.assert_close(xf.grad, xr.grad)
+    ref.double(), fast.double()
+    x = torch.randn(3, 16, dtype=torch.float64)
+    assert torch.equal(fast(x), ref(x))
+    ref.float(), fast.float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = fast(torch.randn(3, 16))
+        assert y.dtype == torch.bfloat16 and y.dtype == ref(torch.randn(3, 16)).dtype
+
+
+@needs_onednn
 def test_gpt_with_onednn_linears_trains_the_same() -> None:
     """Same loss and gradients as the plain model; weights stay tied; checkpoints interchange."""
     cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=True)
