@@ -44,16 +44,19 @@ def onednn_unavailable_reason() -> str | None:
 def wants_onednn(choice: str, device: torch.device, autocast: bool) -> bool:
     """Resolve `train.cpu_linear` for a run; raises ValueError where 'onednn' cannot apply.
 
-    'auto' takes oneDNN for fp32 CPU runs on AMD processors, where it was measured at about
-    twice MKL's matmul rate. Elsewhere it keeps PyTorch's path: on Intel CPUs MKL runs AVX-512
-    already, and no gain was measured there; set 'onednn' to try.
+    'auto' takes oneDNN for fp32 CPU runs on AMD processors with AVX-512, where it was
+    measured at about twice MKL's matmul rate (oneDNN at AVX-512, MKL at AVX2). Elsewhere it
+    keeps PyTorch's path: on Intel CPUs MKL runs AVX-512 already, and without AVX-512 both
+    run AVX2 (one shape, the LM head, was slower through oneDNN there); no gain was measured
+    on either, so set 'onednn' to try.
     """
     if choice == "torch":
         return False
     reason = onednn_unavailable_reason()
     if choice == "auto":
         amd = cpu_field("vendor_id") == "AuthenticAMD"
-        return device.type == "cpu" and not autocast and reason is None and amd
+        avx512 = "avx512f" in (cpu_field("flags") or "").split()
+        return device.type == "cpu" and not autocast and reason is None and amd and avx512
     if device.type != "cpu":
         raise ValueError(f"train.cpu_linear='onednn' is for CPU runs; this one is on {device}")
     if reason is not None:

@@ -138,8 +138,12 @@ def test_onednn_linears_compile() -> None:
 
 
 def test_choice_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
+    def cpu(vendor: str, flags: str = "fpu sse2 avx2 avx512f avx512bw"):
+        fields = {"vendor_id": vendor, "flags": flags}
+        monkeypatch.setattr(cpu_linear, "cpu_field", fields.get)
+
     monkeypatch.setattr(cpu_linear, "onednn_unavailable_reason", lambda: None)
-    monkeypatch.setattr(cpu_linear, "cpu_field", lambda name: "AuthenticAMD")
+    cpu("AuthenticAMD")
     assert wants_onednn("auto", CPU, autocast=False)
     assert wants_onednn("onednn", CPU, autocast=False)
     assert not wants_onednn("torch", CPU, autocast=False)
@@ -149,8 +153,12 @@ def test_choice_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
         wants_onednn("onednn", CPU, autocast=True)
     with pytest.raises(ValueError, match=r"train\.cpu_linear='onednn' is for CPU runs.*cuda"):
         wants_onednn("onednn", torch.device("cuda"), autocast=False)
-    # On Intel CPUs MKL already runs AVX-512: auto keeps torch's path there.
-    monkeypatch.setattr(cpu_linear, "cpu_field", lambda name: "GenuineIntel")
+    # On Intel CPUs MKL already runs AVX-512, and without AVX-512 both run AVX2: auto keeps
+    # torch's path there.
+    cpu("GenuineIntel")
+    assert not wants_onednn("auto", CPU, autocast=False)
+    assert wants_onednn("onednn", CPU, autocast=False)
+    cpu("AuthenticAMD", flags="fpu sse2 avx2 fma")
     assert not wants_onednn("auto", CPU, autocast=False)
     assert wants_onednn("onednn", CPU, autocast=False)
     monkeypatch.setattr(cpu_linear, "onednn_unavailable_reason", lambda: "no oneDNN here")
