@@ -38,7 +38,7 @@ class TrainConfig:
     # bfloat16 (autocast; parameters and optimizer state stay fp32)
     dtype: str = "auto"
     compile: bool = False  # torch.compile each block; pays off on GPUs, costs a compile up front
-    # fp32 nn.Linear on CPUs (cpu_linear.py): auto takes oneDNN on AMD CPUs (about 2x MKL's
+    # fp32 nn.Linear on CPUs (cpu_linear.py): auto takes oneDNN on AMD CPUs with AVX-512 (about 2x MKL's
     # rate there), torch keeps PyTorch's BLAS, onednn insists (an error off CPU or under autocast)
     cpu_linear: str = "auto"
     seed: int = 1337  # one seed for init, dropout and batch sampling: runs are reproducible
