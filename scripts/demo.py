@@ -42,23 +42,26 @@ def main() -> int:
     linear = ", nn.Linear through oneDNN" if onednn else ""
     print(f"one training step per variant on {device} ({dtype}{linear}), B=4 T={config.block_size}")
     print("(each a first step, with its own warm-up: not a benchmark; see make profile)")
+
+    def first_step(attention: str) -> tuple[float, float]:
+        """A fresh model's first training step: its loss and seconds."""
+        torch.manual_seed(0)
+        model_cfg = dataclasses.replace(config, attention=attention)
+        model, optimizer = build_model(model_cfg, tc, device, onednn=onednn, compile=False)
+        t0 = time.perf_counter()
+        loss = train_step(model, optimizer, [(batch[:, :-1], batch[:, 1:])], 1.0, amp).loss.item()
+        return loss, time.perf_counter() - t0
+
     # The process's one-time set-up (thread pools, allocator, kernel caches) on an untimed step,
     # so that the first variant listed does not pay it for all of them.
-    model, optimizer = build_model(config, tc, device, onednn=onednn, compile=False)
-    train_step(model, optimizer, [(batch[:, :-1], batch[:, 1:])], 1.0, amp).loss.item()
+    first_step(config.attention)
     for name, variant in VARIANTS.items():
         reason = unavailable_reason(name, device, dtype, config.head_size)
         if reason is not None:
             print(f"  {name:15s} skipped: {reason}")
             continue
-        torch.manual_seed(0)
-        model_cfg = dataclasses.replace(config, attention=name)
-        model, optimizer = build_model(model_cfg, tc, device, onednn=onednn, compile=False)
-        t0 = time.perf_counter()
-        loss = train_step(model, optimizer, [(batch[:, :-1], batch[:, 1:])], 1.0, amp).loss.item()
-        print(
-            f"  {name:15s} loss {loss:.4f}  {1e3 * (time.perf_counter() - t0):7.1f} ms  ({variant.summary})"
-        )
+        loss, seconds = first_step(name)
+        print(f"  {name:15s} loss {loss:.4f}  {1e3 * seconds:7.1f} ms  ({variant.summary})")
     return 0
 
 

@@ -277,12 +277,8 @@ def test_warm_up_is_left_out_and_the_timed_steps_summarised(
         assert float(written["mfu"]) == pytest.approx(row["mfu"])
 
 
-@pytest.mark.slow
-def test_compile_time_nets_out_what_any_first_step_pays(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """AdamW's state and the allocator's set-up make an eager first step slow too: with
-    --compile both, the eager twin's excess is taken off the compiled cell's."""
+def record_step_times(monkeypatch: pytest.MonkeyPatch) -> dict[int, list[float]]:
+    """Each cell's step times in seconds, by its step function, first (compiling) step first."""
     import profiling.sweep
 
     real_timed, seconds = profiling.sweep.timed, {}
@@ -293,6 +289,16 @@ def test_compile_time_nets_out_what_any_first_step_pays(
         return t
 
     monkeypatch.setattr(profiling.sweep, "timed", timed)
+    return seconds
+
+
+@pytest.mark.slow
+def test_compile_time_nets_out_what_any_first_step_pays(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """AdamW's state and the allocator's set-up make an eager first step slow too: with
+    --compile both, the eager twin's excess is taken off the compiled cell's."""
+    seconds = record_step_times(monkeypatch)
     rc, results = sweep(tmp_path, "--variants", "naive", "--layers", "1", "--compile", "both")
     assert rc == 0
     (first_e, *eager), (first_c, *compiled) = seconds.values()  # warmed up in this order
@@ -315,16 +321,7 @@ def test_compile_time_nets_out_what_any_first_step_pays(
 def test_every_depth_traces_its_own_graphs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Identical blocks would reuse the first depth's Dynamo graphs and compile nothing; each
     cell also says whether Inductor's on-disk cache supplied its compiled graphs."""
-    import profiling.sweep
-
-    real_timed, seconds = profiling.sweep.timed, {}
-
-    def timed(fn, device):  # records each cell's step times, first (compiling) step first
-        t = real_timed(fn, device)
-        seconds.setdefault(id(fn), []).append(t)
-        return t
-
-    monkeypatch.setattr(profiling.sweep, "timed", timed)
+    seconds = record_step_times(monkeypatch)
     rc, results = sweep(tmp_path, "--variants", "naive", "--layers", "1,2", "--compile", "on")
     assert rc == 0
     assert len(seconds) == len(results["rows"]) == 2
