@@ -455,11 +455,14 @@ def merge_by_kernel_label(
     return _by_region_and_size([d for d in merged.values() if abs(d["per_layer"]) >= threshold])
 
 
-# Categories of "where the time goes". By the op's name, which in this model says where it came
-# from: every linear layer is addmm/mm/linear (PyTorch's path) or the oneDNN custom op, and only
-# attention makes batched matmuls, softmax and masked_fill (the loss uses log_softmax). So naive's
-# bmm and softmax count as attention, as the fused SDPA kernel that does the same work does.
-# aten::matmul only dispatches to mm or bmm: its own time is the dispatch, counted as the rest.
+# Categories of "where the time goes". Each op's self time and each kernel's time counts under
+# the outermost op or autograd node around it that names a category (`enclosing_category`), else
+# under its own name's (`time_category`). In this model every linear layer is nn.Linear
+# (aten::linear, or the oneDNN custom op) and only attention makes batched matmuls, softmax and
+# masked_fill (the loss uses log_softmax). So what runs inside them (naive's hidden copy, the casts
+# autocast adds around softmax, a linear's weight-gradient transposes) counts with them, and naive's
+# matmuls and softmax count as attention, as the fused SDPA kernel that does the same work does.
+OP_NAMESPACES = ("aten::", "mkldnn::", "cpu_linear::")  # dispatcher ops: ATen's and cpu_linear's
 LINEAR = "linear layers"
 ATTENTION = "attention"
 GEMM_KERNELS = "matmul kernels (linear layers; attention's too unless fused)"
@@ -468,16 +471,28 @@ CATEGORIES = (LINEAR, ATTENTION, GEMM_KERNELS, OTHER)
 
 _ATTENTION = re.compile(
     r"scaled_dot_product|flash|fmha|attention|sdpa"
-    r"|^aten::(bmm|baddbmm|_?softmax|_safe_softmax|_softmax_backward_data|masked_fill_?)$",
+    r"|^aten::(bmm|baddbmm|_?softmax|_safe_softmax|_softmax_backward_data|masked_fill_?)$"
+    # Inductor's fused kernels, by the ops they fuse; the loss's log_softmax is not attention's
+    r"|^triton_\w*(?<!log)_softmax|^triton_\w*masked_fill",
     re.I,
 )
 _LINEAR = re.compile(r"^aten::(mm|addmm|linear)$|^mkldnn::_linear_pointwise$|^cpu_linear::", re.I)
-# A CUDA GEMM kernel's name does not say whether a linear layer or attention launched it.
-_GEMM_KERNEL = re.compile(r"gemm|gemv|xmma|nvjet|cublas|cutlass", re.I)
+# A CUDA GEMM kernel's name does not say whether a linear layer or attention launched it
+# (Inductor's Triton matmul templates are `triton_tem_fused_mm_…`, `…_addmm_…`, `…_bmm_…`).
+_GEMM_KERNEL = re.compile(r"gemm|gemv|xmma|nvjet|cublas|cutlass|^triton_tem_fused_\w*mm", re.I)
+# Autograd nodes, as the profiler names them ("BmmBackward0", and around it
+# "autograd::engine::evaluate_function: BmmBackward0"); cpu_linear's custom op gets a generated one.
+_LINEAR_NODE = re.compile(
+    r"(^|: )((Addmm|Mm|Linear)Backward\d+|GeneratedBackwardFor_cpu_linear_\w+)$"
+)
+_ATTENTION_NODE = re.compile(
+    r"(^|: )(Bmm|Baddbmm|Softmax|SafeSoftmax|MaskedFill|ScaledDotProduct\w*|FlexAttention\w*)"
+    r"Backward\d+$"
+)
 
 
 def time_category(name: str) -> str:
-    """The category of an ATen op or CUDA kernel name: one of CATEGORIES."""
+    """The category of an ATen op or CUDA kernel by its name alone: one of CATEGORIES."""
     if _ATTENTION.search(name):
         return ATTENTION
     if _LINEAR.search(name):
@@ -487,10 +502,33 @@ def time_category(name: str) -> str:
     return OTHER
 
 
+def enclosing_category(name: str) -> str | None:
+    """The category an op or autograd node gives to all that runs inside it (the ops it calls,
+    the kernels they launch), or None. aten::matmul only dispatches to mm or bmm; a linear
+    layer's goes through aten::linear, which encloses it, so one outside a linear is attention's."""
+    if _LINEAR_NODE.search(name):
+        return LINEAR
+    if _ATTENTION_NODE.search(name):
+        return ATTENTION
+    if not name.startswith(OP_NAMESPACES):
+        return None  # annotations, Python functions, other autograd nodes
+    if name == "aten::matmul":
+        return ATTENTION
+    category = time_category(name)
+    return category if category in (LINEAR, ATTENTION) else None
+
+
 def time_split(times: dict[str, float]) -> dict[str, float]:
-    """Shares (0..1) of the listed time by category."""
+    """Shares (0..1) of the listed time by the category of each name alone: the report's fallback
+    for a results.json that stored no split in the current categories."""
     total = sum(times.values()) or 1.0
     split: dict[str, float] = defaultdict(float)
     for name, ms in times.items():
         split[time_category(name)] += ms / total
     return dict(split)
+
+
+def shares(times: dict[str, float]) -> dict[str, float]:
+    """Each category's share (0..1) of the summed times by category."""
+    total = sum(times.values()) or 1.0
+    return {k: times[k] / total for k in CATEGORIES if k in times}

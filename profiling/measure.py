@@ -14,10 +14,11 @@ import resource
 import shutil
 import statistics
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.autograd import DeviceType
@@ -25,13 +26,17 @@ from torch.profiler import ProfilerActivity, profile, schedule
 from torch.utils.flop_counter import FlopCounterMode
 
 from cpu_linear import onednn_unavailable_reason
-from profiling.analysis import REGIONS, time_split
+from profiling.analysis import (
+    OP_NAMESPACES,
+    OTHER,
+    REGIONS,
+    enclosing_category,
+    shares,
+    time_category,
+)
 
 TRACE_WARN_BYTES = 50 * 2**20
 TOP_TIMES = 12  # ops or kernels listed by name in "where the time goes"
-
-# Dispatcher ops counted and timed: ATen's, and the oneDNN linear of cpu_linear.py.
-OP_NAMESPACES = ("aten::", "mkldnn::", "cpu_linear::")
 
 # The ATen op each pinned SDPA backend dispatches to (device-independent names first, then
 # CPU's own), and a pattern its CUDA kernels' names match.
@@ -175,9 +180,12 @@ class StepProfile:
     # here so that a launch API the profiler does not record shows, instead of vanishing.
     unattributed: Counter = field(default_factory=Counter)
     peak_transient_bytes: int = 0  # CPU: from the profiler's allocation events
-    # Where the time goes: CPU self time of each op, and CUDA time of each kernel (us).
+    # Where the time goes: CPU self time of each op, and CUDA time of each kernel (us), by name
+    # and by category (analysis.CATEGORIES).
     cpu_self_us: Counter = field(default_factory=Counter)
     device_us: Counter = field(default_factory=Counter)
+    cpu_split_us: Counter = field(default_factory=Counter)
+    device_split_us: Counter = field(default_factory=Counter)
     trace: Path | None = None
     trace_bytes: int = 0  # unzipped: what a viewer loads
 
@@ -199,7 +207,7 @@ class StepProfile:
             "cpu_ms": top_ms(self.cpu_self_us),
             "device_ms": top_ms(self.device_us),
             # shares by category over every op or kernel, not only the listed ones
-            "time_split": time_split(self.device_us or self.cpu_self_us),
+            "time_split": shares(self.device_split_us or self.cpu_split_us),
         }
 
 
@@ -210,59 +218,76 @@ def _region_of(start_ns: int, regions: list[tuple[int, int, str]]) -> str | None
     return None
 
 
+def _nested(events: list) -> Iterator[tuple[Any, str | None, int]]:
+    """Each event with the category it counts under and its self time (ns): its duration less
+    that of the events directly inside it. Events nest by time within their thread; the
+    category is that of the outermost op or autograd node around the event, itself included,
+    that gives one (analysis.enclosing_category)."""
+    threads: dict[int, list] = defaultdict(list)
+    for e in events:
+        threads[e.start_thread_id()].append(e)
+    for thread in threads.values():
+        thread.sort(key=lambda e: (e.start_ns(), -e.end_ns()))  # parents before their children
+        stack: list[list] = []  # [event, category, time of its children (ns)]
+        for e in thread:
+            while stack and stack[-1][0].end_ns() <= e.start_ns():
+                yield _closed(stack.pop())
+            category = stack[-1][1] if stack else None
+            if stack:
+                stack[-1][2] += e.duration_ns()
+            stack.append([e, category or enclosing_category(e.name()), 0])
+        while stack:
+            yield _closed(stack.pop())
+
+
+def _closed(entry: list) -> tuple[Any, str | None, int]:
+    event, category, children_ns = entry
+    return event, category, max(0, event.duration_ns() - children_ns)
+
+
 def parse_events(events: list, device: torch.device) -> StepProfile:
-    """Count ops and kernels by region from the profiler's kineto events.
+    """Count ops and kernels by region, and time them by name and by category, from the
+    profiler's kineto events.
 
     Regions are the record_function ranges of the main thread; an op belongs to the region
     its start falls in (the autograd engine runs CUDA backward ops on another thread, so
     parent links would miss them). A kernel belongs to the region of the CPU runtime call
     that launched it (cudaLaunchKernel, cuLaunchKernelEx, cudaMemcpyAsync, ...), found by
-    correlation id, since GPU timestamps run behind the CPU's.
+    correlation id, since GPU timestamps run behind the CPU's; its category is that call's,
+    from the ops around it, else its own name's.
     """
     result = StepProfile()
-    regions = sorted(
-        (e.start_ns(), e.end_ns(), e.name())
-        for e in events
-        if e.name() in REGIONS and e.device_type() == DeviceType.CPU
-    )
-    launches: dict[int, int] = {}
-    live = peak = 0
-    for e in sorted(events, key=lambda e: e.start_ns()):
-        name, kind = e.name(), e.device_type()
-        if kind == DeviceType.CPU and name.startswith(OP_NAMESPACES):
+    cpu = [e for e in events if e.device_type() == DeviceType.CPU]
+    regions = sorted((e.start_ns(), e.end_ns(), e.name()) for e in cpu if e.name() in REGIONS)
+    launches: dict[int, tuple[int, str | None]] = {}  # correlation id: (start, category)
+    for e, category, self_ns in _nested(cpu):
+        name = e.name()
+        if name.startswith(OP_NAMESPACES):
             region = _region_of(e.start_ns(), regions)
             if region:
                 result.ops[region][name] += 1
-        elif kind == DeviceType.CPU and e.correlation_id() and name.startswith("cu"):
-            launches[e.correlation_id()] = e.start_ns()
-        elif name == "[memory]" and device.type == "cpu" and e.device_type() == DeviceType.CPU:
+            result.cpu_self_us[name] += self_ns / 1e3
+            result.cpu_split_us[category or OTHER] += self_ns / 1e3
+        elif e.correlation_id() and name.startswith("cu"):
+            launches[e.correlation_id()] = (e.start_ns(), category)
+    if device.type == "cpu":
+        live = 0
+        for e in sorted((e for e in cpu if e.name() == "[memory]"), key=lambda e: e.start_ns()):
             live += e.nbytes()
-            peak = max(peak, live)
-    result.peak_transient_bytes = peak
+            result.peak_transient_bytes = max(result.peak_transient_bytes, live)
     if device.type == "cuda":
         for e in events:
             if e.device_type() != DeviceType.CUDA or e.is_user_annotation() or "Sync" in e.name():
                 continue  # annotations and synchronisation records are not work
-            launched = launches.get(e.correlation_id())
-            region = _region_of(launched, regions) if launched is not None else None
+            start, category = launches.get(e.correlation_id(), (None, None))
+            region = _region_of(start, regions) if start is not None else None
             if region:
                 result.kernels[region][e.name()] += 1
             else:
                 result.unattributed[e.name()] += 1
             result.device_us[e.name()] += e.duration_ns() / 1e3
+            result.device_split_us[category or time_category(e.name())] += e.duration_ns() / 1e3
     return result
-
-
-def self_times(prof: profile) -> Counter:
-    """CPU self time (us) of each op over the profiled window: time in the op itself, not in
-    the ops it calls, so the numbers add up to the time spent in operators."""
-    return Counter(
-        {
-            a.key: a.self_cpu_time_total
-            for a in prof.key_averages()
-            if a.key.startswith(OP_NAMESPACES)
-        }
-    )
 
 
 @contextlib.contextmanager
@@ -282,7 +307,6 @@ def profiled_steps(
 
     def on_ready(prof: profile) -> None:
         parsed = parse_events(prof.profiler.kineto_results.events(), device)
-        parsed.cpu_self_us = self_times(prof)
         if trace_path is not None:
             parsed.trace, parsed.trace_bytes = _export_trace(prof, trace_path)
         results.append(parsed)

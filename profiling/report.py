@@ -434,28 +434,51 @@ def _fits_table(fits: dict[str, dict[str, dict[str, float]]]) -> list[str]:
     return lines
 
 
-WHERE_TIME_GOES_INTRO = [
-    "Each variant's deepest cell, in one profiled step (not one of the timed steps). On CPU the "
-    "self time of every ATen operator is summed, so nothing counts twice; on CUDA each kernel's "
-    "time. By the op's name: **linear layers** (`addmm`/`mm`, the oneDNN linear), **attention** "
-    "(batched matmuls, softmax, the mask, the fused SDPA kernels: the same work whichever variant "
-    "does it) and **everything else** (copies, GELU, LayerNorm, the loss, AdamW). Elementwise ops "
-    "that attention shares with the rest (copies, the scale's multiply, dropout) count as "
-    "everything else. On CUDA a kernel's name does not say which layer launched it: GEMMs get a "
-    "category of their own (unfused attention's matmuls among them), and unfused attention's "
-    "softmax and mask kernels count as everything else, so there the attention category holds "
-    "only the fused SDPA kernels.",
-    "",
-    "The timed median minus that total is the time outside the operators: Python, the autograd "
-    "engine, dispatch between ops (on CUDA: time with no kernel running). The profiler's own "
-    "overhead inflates the ops' times, so the remainder reads smaller than it is, and it can come "
-    "out negative when the profiled step ran slower than the timed ones.",
-    "",
-    "MFU counts matmul FLOPs only, the linear layers' and attention's (inside the fused kernel for "
-    "SDPA), against the rate of one large square matmul. It stays below that peak because these "
-    "matmuls run slower than it at their shapes, and because everything else and the time outside "
-    "the operators take time without counted FLOPs.",
-]
+def where_time_goes_intro(meta: dict[str, Any]) -> list[str]:
+    """How the time of the profiled step is split, as the sweep that wrote meta split it."""
+    if meta.get("time_categories") == "by enclosing op":
+        how = (
+            "Each variant's deepest cell, in one profiled step (not one of the timed steps): on "
+            "CPU the self time of every ATen operator, summed, so nothing counts twice; on CUDA "
+            "each kernel's time. Each goes to the category of the outermost operator around it "
+            "(or of that operator's backward) that has one: **linear layers** (`nn.Linear`: "
+            "`aten::linear` or the oneDNN linear), **attention** (matmuls outside a linear, "
+            "softmax, the mask, the fused SDPA kernels: the same work whichever variant does it) "
+            "and **everything else** (GELU, LayerNorm, the loss, AdamW, and the elementwise ops "
+            "attention shares with the rest: the scale's multiply, dropout, the transposes of q, "
+            "k and v). So what runs inside an attention operator counts as attention: naive's "
+            "hidden copy, and on CUDA the casts autocast adds around softmax. A kernel that no "
+            "operator launched (a compiled graph's Triton code) goes by its own name, and the "
+            "GEMMs among those, whose names do not say which layer launched them, get a category "
+            "of their own (**matmul kernels**)."
+        )
+    else:  # sweeps before the enclosing op was used: by each op's or kernel's own name
+        how = (
+            "Each variant's deepest cell, in one profiled step (not one of the timed steps). On "
+            "CPU the self time of every ATen operator is summed, so nothing counts twice; on CUDA "
+            "each kernel's time. By the op's name: **linear layers** (`addmm`/`mm`, the oneDNN "
+            "linear), **attention** (batched matmuls, softmax, the mask, the fused SDPA kernels: "
+            "the same work whichever variant does it) and **everything else** (copies, GELU, "
+            "LayerNorm, the loss, AdamW). Elementwise ops that attention shares with the rest "
+            "(copies, the scale's multiply, dropout) count as everything else. On CUDA a kernel's "
+            "name does not say which layer launched it: GEMMs get a category of their own "
+            "(unfused attention's matmuls among them), and unfused attention's softmax and mask "
+            "kernels count as everything else, so there the attention category holds only the "
+            "fused SDPA kernels."
+        )
+    return [
+        how,
+        "",
+        "The timed median minus that total is the time outside the operators: Python, the "
+        "autograd engine, dispatch between ops (on CUDA: time with no kernel running). The "
+        "profiler's own overhead inflates the ops' times, so the remainder reads smaller than it "
+        "is, and it can come out negative when the profiled step ran slower than the timed ones.",
+        "",
+        "MFU counts matmul FLOPs only, the linear layers' and attention's (inside the fused kernel "
+        "for SDPA), against the rate of one large square matmul. It stays below that peak because "
+        "these matmuls run slower than it at their shapes, and because everything else and the "
+        "time outside the operators take time without counted FLOPs.",
+    ]
 
 
 _KERNEL_LABELS = (
@@ -509,7 +532,7 @@ def _report_md(results: dict[str, Any]) -> str:
             "",
             "## Where the time goes",
             "",
-            *WHERE_TIME_GOES_INTRO,
+            *where_time_goes_intro(meta),
             "",
             *where_time_goes(rows),
             "",

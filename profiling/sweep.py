@@ -216,6 +216,8 @@ class Sweep:
             # What the resident part of peak memory counts (sweeps before it: no buffers).
             "resident": "parameters, buffers and optimizer state",
             "compile_time": "less eager",  # compile_s nets out the eager twin's first step
+            # time_split places each op and kernel by the op around it (before: by its name)
+            "time_categories": "by enclosing op",
             "profile_steps": self.args.profile_steps,
             "command": "python " + shlex.join(sys.argv),
             "out": str(self.out),

@@ -807,6 +807,13 @@ def test_cuda_sweep_counts_kernels(tmp_path: Path) -> None:
     for n in (1, 2):  # the hidden copy is one more device copy per layer in the forward
         assert forward_kernels("naive", n) - forward_kernels("inplace", n) == n
 
+    # Every eager kernel is launched inside an operator, which gives its category: naive's
+    # matmuls, softmax and mask count as attention, and no GEMM is left unplaced.
+    for (variant, _), row in rows.items():
+        split = row["time_split"]
+        assert set(split) == {"linear layers", "attention", "everything else"}, (variant, split)
+        assert split["attention"] > 0 and split["linear layers"] > 0, (variant, split)
+
 
 @pytest.mark.parametrize("grad_accum", [1, 2])
 def test_every_op_of_a_training_step_is_in_a_region(grad_accum: int) -> None:
@@ -838,9 +845,9 @@ def test_every_op_of_a_training_step_is_in_a_region(grad_accum: int) -> None:
 class FakeEvent:
     """The parts of a kineto event that parse_events reads."""
 
-    def __init__(self, name, kind, start, end=None, corr=0, annotation=False) -> None:
+    def __init__(self, name, kind, start, end=None, corr=0, annotation=False, thread=1) -> None:
         self._name, self._kind, self._start, self._end = name, kind, start, end or start + 1
-        self._corr, self._annotation = corr, annotation
+        self._corr, self._annotation, self._thread = corr, annotation, thread
 
     def name(self) -> str:
         return self._name
@@ -865,6 +872,9 @@ class FakeEvent:
 
     def nbytes(self) -> int:
         return 0
+
+    def start_thread_id(self) -> int:
+        return self._thread
 
 
 def test_cuda_kernels_are_counted_in_the_region_that_launched_them() -> None:
@@ -901,6 +911,100 @@ def test_cuda_kernels_are_counted_in_the_region_that_launched_them() -> None:
     assert verify_backend("CUDNN_ATTENTION", seen["ops"], only_unattributed, cuda) is None
     problem = verify_backend("CUDNN_ATTENTION", seen["ops"], {"forward": {}}, cuda)
     assert problem is not None and "/cudnn/" in problem
+
+
+def test_kernel_time_counts_under_the_operator_that_launched_it() -> None:
+    """Off a GPU, with made-up events: a kernel's name does not say who launched it, the ops
+    around its launch do. Casts inside softmax and matmuls outside a linear are attention's; a
+    GEMM inside aten::linear and a linear's backward are the linear layers'; a kernel no op
+    launched (a compiled graph's) goes by its name."""
+    cpu, gpu = DeviceType.CPU, DeviceType.CUDA
+    launched = [  # (ops around the launch, outermost first; kernel; its time)
+        (["aten::linear", "aten::addmm"], "nvjet_sm90_tst_256x128_h_bz_coopA_NNT", 8),
+        (["aten::linear", "aten::to", "aten::copy_"], "bfloat16_copy_kernel_cuda", 1),
+        (["aten::matmul", "aten::bmm"], "nvjet_sm90_tst_192x192_h_bz_NTN", 4),
+        (["aten::matmul", "aten::to", "aten::copy_"], "bfloat16_copy_kernel_cuda", 2),
+        (["aten::softmax", "aten::to", "aten::copy_"], "direct_copy_kernel_cuda", 3),
+        (["aten::masked_fill", "aten::clone", "aten::copy_"], "Memcpy DtoD", 5),
+        (["aten::gelu"], "GeluCUDAKernelImpl", 6),
+        (["autograd::engine::evaluate_function: AddmmBackward0", "aten::sum"], "reduce_kernel", 7),
+        (["autograd::engine::evaluate_function: SoftmaxBackward0"], "softmax_warp_backward", 9),
+        (["Torch-Compiled Region: 0/0"], "triton_per_fused__softmax_masked_fill_mul_3", 10),
+        (["Torch-Compiled Region: 0/0"], "triton_red_fused__log_softmax_2", 11),
+        (["Torch-Compiled Region: 0/0"], "triton_tem_fused_mm_4", 12),
+    ]
+    events = [FakeEvent("forward", cpu, 0, 10_000)]
+    for i, (ops, kernel, ms) in enumerate(launched):
+        t = 100 * (i + 1)
+        events += [FakeEvent(op, cpu, t + depth, t + 50 - depth) for depth, op in enumerate(ops)]
+        events.append(FakeEvent("cudaLaunchKernel", cpu, t + 20, corr=i + 1))
+        events.append(FakeEvent(kernel, gpu, 20_000 + 100 * i, 20_000 + 100 * i + ms, corr=i + 1))
+    events.append(FakeEvent("aten::add_", cpu, 5_000, 5_010, thread=2))  # another thread's op
+    events.append(FakeEvent("cudaLaunchKernel", cpu, 5_005, corr=99, thread=2))
+    events.append(FakeEvent("vectorized_elementwise_kernel", gpu, 30_000, 30_013, corr=99))
+
+    seen = parse_events(events, torch.device("cuda")).per_step(1)
+    total = sum(ms for *_, ms in launched) + 13
+    split = {k: round(v * total) for k, v in seen["time_split"].items()}
+    assert split == {
+        "linear layers": 8 + 1 + 7,
+        "attention": 4 + 2 + 3 + 5 + 9 + 10,
+        "matmul kernels (linear layers; attention's too unless fused)": 12,
+        "everything else": 6 + 11 + 13,
+    }
+
+
+def test_operator_self_time_counts_under_the_operator_around_it() -> None:
+    """On CPU each op's self time (its time less that of the ops inside it) counts under the
+    outermost op around it that names a category: naive's hidden copy is attention's."""
+    cpu = DeviceType.CPU
+    events = [
+        FakeEvent("forward", cpu, 0, 1_000),
+        FakeEvent("aten::masked_fill", cpu, 10, 130),  # self 120 - 60 - 20
+        FakeEvent("aten::clone", cpu, 20, 80),  # self 20
+        FakeEvent("aten::copy_", cpu, 30, 70),  # self 40
+        FakeEvent("aten::masked_fill_", cpu, 80, 100),  # self 20
+        FakeEvent("aten::mul", cpu, 200, 230),  # self 30, shared elementwise work
+        FakeEvent("aten::add_", cpu, 210, 220, thread=2),  # another thread: not mul's child
+    ]
+    seen = parse_events(events, torch.device("cpu"))
+    assert seen.cpu_self_us == {
+        "aten::masked_fill": 0.04,
+        "aten::clone": 0.02,
+        "aten::copy_": 0.04,
+        "aten::masked_fill_": 0.02,
+        "aten::mul": 0.03,
+        "aten::add_": 0.01,
+    }
+    assert seen.per_step(1)["time_split"] == pytest.approx(
+        {"attention": 0.75, "everything else": 0.25}
+    )
+
+
+def test_self_times_match_the_profilers_own() -> None:
+    """The self time parse_events derives from a real step's events is torch's own
+    (key_averages), op by op."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from config import TrainConfig
+    from model import GPT, GPTConfig
+    from profiling.analysis import OP_NAMESPACES
+    from train import build_optimizer, train_step
+
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16))
+    optimizer = build_optimizer(model, TrainConfig(), torch.device("cpu"))
+    xy = torch.randint(64, (2, 17))
+    train_step(model, optimizer, [(xy[:, :-1], xy[:, 1:])])
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        train_step(model, optimizer, [(xy[:, :-1], xy[:, 1:])], grad_clip=1.0)
+    seen = parse_events(prof.profiler.kineto_results.events(), torch.device("cpu"))
+    own = {
+        a.key: a.self_cpu_time_total for a in prof.key_averages() if a.key.startswith(OP_NAMESPACES)
+    }
+    assert set(seen.cpu_self_us) == set(own)
+    for name, us in own.items():
+        assert seen.cpu_self_us[name] == pytest.approx(us, abs=0.01), name
+    assert sum(seen.cpu_split_us.values()) == pytest.approx(sum(own.values()), abs=0.1)
 
 
 def _ops_row(variant: str, n: int, forward: dict, backward: dict | None = None) -> dict:
@@ -1220,19 +1324,23 @@ def test_a_failed_cell_leaves_the_report_honest(naive_vs_inplace: dict) -> None:
 
 
 def test_the_report_states_the_method_its_sweep_used(naive_vs_inplace: dict) -> None:
-    """A sweep made before the balanced orders, or before buffers counted as resident
-    memory, is still described as it was measured."""
+    """A sweep made before the balanced orders, before buffers counted as resident memory,
+    or before ops and kernels were placed by the operator around them, is still described as
+    it was measured."""
     from profiling.report import _report_md
 
     assert naive_vs_inplace["meta"]["round_order"] == "balanced"
     report = _report_md(naive_vs_inplace)
     assert "balanced Latin square" in report
     assert "parameters, buffers and optimizer state resident" in report
+    assert "the category of the outermost operator around it" in report
     older = copy.deepcopy(naive_vs_inplace)
     del older["meta"]["round_order"], older["meta"]["resident"]
+    del older["meta"]["time_categories"]
     report = _report_md(older)
     assert "each round starting one later" in report and "Latin" not in report
     assert "parameters and optimizer state resident" in report
+    assert "By the op's name" in report and "outermost" not in report
 
 
 def test_report_details_follow_the_cells_that_measured() -> None:
