@@ -19,7 +19,7 @@ OUT=${1:-gpu-check}
 PY=${PYTHON:-python3}
 LAYERS=${LAYERS:-1,4,12}
 COMPILED_LAYERS=${COMPILED_LAYERS:-1,12}
-STEPS=${STEPS:-8}
+STEPS=${STEPS:-16}
 # A rerun into the same folder (a warm machine keeps it) moves the earlier run aside, whole:
 # the sweeps refuse a folder that holds one, and its log would be overwritten.
 if [ -d "$OUT" ] && [ -n "$(ls -A "$OUT")" ]; then
