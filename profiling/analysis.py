@@ -456,12 +456,13 @@ def merge_by_kernel_label(
 
 
 # Categories of "where the time goes". Each op's self time and each kernel's time counts under
-# the outermost op or autograd node around it that names a category (`enclosing_category`), else
-# under its own name's (`time_category`). In this model every linear layer is nn.Linear
-# (aten::linear, or the oneDNN custom op) and only attention makes batched matmuls, softmax and
-# masked_fill (the loss uses log_softmax). So what runs inside them (naive's hidden copy, the casts
-# autocast adds around softmax, a linear's weight-gradient transposes) counts with them, and naive's
-# matmuls and softmax count as attention, as the fused SDPA kernel that does the same work does.
+# the outermost op around it that names a category (`enclosing_category`), else under its own
+# name's (`time_category`); backward work counts where the forward op it came from does. In this
+# model every linear layer is nn.Linear (aten::linear, or the oneDNN custom op) and only
+# attention makes batched matmuls, softmax and masked_fill (the loss uses log_softmax). So what
+# runs inside them (naive's hidden copy, the casts autocast adds around softmax) and their
+# backward (a linear's weight-gradient transposes) count with them, and naive's matmuls and
+# softmax count as attention, as the fused SDPA kernel that does the same work does.
 OP_NAMESPACES = ("aten::", "mkldnn::", "cpu_linear::")  # dispatcher ops: ATen's and cpu_linear's
 LINEAR = "linear layers"
 ATTENTION = "attention"
@@ -480,15 +481,6 @@ _LINEAR = re.compile(r"^aten::(mm|addmm|linear)$|^mkldnn::_linear_pointwise$|^cp
 # A CUDA GEMM kernel's name does not say whether a linear layer or attention launched it
 # (Inductor's Triton matmul templates are `triton_tem_fused_mm_…`, `…_addmm_…`, `…_bmm_…`).
 _GEMM_KERNEL = re.compile(r"gemm|gemv|xmma|nvjet|cublas|cutlass|^triton_tem_fused_\w*mm", re.I)
-# Autograd nodes, as the profiler names them ("BmmBackward0", and around it
-# "autograd::engine::evaluate_function: BmmBackward0"); cpu_linear's custom op gets a generated one.
-_LINEAR_NODE = re.compile(
-    r"(^|: )((Addmm|Mm|Linear)Backward\d+|GeneratedBackwardFor_cpu_linear_\w+)$"
-)
-_ATTENTION_NODE = re.compile(
-    r"(^|: )(Bmm|Baddbmm|Softmax|SafeSoftmax|MaskedFill|ScaledDotProduct\w*|FlexAttention\w*)"
-    r"Backward\d+$"
-)
 
 
 def time_category(name: str) -> str:
@@ -503,15 +495,11 @@ def time_category(name: str) -> str:
 
 
 def enclosing_category(name: str) -> str | None:
-    """The category an op or autograd node gives to all that runs inside it (the ops it calls,
-    the kernels they launch), or None. aten::matmul only dispatches to mm or bmm; a linear
-    layer's goes through aten::linear, which encloses it, so one outside a linear is attention's."""
-    if _LINEAR_NODE.search(name):
-        return LINEAR
-    if _ATTENTION_NODE.search(name):
-        return ATTENTION
+    """The category an op gives to all that runs inside it (the ops it calls, the kernels they
+    launch), or None. aten::matmul only dispatches to mm or bmm; a linear layer's goes through
+    aten::linear, which encloses it, so one outside a linear is attention's."""
     if not name.startswith(OP_NAMESPACES):
-        return None  # annotations, Python functions, other autograd nodes
+        return None  # annotations, Python functions, autograd nodes
     if name == "aten::matmul":
         return ATTENTION
     category = time_category(name)

@@ -15,7 +15,7 @@ import shutil
 import statistics
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -218,16 +218,41 @@ def _region_of(start_ns: int, regions: list[tuple[int, int, str]]) -> str | None
     return None
 
 
-def _nested(events: list) -> Iterator[tuple[Any, str | None, int]]:
-    """Each event with the category it counts under and its self time (ns): its duration less
-    that of the events directly inside it. Events nest by time within their thread; the
-    category is that of the outermost op or autograd node around the event, itself included,
-    that gives one (analysis.enclosing_category)."""
+def _categorised(events: list) -> Iterator[tuple[Any, str | None, int]]:
+    """Each CPU event with the category it counts under and its self time (ns): its duration
+    less that of the events directly inside it.
+
+    Events nest by time within their thread. The category is that of the outermost op around
+    the event, itself included, that gives one (analysis.enclosing_category). Backward work
+    goes where its forward op does: an autograd node carries the sequence number, and the
+    forward thread, of the op that created it, the last op to start with that number there
+    (`ToCopyBackward0` of the cast autocast adds inside `aten::softmax` is attention's).
+    """
     threads: dict[int, list] = defaultdict(list)
     for e in events:
         threads[e.start_thread_id()].append(e)
     for thread in threads.values():
         thread.sort(key=lambda e: (e.start_ns(), -e.end_ns()))  # parents before their children
+
+    creator: dict[tuple[int, int], tuple[int, str | None]] = {}  # (thread, seq): (start, category)
+    for e, category, _ in _nest(threads.values(), lambda e: None):
+        if e.sequence_nr() >= 0 and e.fwd_thread_id() == 0 and e.name().startswith(OP_NAMESPACES):
+            key = (e.start_thread_id(), e.sequence_nr())
+            if e.start_ns() >= creator.get(key, (-1, None))[0]:
+                creator[key] = (e.start_ns(), category)
+
+    def forward_category(e: Any) -> str | None:
+        if e.fwd_thread_id() > 0 and e.sequence_nr() >= 0:  # an autograd node's events
+            return creator.get((e.fwd_thread_id(), e.sequence_nr()), (0, None))[1]
+        return None
+
+    yield from _nest(threads.values(), forward_category)
+
+
+def _nest(
+    threads: Iterable[list], linked: Callable[[Any], str | None]
+) -> Iterator[tuple[Any, str | None, int]]:
+    for thread in threads:
         stack: list[list] = []  # [event, category, time of its children (ns)]
         for e in thread:
             while stack and stack[-1][0].end_ns() <= e.start_ns():
@@ -235,7 +260,8 @@ def _nested(events: list) -> Iterator[tuple[Any, str | None, int]]:
             category = stack[-1][1] if stack else None
             if stack:
                 stack[-1][2] += e.duration_ns()
-            stack.append([e, category or enclosing_category(e.name()), 0])
+            category = category or linked(e) or enclosing_category(e.name())
+            stack.append([e, category, 0])
         while stack:
             yield _closed(stack.pop())
 
@@ -260,7 +286,7 @@ def parse_events(events: list, device: torch.device) -> StepProfile:
     cpu = [e for e in events if e.device_type() == DeviceType.CPU]
     regions = sorted((e.start_ns(), e.end_ns(), e.name()) for e in cpu if e.name() in REGIONS)
     launches: dict[int, tuple[int, str | None]] = {}  # correlation id: (start, category)
-    for e, category, self_ns in _nested(cpu):
+    for e, category, self_ns in _categorised(cpu):
         name = e.name()
         if name.startswith(OP_NAMESPACES):
             region = _region_of(e.start_ns(), regions)

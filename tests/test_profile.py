@@ -845,9 +845,12 @@ def test_every_op_of_a_training_step_is_in_a_region(grad_accum: int) -> None:
 class FakeEvent:
     """The parts of a kineto event that parse_events reads."""
 
-    def __init__(self, name, kind, start, end=None, corr=0, annotation=False, thread=1) -> None:
+    def __init__(
+        self, name, kind, start, end=None, corr=0, annotation=False, thread=1, seq=-1, fwd=0
+    ) -> None:
         self._name, self._kind, self._start, self._end = name, kind, start, end or start + 1
         self._corr, self._annotation, self._thread = corr, annotation, thread
+        self._seq, self._fwd = seq, fwd  # an autograd node's forward op: (fwd thread, seq)
 
     def name(self) -> str:
         return self._name
@@ -875,6 +878,12 @@ class FakeEvent:
 
     def start_thread_id(self) -> int:
         return self._thread
+
+    def sequence_nr(self) -> int:
+        return self._seq
+
+    def fwd_thread_id(self) -> int:
+        return self._fwd
 
 
 def test_cuda_kernels_are_counted_in_the_region_that_launched_them() -> None:
@@ -916,42 +925,64 @@ def test_cuda_kernels_are_counted_in_the_region_that_launched_them() -> None:
 def test_kernel_time_counts_under_the_operator_that_launched_it() -> None:
     """Off a GPU, with made-up events: a kernel's name does not say who launched it, the ops
     around its launch do. Casts inside softmax and matmuls outside a linear are attention's; a
-    GEMM inside aten::linear and a linear's backward are the linear layers'; a kernel no op
-    launched (a compiled graph's) goes by its name."""
+    GEMM inside aten::linear is the linear layers'; backward kernels go where the forward op
+    of their autograd node does; a kernel no op launched (a compiled graph's) goes by its name."""
     cpu, gpu = DeviceType.CPU, DeviceType.CUDA
-    launched = [  # (ops around the launch, outermost first; kernel; its time)
-        (["aten::linear", "aten::addmm"], "nvjet_sm90_tst_256x128_h_bz_coopA_NNT", 8),
-        (["aten::linear", "aten::to", "aten::copy_"], "bfloat16_copy_kernel_cuda", 1),
-        (["aten::matmul", "aten::bmm"], "nvjet_sm90_tst_192x192_h_bz_NTN", 4),
-        (["aten::matmul", "aten::to", "aten::copy_"], "bfloat16_copy_kernel_cuda", 2),
-        (["aten::softmax", "aten::to", "aten::copy_"], "direct_copy_kernel_cuda", 3),
-        (["aten::masked_fill", "aten::clone", "aten::copy_"], "Memcpy DtoD", 5),
-        (["aten::gelu"], "GeluCUDAKernelImpl", 6),
-        (["autograd::engine::evaluate_function: AddmmBackward0", "aten::sum"], "reduce_kernel", 7),
-        (["autograd::engine::evaluate_function: SoftmaxBackward0"], "softmax_warp_backward", 9),
-        (["Torch-Compiled Region: 0/0"], "triton_per_fused__softmax_masked_fill_mul_3", 10),
-        (["Torch-Compiled Region: 0/0"], "triton_red_fused__log_softmax_2", 11),
-        (["Torch-Compiled Region: 0/0"], "triton_tem_fused_mm_4", 12),
+    node = "autograd::engine::evaluate_function: "
+    # (thread, ops around the launch, outermost first, with their sequence numbers; kernel; us)
+    launched = [
+        (1, [("aten::linear", 0), ("aten::addmm", 0)], "nvjet_sm90_tst_h_bz_coopA_NNT", 8),
+        (1, [("aten::linear", 1), ("aten::to", 1), ("aten::copy_", -1)], "bf16_copy_kernel", 1),
+        (1, [("aten::matmul", 2), ("aten::bmm", 2)], "nvjet_sm90_tst_h_bz_NTN", 4),
+        (1, [("aten::matmul", 3), ("aten::to", 3), ("aten::copy_", -1)], "bf16_copy_kernel", 2),
+        (1, [("aten::softmax", 4), ("aten::to", 4), ("aten::copy_", -1)], "direct_copy", 3),
+        (1, [("aten::masked_fill", 5), ("aten::clone", -1)], "Memcpy DtoD", 5),
+        (1, [("aten::mul", 6)], "MulFunctor", 6),  # the scale: elementwise, shared
+        (2, [(node + "AddmmBackward0", 0), ("aten::sum", -1)], "reduce_kernel", 7),
+        (2, [(node + "ToCopyBackward0", 4), ("aten::to", -1)], "direct_copy", 9),
+        (2, [(node + "MulBackward0", 6), ("aten::mul", -1)], "MulFunctor", 14),
+        (1, [("Torch-Compiled Region: 0/0", -1)], "triton_per_fused__softmax_masked_fill_3", 10),
+        (1, [("Torch-Compiled Region: 0/0", -1)], "triton_red_fused__log_softmax_2", 11),
+        (1, [("Torch-Compiled Region: 0/0", -1)], "triton_tem_fused_mm_4", 12),
     ]
     events = [FakeEvent("forward", cpu, 0, 10_000)]
-    for i, (ops, kernel, ms) in enumerate(launched):
+    for i, (thread, ops, kernel, us) in enumerate(launched):
         t = 100 * (i + 1)
-        events += [FakeEvent(op, cpu, t + depth, t + 50 - depth) for depth, op in enumerate(ops)]
-        events.append(FakeEvent("cudaLaunchKernel", cpu, t + 20, corr=i + 1))
-        events.append(FakeEvent(kernel, gpu, 20_000 + 100 * i, 20_000 + 100 * i + ms, corr=i + 1))
-    events.append(FakeEvent("aten::add_", cpu, 5_000, 5_010, thread=2))  # another thread's op
-    events.append(FakeEvent("cudaLaunchKernel", cpu, 5_005, corr=99, thread=2))
-    events.append(FakeEvent("vectorized_elementwise_kernel", gpu, 30_000, 30_013, corr=99))
+        for depth, (op, seq) in enumerate(ops):
+            fwd = 1 if op.startswith(node) else 0  # a node's forward op ran on thread 1
+            end = t + 50 - depth
+            events.append(FakeEvent(op, cpu, t + depth, end, thread=thread, seq=seq, fwd=fwd))
+        events.append(FakeEvent("cudaLaunchKernel", cpu, t + 20, corr=i + 1, thread=thread))
+        events.append(FakeEvent(kernel, gpu, 20_000 + 100 * i, 20_000 + 100 * i + us, corr=i + 1))
 
     seen = parse_events(events, torch.device("cuda")).per_step(1)
-    total = sum(ms for *_, ms in launched) + 13
+    total = sum(us for *_, us in launched)
     split = {k: round(v * total) for k, v in seen["time_split"].items()}
     assert split == {
         "linear layers": 8 + 1 + 7,
         "attention": 4 + 2 + 3 + 5 + 9 + 10,
         "matmul kernels (linear layers; attention's too unless fused)": 12,
-        "everything else": 6 + 11 + 13,
+        "everything else": 6 + 14 + 11,
     }
+
+
+def test_backward_work_counts_where_its_forward_op_does() -> None:
+    """With the profiler's own sequence numbers: under autocast, aten::matmul casts its fp32
+    input, and the backward of that cast (ToCopyBackward0) is attention's, as the cast is; the
+    backward of a cast made by hand, outside any attention op, is not."""
+    from torch.profiler import profile
+
+    from profiling.measure import _categorised
+
+    x = torch.randn(4, 8, 8, requires_grad=True)
+    with profile() as prof:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = torch.matmul(x, x.transpose(-1, -2))
+        y.float().sum().backward()
+    events = [e for e in prof.profiler.kineto_results.events() if e.device_type() == DeviceType.CPU]
+    casts_back = Counter(c for e, c, _ in _categorised(events) if e.name() == "ToCopyBackward0")
+    assert casts_back[None] == 1 and casts_back["attention"] >= 1, casts_back
+    assert set(casts_back) == {None, "attention"}, casts_back
 
 
 def test_operator_self_time_counts_under_the_operator_around_it() -> None:
