@@ -548,6 +548,9 @@ def test_fits_recover_known_slopes() -> None:
     fit = fit_line([1, 2, 4, 8], [3 + 2 * x for x in (1, 2, 4, 8)])
     assert fit["slope"] == pytest.approx(2) and fit["intercept"] == pytest.approx(3)
     assert fit["r2"] == pytest.approx(1) and fit["slope_se"] == pytest.approx(0, abs=1e-12)
+    # An exact line whose floats leave rounding in the residuals has no error to report: the
+    # report would print it as 1e-16, not 0.
+    assert fit_line([1, 2, 4, 8], [0.1 + 0.7 * x for x in (1, 2, 4, 8)])["slope_se"] == 0
     xs, ys = [1, 2, 3, 4], [1.1, 1.9, 3.2, 3.8]
     noisy = fit_line(xs, ys)
     slope, intercept = statistics.linear_regression(xs, ys)
