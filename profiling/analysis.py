@@ -465,7 +465,9 @@ def merge_by_kernel_label(
 # runs inside them (naive's hidden copy, the casts autocast adds around softmax) and their
 # backward (a linear's weight-gradient transposes) count with them, and naive's matmuls and
 # softmax count as attention, as the fused SDPA kernel that does the same work does.
-OP_NAMESPACES = ("aten::", "mkldnn::", "cpu_linear::")  # dispatcher ops: ATen's and cpu_linear's
+# Dispatcher ops counted and timed: ATen's, and the oneDNN linear (cpu_linear.py's op and the
+# mkldnn op it calls).
+OP_NAMESPACES = ("aten::", "mkldnn::", "cpu_linear::")
 LINEAR = "linear layers"
 ATTENTION = "attention"
 GEMM_KERNELS = "matmul kernels (linear layers; attention's too unless fused)"
@@ -511,11 +513,10 @@ def enclosing_category(name: str) -> str | None:
 def time_split(times: dict[str, float]) -> dict[str, float]:
     """Shares (0..1) of the listed time by the category of each name alone: the report's fallback
     for a results.json that stored no split in the current categories."""
-    total = sum(times.values()) or 1.0
-    split: dict[str, float] = defaultdict(float)
+    by_category: dict[str, float] = defaultdict(float)
     for name, ms in times.items():
-        split[time_category(name)] += ms / total
-    return dict(split)
+        by_category[time_category(name)] += ms
+    return shares(by_category)
 
 
 def shares(times: dict[str, float]) -> dict[str, float]:

@@ -225,8 +225,9 @@ def _categorised(events: list) -> Iterator[tuple[Any, str | None, int]]:
     Events nest by time within their thread. The category is that of the outermost op around
     the event, itself included, that gives one (analysis.enclosing_category). Backward work
     goes where its forward op does: an autograd node carries the sequence number, and the
-    forward thread, of the op that created it, the last op to start with that number there
-    (`ToCopyBackward0` of the cast autocast adds inside `aten::softmax` is attention's).
+    forward thread, of the event that created it, the last there to start with that number
+    (`ToCopyBackward0` of the cast autocast adds inside `aten::softmax` is attention's; a
+    compiled graph's backward is `CompiledFunction`'s, an event with no op name).
     """
     threads: dict[int, list] = defaultdict(list)
     for e in events:
@@ -234,41 +235,54 @@ def _categorised(events: list) -> Iterator[tuple[Any, str | None, int]]:
     for thread in threads.values():
         thread.sort(key=lambda e: (e.start_ns(), -e.end_ns()))  # parents before their children
 
-    creator: dict[tuple[int, int], tuple[int, str | None]] = {}  # (thread, seq): (start, category)
-    for e, category, _ in _nest(threads.values(), lambda e: None):
-        if e.sequence_nr() >= 0 and e.fwd_thread_id() == 0 and e.name().startswith(OP_NAMESPACES):
+    creators: dict[tuple[int, int], tuple[int, str | None]] = {}  # (thread, seq): start, category
+    for e, category, _ in _nest(threads.values(), linked=lambda e: None):
+        if e.sequence_nr() >= 0 and e.fwd_thread_id() == 0:  # a forward event
             key = (e.start_thread_id(), e.sequence_nr())
-            if e.start_ns() >= creator.get(key, (-1, None))[0]:
-                creator[key] = (e.start_ns(), category)
+            if key not in creators or e.start_ns() >= creators[key][0]:
+                creators[key] = (e.start_ns(), category)
 
     def forward_category(e: Any) -> str | None:
-        if e.fwd_thread_id() > 0 and e.sequence_nr() >= 0:  # an autograd node's events
-            return creator.get((e.fwd_thread_id(), e.sequence_nr()), (0, None))[1]
-        return None
+        if e.fwd_thread_id() == 0 or e.sequence_nr() < 0:
+            return None  # not an autograd node's event
+        creator = creators.get((e.fwd_thread_id(), e.sequence_nr()))
+        return creator[1] if creator else None
 
-    yield from _nest(threads.values(), forward_category)
+    yield from _nest(threads.values(), linked=forward_category)
+
+
+@dataclass
+class _Open:
+    """An event the walk is inside of."""
+
+    event: Any
+    category: str | None
+    children_ns: int = 0
+
+    def closed(self) -> tuple[Any, str | None, int]:
+        return self.event, self.category, max(0, self.event.duration_ns() - self.children_ns)
 
 
 def _nest(
     threads: Iterable[list], linked: Callable[[Any], str | None]
 ) -> Iterator[tuple[Any, str | None, int]]:
+    """Walks each thread's events (sorted parents first) as a tree, as torch's profiler builds
+    it: an event is inside the last open one if it starts before that one ends and ends no
+    later. Yields (event, category, self time in ns) as each event closes; the category is the
+    enclosing event's, else `linked(event)`'s, else its own name's."""
     for thread in threads:
-        stack: list[list] = []  # [event, category, time of its children (ns)]
+        stack: list[_Open] = []
         for e in thread:
-            while stack and stack[-1][0].end_ns() <= e.start_ns():
-                yield _closed(stack.pop())
-            category = stack[-1][1] if stack else None
+            while stack and (
+                stack[-1].event.end_ns() <= e.start_ns() or e.end_ns() > stack[-1].event.end_ns()
+            ):
+                yield stack.pop().closed()
             if stack:
-                stack[-1][2] += e.duration_ns()
-            category = category or linked(e) or enclosing_category(e.name())
-            stack.append([e, category, 0])
+                stack[-1].children_ns += e.duration_ns()
+            outer = stack[-1].category if stack else None
+            stack.append(_Open(e, outer or linked(e) or enclosing_category(e.name())))
         while stack:
-            yield _closed(stack.pop())
-
-
-def _closed(entry: list) -> tuple[Any, str | None, int]:
-    event, category, children_ns = entry
-    return event, category, max(0, event.duration_ns() - children_ns)
+            yield stack.pop().closed()
 
 
 def parse_events(events: list, device: torch.device) -> StepProfile:

@@ -474,7 +474,7 @@ class Sweep:
             not self.args.trace_layers or cell.n_layer in self.args.trace_layers
         )
         with profiled_steps(
-            self.device, active, trace if wanted else None, self.args.trace_stacks
+            self.device, active, trace if wanted else None, self.args.trace_stacks and wanted
         ) as (advance, results):
             for _ in range(2 + active):  # wait, warmup, active
                 cell.step()

@@ -990,29 +990,63 @@ def test_backward_work_counts_where_its_forward_op_does() -> None:
 
 def test_operator_self_time_counts_under_the_operator_around_it() -> None:
     """On CPU each op's self time (its time less that of the ops inside it) counts under the
-    outermost op around it that names a category: naive's hidden copy is attention's."""
+    outermost op around it that names a category: naive's hidden copy is attention's, and a
+    matmul inside a linear layer is the linear layer's. Events nest as torch nests them: a
+    parent first when both start together, and one that outlasts the op it starts in is not
+    inside it."""
     cpu = DeviceType.CPU
     events = [
         FakeEvent("forward", cpu, 0, 1_000),
-        FakeEvent("aten::masked_fill", cpu, 10, 130),  # self 120 - 60 - 20
-        FakeEvent("aten::clone", cpu, 20, 80),  # self 20
-        FakeEvent("aten::copy_", cpu, 30, 70),  # self 40
-        FakeEvent("aten::masked_fill_", cpu, 80, 100),  # self 20
-        FakeEvent("aten::mul", cpu, 200, 230),  # self 30, shared elementwise work
-        FakeEvent("aten::add_", cpu, 210, 220, thread=2),  # another thread: not mul's child
+        FakeEvent("aten::clone", cpu, 10, 80),  # listed first, starts with its parent
+        FakeEvent("aten::masked_fill", cpu, 10, 130),
+        FakeEvent("aten::copy_", cpu, 30, 70),
+        FakeEvent("aten::masked_fill_", cpu, 80, 100),
+        FakeEvent("aten::mul", cpu, 200, 230),  # elementwise work outside attention's ops
+        FakeEvent("aten::sub", cpu, 225, 245),  # outlasts mul: its sibling, not its child
+        FakeEvent("aten::add_", cpu, 210, 220, thread=2),  # another thread's
+        FakeEvent("aten::linear", cpu, 300, 400),
+        FakeEvent("aten::matmul", cpu, 310, 370),
+        FakeEvent("aten::mm", cpu, 320, 360),
     ]
     seen = parse_events(events, torch.device("cpu"))
-    assert seen.cpu_self_us == {
-        "aten::masked_fill": 0.04,
-        "aten::clone": 0.02,
-        "aten::copy_": 0.04,
-        "aten::masked_fill_": 0.02,
-        "aten::mul": 0.03,
-        "aten::add_": 0.01,
-    }
-    assert seen.per_step(1)["time_split"] == pytest.approx(
-        {"attention": 0.75, "everything else": 0.25}
+    assert seen.cpu_self_us == pytest.approx(
+        {
+            "aten::masked_fill": 0.03,
+            "aten::clone": 0.03,
+            "aten::copy_": 0.04,
+            "aten::masked_fill_": 0.02,
+            "aten::mul": 0.03,
+            "aten::sub": 0.02,
+            "aten::add_": 0.01,
+            "aten::linear": 0.04,
+            "aten::matmul": 0.02,
+            "aten::mm": 0.04,
+        }
     )
+    assert seen.per_step(1)["time_split"] == pytest.approx(
+        {"attention": 120 / 280, "linear layers": 100 / 280, "everything else": 60 / 280}
+    )
+
+
+def test_a_compiled_graphs_backward_is_its_own() -> None:
+    """A compiled graph's autograd node is made by `CompiledFunction`, which has no op name,
+    after an op inside attention saw the same sequence number: the graph's backward kernels
+    go by their own names, not to attention."""
+    cpu, gpu = DeviceType.CPU, DeviceType.CUDA
+    node = "autograd::engine::evaluate_function: CompiledFunctionBackward"
+    events = [
+        FakeEvent("forward", cpu, 0, 1000),
+        FakeEvent("aten::scaled_dot_product_attention", cpu, 10, 100, seq=5),
+        FakeEvent("aten::to", cpu, 20, 30, seq=6),  # makes no node: the next one is 6
+        FakeEvent("Torch-Compiled Region: 2/0", cpu, 110, 200),
+        FakeEvent("CompiledFunction", cpu, 111, 199, seq=6),
+        FakeEvent("backward", cpu, 1000, 2000),
+        FakeEvent(node, cpu, 1100, 1200, thread=2, seq=6, fwd=1),
+        FakeEvent("cuLaunchKernel", cpu, 1110, corr=1, thread=2),
+        FakeEvent("triton_poi_fused_gelu_backward_0", gpu, 5000, 5010, corr=1),
+    ]
+    split = parse_events(events, torch.device("cuda")).per_step(1)["time_split"]
+    assert split == {"everything else": 1.0}
 
 
 def test_self_times_match_the_profilers_own() -> None:
@@ -1436,6 +1470,26 @@ def test_the_trace_warning_goes_by_the_size_a_viewer_loads(
     (trace,) = (tmp_path / "sweep" / "traces").glob("*.json.gz")
     assert trace.stat().st_size < 10**5 < len(gzip.decompress(trace.read_bytes()))
     assert f"warning: trace {trace} is" in capsys.readouterr().err
+
+
+def test_python_stacks_only_where_a_trace_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--trace-stacks slows the profiled step (the Python tracer): only cells whose trace is
+    kept pay for it."""
+    import profiling.sweep
+
+    asked = []
+    real = profiling.sweep.profiled_steps
+
+    def recording(device, active, trace_path, with_stack=False):
+        asked.append((trace_path is not None, with_stack))
+        return real(device, active, trace_path, with_stack)
+
+    monkeypatch.setattr(profiling.sweep, "profiled_steps", recording)
+    args = ("--variants", "naive", "--layers", "1,2", "--trace-layers", "1", "--trace-stacks")
+    assert sweep(tmp_path, *args)[0] == 0
+    assert sorted(asked) == [(False, False), (True, True)]
 
 
 def test_a_sweep_records_the_code_that_measured_it(naive_vs_inplace: dict) -> None:
