@@ -72,5 +72,5 @@ timeout -k 10 90 "$PY" profile_train.py --config configs/profile-gpu.toml --out 
   --variants naive,sdpa,flex --layers "$COMPILED_LAYERS" --steps "$STEPS" --compile both --no-traces
 compiled_rc=$?
 
-echo "== done: tests rc=$tests_rc, eager sweep rc=$eager_rc, compiled sweep rc=$compiled_rc"
+echo "== $(date -u +%FT%TZ) done: tests rc=$tests_rc, eager sweep rc=$eager_rc, compiled sweep rc=$compiled_rc"
 [ "$tests_rc" -eq 0 ] && [ "$eager_rc" -eq 0 ] && [ "$compiled_rc" -eq 0 ]
