@@ -60,13 +60,18 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Any config field can be overridden, as in train.py: --train.cpu_linear=torch "
-        "--model.n_embd=256 (not model.n_layer or model.attention: --layers and --variants)",
+        "--model.n_embd=256 (not model.n_layer, model.attention or train.compile: --layers, "
+        "--variants and --compile)",
         allow_abbrev=False,  # unknown --flags are config overrides; never guess a prefix
     )
     p.add_argument("--config", type=Path, default=Path("configs/profile.toml"))
     p.add_argument("--variants", help="comma-separated (default: every variant that runs here)")
     p.add_argument("--layers", default="1,2,4,8", help="comma-separated n_layer values")
-    p.add_argument("--compile", choices=["off", "on", "both"], default="off")
+    p.add_argument(
+        "--compile",
+        choices=["off", "on", "both"],
+        help="compile the cells, or both (default: as the config's train.compile says, off if unset)",
+    )
     p.add_argument("--steps", type=int, default=20, help="timed steps per cell")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per cell before timing")
     p.add_argument(
@@ -174,6 +179,8 @@ def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
             raise ConfigError(
                 "the sweep sets model.n_layer and model.attention per cell: use --layers and --variants"
             )
+        if any(o.split("=")[0] == "--train.compile" for o in overrides):
+            raise ConfigError("the sweep compiles per cell: use --compile off|on|both")
         layers = _csv_list(args.layers, int, "--layers")
         if not layers or min(layers) < 1:
             raise ConfigError(f"--layers={args.layers!r}: give positive integers, e.g. 1,2,4,8")
@@ -217,6 +224,7 @@ def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
             variants = available_variants(
                 device, dtype, config.model.head_size, config.model.dropout
             )
+        args.compile = args.compile or ("on" if config.train.compile else "off")
         compile_modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
         sweep = Sweep(config, args)  # the last check of the input; nothing is written before
         sweep.link_latest = default_out

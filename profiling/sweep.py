@@ -136,9 +136,15 @@ class Sweep:
     def __init__(self, config: Config, args: argparse.Namespace) -> None:
         # One process: a global batch size is grad_accum micro-batches here, recorded as such
         grad_accum = config.train.micro_batches(world_size=1)
+        # and train.compile is what the cells do: --compile decides, per cell
         config = dataclasses.replace(
             config,
-            train=dataclasses.replace(config.train, grad_accum=grad_accum, global_batch_size=0),
+            train=dataclasses.replace(
+                config.train,
+                grad_accum=grad_accum,
+                global_batch_size=0,
+                compile=args.compile != "off",
+            ),
         )
         self.config, self.args = config, args
         self.device = pick_device(config.train.device)
@@ -215,6 +221,7 @@ class Sweep:
             "round_order": "balanced",  # balanced_orders; sweeps before it rotated one order
             # What the resident part of peak memory counts (sweeps before it: no buffers).
             "resident": "parameters, buffers and optimizer state",
+            "compile": self.args.compile,  # off, on or both: the cells' train.compile
             "compile_time": "less eager",  # compile_s nets out the eager twin's first step
             # time_split places each op and kernel by the op around it (before: by its name)
             "time_categories": "by enclosing op",

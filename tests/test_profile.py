@@ -695,6 +695,7 @@ def test_bad_arguments_name_the_problem(tmp_path: Path, capsys: pytest.CaptureFi
         ("--variants", ""),
         ("--diff", "inplace,naive"),  # needs --report
         ("--model.n_layer=3", None),  # the sweep sets n_layer itself
+        ("--train.compile=true", None),  # --compile decides, per cell
     ]
     for flag, value in bad:
         rc, _ = sweep(tmp_path, "--layers", "1", flag, *([value] if value is not None else []))
@@ -706,6 +707,35 @@ def test_bad_arguments_name_the_problem(tmp_path: Path, capsys: pytest.CaptureFi
     (tmp_path / "sweep" / "notes.txt").write_text("mine")
     rc, _ = sweep(tmp_path)
     assert rc == 2 and "not an empty folder" in capsys.readouterr().err
+
+
+def test_compile_follows_the_config_unless_given(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A config that trains compiled (gpt2-small.toml) is profiled compiled; --compile wins, and
+    what results.json records of the config is what the cells ran."""
+    seen = []
+
+    def run(self, variants, layers, compile_modes):
+        seen.append((compile_modes, self.config.train.compile, self.meta["compile"]))
+        self.out.mkdir()
+        (self.out / "summary.txt").write_text("")
+
+    monkeypatch.setattr(profile_train.Sweep, "run", run)
+    config = tmp_path / "compiled.toml"
+    text = (ROOT / "configs" / "profile.toml").read_text()
+    config.write_text(text.replace("[train]\n", "[train]\ncompile = true\n"))
+    base = ["--config", str(config), "--variants", "naive", "--layers", "1", *TINY]
+    for extra, out in [([], "a"), (["--compile", "off"], "b"), (["--compile", "both"], "c")]:
+        assert profile_train.main([*base, *extra, "--out", str(tmp_path / out)]) == 0
+    default = ["--variants", "naive", "--layers", "1", *TINY, "--out", str(tmp_path / "d")]
+    assert profile_train.main(["--config", str(ROOT / "configs" / "profile.toml"), *default]) == 0
+    assert seen == [
+        ([True], True, "on"),
+        ([False], False, "off"),
+        ([False, True], True, "both"),
+        ([False], False, "off"),
+    ]
 
 
 def test_bad_arguments_leave_no_default_output_folder(
