@@ -65,18 +65,18 @@ def load_run(
         # a run trained with it.
         config = replace(config, model=replace(config.model, attention=attention, dropout=0.0))
     try:
-        # The training check (forward and backward, dropout off): stricter than sampling
-        # needs only for flex off CUDA, which runs forward on a CPU but is refused here.
+        # Forward only, as sampling runs it: flex samples on a CPU, where it cannot train.
         check_variant(
             config.model.attention,
             device,
             autocast_dtype(config.train.dtype, device) or torch.float32,
             config.model.head_size,
+            backward=False,
         )
     except VariantUnavailable as e:
         other = "naive" if config.model.attention == "sdpa" else "sdpa"
         hint = "" if attention is not None else f"; sample with another, e.g. --attention {other}"
-        raise TrainError(f"sampling checks a variant as training does: {e}{hint}") from None
+        raise TrainError(f"{e}{hint}") from None
     model = GPT(config.model)
     with restoring(ckpt_path, "model"):
         model.load_state_dict(ckpt["model"])

@@ -147,6 +147,7 @@ class Variant:
     backend: SDPBackend | None = None  # the SDPA backend it is pinned to, if any
     supports_dropout: bool = True
     cuda_only: str | None = None  # why it cannot train off CUDA, if it cannot
+    forward_off_cuda: bool = False  # its forward alone runs off CUDA all the same
     # Builds the variant's own mask for (T, device); None: the model's boolean causal mask.
     make_mask: Callable[[int, torch.device], Any] | None = None
 
@@ -198,6 +199,7 @@ VARIANTS: dict[str, Variant] = {
             "flex_attention with a causal block mask, compiled",
             supports_dropout=False,
             cuda_only="PyTorch has no flex_attention backward off CUDA; only its forward runs here",
+            forward_off_cuda=True,
             make_mask=causal_block_mask,
         ),
     )
@@ -214,7 +216,7 @@ def get_variant(name: str) -> Variant:
 
 
 class VariantUnavailable(RuntimeError):
-    """An attention variant that cannot run (forward and backward) on a device and dtype."""
+    """An attention variant that cannot run (train, or infer) on a device and dtype."""
 
 
 def unavailable_reason(
@@ -223,16 +225,18 @@ def unavailable_reason(
     dtype: torch.dtype,
     head_size: int = 64,
     dropout_p: float = 0.0,
+    backward: bool = True,
 ) -> str | None:
-    """Why `name` cannot train on `device` in `dtype`, or None if it can.
+    """Why `name` cannot train on `device` in `dtype` (with `backward=False`: cannot run its
+    forward, as inference does), or None if it can.
 
-    Decided by running it: a tiny causal forward and backward at this head size. For pinned
+    Decided by running it: a tiny causal forward, and backward, at this head size. For pinned
     SDPA backends that is the only honest test, since their constraints (dtype, head size,
     dropout, GPU generation, build) differ by version and device.
     """
     variant = get_variant(name)
     device = torch.device(device)
-    if variant.cuda_only and device.type != "cuda":
+    if variant.cuda_only and device.type != "cuda" and (backward or not variant.forward_off_cuda):
         return variant.cuda_only
     if dropout_p > 0 and not variant.supports_dropout:
         return "it has no attention dropout"
@@ -240,7 +244,7 @@ def unavailable_reason(
         return "CUDA is not available"
     T = 128
     q, k, v = (
-        torch.randn(1, 2, T, head_size, device=device, dtype=dtype, requires_grad=True)
+        torch.randn(1, 2, T, head_size, device=device, dtype=dtype, requires_grad=backward)
         for _ in range(3)
     )
     if variant.make_mask is not None:
@@ -250,7 +254,10 @@ def unavailable_reason(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            variant.fn(q, k, v, mask, dropout_p).sum().backward()
+            with torch.set_grad_enabled(backward):
+                out = variant.fn(q, k, v, mask, dropout_p)
+            if backward:
+                out.sum().backward()
         except (RuntimeError, NotImplementedError, ValueError) as e:
             # torch explains why a pinned kernel refused the inputs in warnings; keep them.
             why = [str(w.message).strip() for w in caught if "kernel" in str(w.message)]
@@ -265,9 +272,11 @@ def check_variant(
     dtype: torch.dtype,
     head_size: int = 64,
     dropout_p: float = 0.0,
+    backward: bool = True,
 ) -> None:
-    """Raise VariantUnavailable, naming the variant, device, dtype and reason, if it can't run."""
-    reason = unavailable_reason(name, device, dtype, head_size, dropout_p)
+    """Raise VariantUnavailable, naming the variant, device, dtype and reason, if it can't run
+    (train, or with `backward=False` run its forward)."""
+    reason = unavailable_reason(name, device, dtype, head_size, dropout_p, backward)
     if reason is not None:
         raise VariantUnavailable(
             f"attention variant {name!r} cannot run on {torch.device(device)} "

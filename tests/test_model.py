@@ -17,6 +17,7 @@ from model import (
     VariantUnavailable,
     available_variants,
     check_variant,
+    unavailable_reason,
 )
 from model.attention import inplace, naive
 from model.gpt import _nucleus
@@ -173,6 +174,14 @@ def test_unavailable_on_cpu_says_why(variant: str) -> None:
         check_variant(variant, "cpu", torch.float32)
     message = str(err.value)
     assert variant in message and "cpu" in message and "CUDA" in message
+
+
+def test_forward_only_check_passes_flex_on_cpu_and_nothing_else_new() -> None:
+    """Inference needs only the forward: flex's runs on a CPU; the CUDA-only kernels do not."""
+    assert unavailable_reason("flex", "cpu", torch.float32, 16, backward=False) is None
+    assert "CUDA" in unavailable_reason("flex", "cpu", torch.float32, 16)
+    for variant in ("sdpa-efficient", "sdpa-cudnn"):
+        assert "CUDA" in unavailable_reason(variant, "cpu", torch.float32, 16, backward=False)
 
 
 @pytest.mark.parametrize(
