@@ -372,6 +372,14 @@ def train(
                 f"(train.cpu_linear={tc.cpu_linear}); freed memory "
                 f"{'kept for the next step' if kept_host_memory else 'returned to the OS'}"
             )
+        if tc.warmup_steps >= tc.max_steps:  # a short run cut from a longer one's config, say
+            print(
+                f"warning: train.warmup_steps={tc.warmup_steps} >= train.max_steps="
+                f"{tc.max_steps}: the learning rate climbs the whole run, to "
+                f"{lr_at(tc.max_steps - 1, tc):.3g} of train.lr={tc.lr:.3g}, and never decays; "
+                "lower train.warmup_steps for a full schedule",
+                file=sys.stderr,
+            )
     written_by = provenance() if master else {}  # asked once, not at every save
     bpb_factor = meta["splits"]["val"]["tokens"] / meta["splits"]["val"]["bytes"] / math.log(2)
 

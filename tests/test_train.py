@@ -1308,6 +1308,18 @@ def test_lr_warms_up_to_the_peak_once_then_decays_to_min_lr() -> None:
     assert lrs[20] == pytest.approx(1e-4) and min(lrs) >= 1e-4
 
 
+def test_a_run_shorter_than_its_warmup_says_so(
+    data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """tiny.toml warms up for 5 steps: a 3-step run never reaches train.lr; a 6-step one does."""
+    one_eval = ["--train.eval_interval=0", "--train.eval_batches=1", "--train.lr=0.003"]
+    assert run(data_root, tmp_path / "short", "--train.max_steps=3", *one_eval) == 0
+    err = capsys.readouterr().err
+    assert "train.warmup_steps=5 >= train.max_steps=3" in err and "to 0.0015 of" in err  # lr x 3/6
+    assert run(data_root, tmp_path / "long", "--train.max_steps=6", *one_eval) == 0
+    assert "warmup_steps" not in capsys.readouterr().err
+
+
 def test_the_last_evaluation_is_of_the_final_weights_on_each_split(
     base_run: Path, data_root: Path
 ) -> None:
