@@ -231,14 +231,35 @@ def test_stdlib_skips_non_utf8_and_empty_files(
 ) -> None:
     root = _write(
         tmp_path / "lib",
-        {"a.py": "x = 1\n", "b.py": b"s = '\xff'\n", "c.py": "", "d.py": "y = 2\n"},
+        {
+            "a.py": "x = 1\n",
+            "b.py": b"s = '\xff'\n",
+            "c.py": "",
+            "d.py": "y = 2\n",
+            "cp9.py": '""" Python Character Mapping Codec cp9 generated from \'CP9.TXT\' with '
+            'gencodec.py.\n\n"""\ndecoding_table = ("\\x00")\n',
+        },
     )
     paths = sorted(root.iterdir())
     monkeypatch.setattr(corpus_module, "_stdlib_files", lambda: (root, paths))
-    meta = _meta(prepare("std", stdlib=True, vocab_size=300, out_root=tmp_path))
+    out = prepare("std", stdlib=True, vocab_size=300, out_root=tmp_path)
+    meta = _meta(out)
     assert meta["skipped"]["non_utf8_files"] == ["b.py"]
     assert meta["skipped"]["empty_documents"] == 1
+    assert meta["skipped"]["generated_codec_tables"] == 1
     assert meta["source"]["files"] == 2
+    assert not any(
+        "decoding_table" in d for d in _decode_split(out, "train") + _decode_split(out, "val")
+    )
+
+
+def test_stdlib_leaves_out_the_generated_codec_tables() -> None:
+    """The real list: the tables go, the codecs written by hand (utf_8.py) stay."""
+    root, _ = corpus_module._stdlib_files()
+    kept = {path.relative_to(root).as_posix() for path in corpus_module.stdlib_corpus(None).paths}
+    assert "encodings/utf_8.py" in kept and "encodings/aliases.py" in kept
+    for name in ("encodings/cp437.py", "encodings/koi8_r.py", "encodings/iso8859_15.py"):
+        assert (root / name).is_file() and name not in kept, name
 
 
 def test_non_utf8_file_fails_by_default_and_replace_counts(tmp_path: Path) -> None:
