@@ -9,8 +9,9 @@ For every cell of variants x n_layer x compile it measures, each in its own step
      depth interleaved round by round so drift hits all alike; median and p10/p90; page faults;
   2. one profiled window (wait/warmup/active): ATen ops and CUDA kernels per step by region
      (forward, backward, optimizer), peak memory, and a gzipped Chrome/Perfetto trace;
-  3. FLOPs of the step (torch.utils.flop_counter), against a matmul peak measured on the spot
-     by every path PyTorch has here (torch.mm; on CPUs also oneDNN), the fastest taken.
+  3. FLOPs of the step (torch.utils.flop_counter, on the meta device: no memory or compute),
+     against a matmul peak measured on the spot by every path PyTorch has here (torch.mm; on
+     CPUs also oneDNN), the fastest taken.
 The step is train.train_step, imported, on a model set up as train.py sets it up (on CPUs:
 oneDNN linears per train.cpu_linear, freed memory kept): it measures what train.py runs.
 This file is the command line; the sweep itself is profiling/sweep.py.

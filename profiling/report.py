@@ -587,8 +587,9 @@ def _report_md(results: dict[str, Any]) -> str:
             f"- **Peak memory**: {meta.get('resident', 'parameters and optimizer state')} resident before the step, plus the step's own "
             "peak above that: on CUDA from the caching allocator (`max_memory_allocated`) over one more step, "
             "on CPU from the profiler's allocation events in the profiled step.",
-            "- **FLOPs and MFU**: `torch.utils.flop_counter` over one eager `naive` step at each depth "
-            "(matmul-class ops; attention counted over the full T×T, not halved for causality). All "
+            "- **FLOPs and MFU**: `torch.utils.flop_counter` over one eager `naive` step at each depth"
+            + _flop_count_text(meta)
+            + " (matmul-class ops; attention counted over the full T×T, not halved for causality). All "
             "variants compute the same function, so they share that count. MFU = FLOPs / median step time / "
             "matmul peak, the peak measured on the spot with square matmuls in the run's dtype by every "
             "path PyTorch offers here (`torch.mm`, i.e. the BLAS; on CPUs also oneDNN), the fastest taken."
@@ -621,6 +622,15 @@ def _eager_excess_text(meta: dict[str, Any]) -> str:
         ", less the same difference of the eager cell of that variant and depth where the "
         "sweep timed one (`eager_excess_s`: AdamW's state and the allocator's and oneDNN's "
         "set-up, which any first step pays)"
+    )
+
+
+def _flop_count_text(meta: dict[str, Any]) -> str:
+    if meta.get("flop_count") != "meta device":
+        return ""
+    return (
+        " on the meta device (shapes without data: no memory or compute, so a depth where "
+        "naive does not fit is counted too)"
     )
 
 

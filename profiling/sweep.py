@@ -225,6 +225,7 @@ class Sweep:
             "compile_time": "less eager",  # compile_s nets out the eager twin's first step
             # time_split places each op and kernel by the op around it (before: by its name)
             "time_categories": "by enclosing op",
+            "flop_count": "meta device",  # sweeps before it ran a real eager naive step
             "profile_steps": self.args.profile_steps,
             "command": "python " + shlex.join(sys.argv),
             "out": str(self.out),
@@ -336,17 +337,30 @@ class Sweep:
         variants by one measure of work, not by what each implementation happens to do. As in
         nanoGPT's and PaLM's MFU, attention counts over the full T x T; the report also gives
         MFU with only the causal half of that part counted.
+
+        The step runs on the meta device, shapes without data: no memory and no compute, so a
+        depth where naive, the variant that needs the most memory, would not fit on the device
+        still gets its count.
         """
-        cell = Cell("naive", n_layer, False)
-        with self._guard(cell):
-            self._build(cell)
-            by_op = count_flops(cell.step)
-            return sum(by_op.values()), by_op.get("aten.bmm", 0)
-        tqdm.write(
-            f"warning: no FLOP count at n_layer={n_layer} ({cell.reason}); no MFU there",
-            file=sys.stderr,
-        )
-        return 0, 0
+        mc, tc = self.config.model, self.config.train
+        meta = torch.device("meta")
+        try:
+            with meta:
+                model_cfg = dataclasses.replace(mc, attention="naive", n_layer=n_layer)
+                model, optimizer = build_model(model_cfg, tc, meta, onednn=False, compile=False)
+                x = torch.zeros(tc.batch_size, mc.block_size, dtype=torch.long)  # ids, targets
+            # The real step's count, as the tests check: FLOPs depend on neither the dtype (so
+            # no autocast) nor the Linear path (cpu_linear.py counts the oneDNN op as
+            # nn.Linear). No clipping: its foreach norm refuses meta tensors, and it is
+            # elementwise work, which flop_counter does not count.
+            by_op = count_flops(lambda: train_step(model, optimizer, [(x, x)] * tc.grad_accum))
+        except Exception as e:  # not KeyboardInterrupt: Ctrl-C stops the sweep
+            tqdm.write(
+                f"warning: no FLOP count at n_layer={n_layer} ({_one_line(e)}); no MFU there",
+                file=sys.stderr,
+            )
+            return 0, 0
+        return sum(by_op.values()), by_op.get("aten.bmm", 0)
 
     def _time(self, cells: list[Cell], bar: tqdm) -> None:
         if any(cell.compiled for cell in cells):

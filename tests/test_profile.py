@@ -25,11 +25,13 @@ import torch
 from torch.autograd import DeviceType
 
 import profile_train
+from config import load_config
+from cpu_linear import onednn_unavailable_reason
 from model import attention
 from profiling.analysis import fit_line, fits_by_label, op_diff, savings
-from profiling.measure import OtherLoad, parse_events, verify_backend
+from profiling.measure import OtherLoad, count_flops, parse_events, verify_backend
 from profiling.report import headline_table
-from profiling.sweep import Sweep
+from profiling.sweep import Cell, Sweep
 
 TINY = [
     "--model.vocab_size=128",
@@ -811,6 +813,70 @@ def test_tf32_off_cuda_is_refused_before_anything_is_written(
     assert rc == 2 and not results
     assert "train.dtype='tf32': TF32 tensor cores are a CUDA feature" in capsys.readouterr().err
     assert not (tmp_path / "sweep").exists()
+
+
+@pytest.mark.parametrize("linear", ["torch", "onednn"])
+def test_meta_flop_count_equals_a_real_naive_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, linear: str
+) -> None:
+    """The count runs naive on the meta device only, and equals that of a real eager naive
+    step on the CPU, the sweep's own cell (grad accumulation, clipping, AdamW, either Linear
+    path), in total and in attention's part."""
+    if linear == "onednn" and onednn_unavailable_reason() is not None:
+        pytest.skip(onednn_unavailable_reason())
+    ran_on: list[str] = []
+
+    def recorded(q, k, v, mask, dropout_p):
+        ran_on.append(q.device.type)
+        return attention.naive(q, k, v, mask, dropout_p)
+
+    monkeypatch.setitem(attention.VARIANTS, "naive", attention.Variant("naive", recorded, "rec"))
+    config = ROOT / "configs" / "profile.toml"  # grad_clip = 1.0
+    flags = [*TINY, "--train.grad_accum=2", f"--train.cpu_linear={linear}"]
+    args, overrides = profile_train.parse_args(
+        ["--config", str(config), "--out", str(tmp_path), *flags]
+    )
+    s = Sweep(load_config(args.config, overrides), args)
+    assert s.onednn == (linear == "onednn") and s.config.train.grad_accum == 2
+    for n_layer in (1, 3):
+        cell = Cell("naive", n_layer, False)
+        s._build(cell)
+        real = count_flops(cell.step)
+        ran_on.clear()
+        assert s._model_flops(n_layer) == (sum(real.values()), real["aten.bmm"])
+        assert set(ran_on) == {"meta"}
+        # Attention's T x T products: 12 B T^2 C per layer and micro-batch (B=2, T=32, C=32).
+        assert real["aten.bmm"] == 2 * 12 * 2 * 32**2 * 32 * n_layer
+
+
+def test_flops_do_not_need_naive_to_fit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, naive_vs_inplace: dict
+) -> None:
+    """Naive out of memory where another variant fits: that variant still gets its FLOPs and
+    MFU, the same count as in a sweep where naive fits."""
+
+    def too_big(q, k, v, mask, dropout_p):
+        if q.size(0) > 1 and not q.is_meta:  # the availability probe (B=1) passes
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.15 GiB")
+        return attention.naive(q, k, v, mask, dropout_p)
+
+    monkeypatch.setitem(attention.VARIANTS, "naive", attention.Variant("naive", too_big, "big"))
+    rc, results = sweep(tmp_path, "--variants", "naive,sdpa-math", "--layers", "1,2")
+    assert rc == 0
+    counted = {
+        r["n_layer"]: (r["flops_per_step"], r["attention_flops_per_step"])
+        for r in naive_vs_inplace["rows"]
+        if r["variant"] == "sdpa-math"
+    }
+    rows = {(r["variant"], r["n_layer"]): r for r in results["rows"]}
+    for n_layer in (1, 2):
+        assert rows[("naive", n_layer)]["status"] == "oom"
+        row = rows[("sdpa-math", n_layer)]
+        assert row["status"] == "ok", row["reason"]
+        assert (row["flops_per_step"], row["attention_flops_per_step"]) == counted[n_layer]
+        assert 0 < row["mfu"] < 1
+    assert results["meta"]["flop_count"] == "meta device"
+    assert "on the meta device" in (tmp_path / "sweep" / "report.md").read_text()
 
 
 @pytest.mark.cuda
