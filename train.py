@@ -383,6 +383,28 @@ def train(
     written_by = provenance() if master else {}  # asked once, not at every save
     bpb_factor = meta["splits"]["val"]["tokens"] / meta["splits"]["val"]["bytes"] / math.log(2)
 
+    first_step = step
+    last_step = tc.max_steps if stop_after is None else min(tc.max_steps, step + stop_after)
+    bar = tqdm(
+        total=tc.max_steps,
+        initial=step,
+        disable=not master,
+        desc=config.model.attention,
+        dynamic_ncols=True,
+        mininterval=1.0,
+    )
+    logs = MetricsLog(
+        out_dir / "metrics.jsonl",
+        enabled=master,
+        log_interval=tc.log_interval,
+        last_step=last_step,
+        tokens_per_step=tokens_per_step,
+        flops_per_step=flops_per_step,
+        peak_tflops=tc.peak_tflops,
+        devices=world_size,
+        warn=lambda message: bar.write(message, file=sys.stderr),
+    )
+
     def eval_and_save() -> None:
         val_loss = evaluate(model, batches["val"], tc.eval_batches, amp_dtype)
         train_loss = evaluate(model, batches["train_eval"], tc.eval_batches, amp_dtype)
@@ -416,28 +438,6 @@ def train(
             # No rank leaves before rank 0 has saved: torchrun ends the others when one exits
             # with an error status, which a stopped run does.
             dist.barrier()
-
-    first_step = step
-    last_step = tc.max_steps if stop_after is None else min(tc.max_steps, step + stop_after)
-    bar = tqdm(
-        total=tc.max_steps,
-        initial=step,
-        disable=not master,
-        desc=config.model.attention,
-        dynamic_ncols=True,
-        mininterval=1.0,
-    )
-    logs = MetricsLog(
-        out_dir / "metrics.jsonl",
-        enabled=master,
-        log_interval=tc.log_interval,
-        last_step=last_step,
-        tokens_per_step=tokens_per_step,
-        flops_per_step=flops_per_step,
-        peak_tflops=tc.peak_tflops,
-        devices=world_size,
-        warn=lambda message: bar.write(message, file=sys.stderr),
-    )
 
     def report(pending: Pending, next_began: float | None) -> bool:
         """Wait for a step's values, check, show and log them; True if a rank asked to stop."""
