@@ -25,8 +25,9 @@ if TYPE_CHECKING:
 STDLIB_EXCLUDED_DIRS = frozenset(
     {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
 )
-# How a charmap codec table made by Tools/unicode/gencodec.py says so in its first lines.
-GENERATED_CODEC_MARK = b"with gencodec.py"
+# What every charmap codec table in encodings/ defines (cp437.py, koi8_r.py, ...: made by
+# gencodec.py or its kin, or edited from one another): a 256-entry table, data more than code.
+CHARMAP_TABLE_MARK = b"\ndecoding_table = ("
 _ESCAPED_BYTE_RE = re.compile("[\udc80-\udcff]")  # how surrogateescape spells one bad byte
 
 
@@ -60,19 +61,20 @@ def _stdlib_files() -> tuple[Path, list[Path]]:
     return root, sorted(paths, key=lambda path: path.relative_to(root).as_posix())
 
 
-def _generated_codec_table(path: Path) -> bool:
-    with path.open("rb") as f:
-        return GENERATED_CODEC_MARK in f.read(1024)
+def _charmap_table(path: Path, root: Path) -> bool:
+    return (
+        path.relative_to(root).parts[0] == "encodings" and CHARMAP_TABLE_MARK in path.read_bytes()
+    )
 
 
 def stdlib_corpus(max_bytes: int | None) -> Corpus:
     root, paths = _stdlib_files()
-    # ~65 near-copies of one another (cp437.py, koi8_r.py, ...): data, not code, and split
-    # apart they would put most of each val table's lines in train.
-    generated = [path for path in paths if _generated_codec_table(path)]
-    paths = [path for path in paths if path not in generated]
+    # ~70 near-copies of one another: split apart, they would put most of each val table's
+    # lines in train.
+    tables = [path for path in paths if _charmap_table(path, root)]
+    paths = [path for path in paths if path not in tables]
     corpus = _read_local(paths, root, skip_bad=True, replace_bad=False, max_bytes=max_bytes)
-    corpus.skipped["generated_codec_tables"] = len(generated)
+    corpus.skipped["charmap_codec_tables"] = len(tables)
     corpus.source = {
         "kind": "stdlib",
         "python": platform.python_version(),

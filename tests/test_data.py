@@ -226,7 +226,7 @@ def test_stdlib_capped_is_deterministic(tmp_path: Path) -> None:
     assert sum(split["bytes"] for split in first["splits"].values()) <= 40_000
 
 
-def test_stdlib_skips_non_utf8_and_empty_files(
+def test_stdlib_skips_non_utf8_and_empty_files_and_codec_tables(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     root = _write(
@@ -236,30 +236,38 @@ def test_stdlib_skips_non_utf8_and_empty_files(
             "b.py": b"s = '\xff'\n",
             "c.py": "",
             "d.py": "y = 2\n",
-            "cp9.py": '""" Python Character Mapping Codec cp9 generated from \'CP9.TXT\' with '
-            'gencodec.py.\n\n"""\ndecoding_table = ("\\x00")\n',
+            "tables.py": '"""Not a codec."""\ndecoding_table = (1, 2)\n',
         },
     )
-    paths = sorted(root.iterdir())
+    table = '"""cp9, edited from cp8."""\nimport codecs\ndecoding_table = (\n    "\\x00"\n)\n'
+    _write(root / "encodings", {"cp9.py": table})
+    paths = sorted(root.rglob("*.py"))
     monkeypatch.setattr(corpus_module, "_stdlib_files", lambda: (root, paths))
     out = prepare("std", stdlib=True, vocab_size=300, out_root=tmp_path)
     meta = _meta(out)
     assert meta["skipped"]["non_utf8_files"] == ["b.py"]
     assert meta["skipped"]["empty_documents"] == 1
-    assert meta["skipped"]["generated_codec_tables"] == 1
-    assert meta["source"]["files"] == 2
-    assert not any(
-        "decoding_table" in d for d in _decode_split(out, "train") + _decode_split(out, "val")
-    )
+    assert meta["skipped"]["charmap_codec_tables"] == 1
+    assert meta["source"]["files"] == 3
+    documents = _decode_split(out, "train") + _decode_split(out, "val")
+    assert not any("cp9" in d for d in documents) and any("Not a codec" in d for d in documents)
 
 
-def test_stdlib_leaves_out_the_generated_codec_tables() -> None:
-    """The real list: the tables go, the codecs written by hand (utf_8.py) stay."""
+def test_stdlib_leaves_out_every_charmap_codec_table() -> None:
+    """The real list: every table goes, whatever made it (cp720.py is genwincodec.py's), and
+    the codecs written by hand (utf_8.py) stay."""
     root, _ = corpus_module._stdlib_files()
-    kept = {path.relative_to(root).as_posix() for path in corpus_module.stdlib_corpus(None).paths}
+    corpus = corpus_module.stdlib_corpus(None)
+    kept = {path.relative_to(root).as_posix() for path in corpus.paths}
     assert "encodings/utf_8.py" in kept and "encodings/aliases.py" in kept
-    for name in ("encodings/cp437.py", "encodings/koi8_r.py", "encodings/iso8859_15.py"):
+    for name in ("encodings/cp437.py", "encodings/koi8_r.py", "encodings/cp720.py"):
         assert (root / name).is_file() and name not in kept, name
+    tables = [
+        p
+        for p in kept
+        if p.startswith("encodings/") and "decoding_table = (" in (root / p).read_text()
+    ]
+    assert not tables and corpus.skipped["charmap_codec_tables"] >= 65
 
 
 def test_non_utf8_file_fails_by_default_and_replace_counts(tmp_path: Path) -> None:
