@@ -36,7 +36,7 @@ from config import ConfigError, load_config
 from model import VARIANTS, available_variants, unavailable_reason
 from profiling.report import diff_text
 from profiling.results import write_results
-from profiling.sweep import Sweep
+from profiling.sweep import COMPILE_MODES, Sweep
 from runtime import SignalScope, autocast_dtype, pick_device
 from train import USER_ERRORS
 
@@ -71,7 +71,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument(
         "--compile",
         choices=["off", "on", "both"],
-        help="compile the cells, or both (default: as the config's train.compile says, off if unset)",
+        help="compile the cells, or both (default: as the config's train.compile says: on for "
+        "configs/gpt2-small.toml, off for the profile configs)",
     )
     p.add_argument("--steps", type=int, default=20, help="timed steps per cell")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per cell before timing")
@@ -181,7 +182,9 @@ def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
                 "the sweep sets model.n_layer and model.attention per cell: use --layers and --variants"
             )
         if any(o.split("=")[0] == "--train.compile" for o in overrides):
-            raise ConfigError("the sweep compiles per cell: use --compile off|on|both")
+            raise ConfigError(
+                "--train.compile: the sweep compiles per cell; use --compile off|on|both"
+            )
         layers = _csv_list(args.layers, int, "--layers")
         if not layers or min(layers) < 1:
             raise ConfigError(f"--layers={args.layers!r}: give positive integers, e.g. 1,2,4,8")
@@ -225,12 +228,16 @@ def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
             variants = available_variants(
                 device, dtype, config.model.head_size, config.model.dropout
             )
-        args.compile = args.compile or ("on" if config.train.compile else "off")
-        compile_modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
         sweep = Sweep(config, args)  # the last check of the input; nothing is written before
+        if args.compile is None and sweep.compile_mode == "on":
+            print(
+                f"compiled cells only, as {args.config} sets train.compile = true "
+                "(--compile off or both for eager ones)",
+                file=sys.stderr,
+            )
         sweep.link_latest = default_out
         sweep.raise_if_interrupted = interrupts.raise_if_received
-        sweep.run(variants, layers, compile_modes)
+        sweep.run(variants, layers, COMPILE_MODES[sweep.compile_mode])
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -132,18 +132,26 @@ def _one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
+# --compile: which of eager (False) and compiled (True) cells a sweep measures
+COMPILE_MODES = {"off": [False], "on": [True], "both": [False, True]}
+
+
 class Sweep:
     def __init__(self, config: Config, args: argparse.Namespace) -> None:
         # One process: a global batch size is grad_accum micro-batches here, recorded as such
         grad_accum = config.train.micro_batches(world_size=1)
-        # and train.compile is what the cells do: --compile decides, per cell
+        # --compile off|on|both, by default as the config's train.compile says; train.compile
+        # then records whether any cell compiles (meta.compile says which).
+        self.compile_mode = args.compile or ("on" if config.train.compile else "off")
+        if self.compile_mode not in COMPILE_MODES:
+            raise ConfigError(f"--compile={args.compile}: choose one of {', '.join(COMPILE_MODES)}")
         config = dataclasses.replace(
             config,
             train=dataclasses.replace(
                 config.train,
                 grad_accum=grad_accum,
                 global_batch_size=0,
-                compile=args.compile != "off",
+                compile=self.compile_mode != "off",
             ),
         )
         self.config, self.args = config, args
@@ -221,7 +229,7 @@ class Sweep:
             "round_order": "balanced",  # balanced_orders; sweeps before it rotated one order
             # What the resident part of peak memory counts (sweeps before it: no buffers).
             "resident": "parameters, buffers and optimizer state",
-            "compile": self.args.compile,  # off, on or both: the cells' train.compile
+            "compile": self.compile_mode,  # off, on or both
             "compile_time": "less eager",  # compile_s nets out the eager twin's first step
             # time_split places each op and kernel by the op around it (before: by its name)
             "time_categories": "by enclosing op",

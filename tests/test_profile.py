@@ -712,7 +712,7 @@ def test_bad_arguments_name_the_problem(tmp_path: Path, capsys: pytest.CaptureFi
 
 
 def test_compile_follows_the_config_unless_given(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
     """A config that trains compiled (gpt2-small.toml) is profiled compiled; --compile wins, and
     what results.json records of the config is what the cells ran."""
@@ -730,6 +730,8 @@ def test_compile_follows_the_config_unless_given(
     base = ["--config", str(config), "--variants", "naive", "--layers", "1", *TINY]
     for extra, out in [([], "a"), (["--compile", "off"], "b"), (["--compile", "both"], "c")]:
         assert profile_train.main([*base, *extra, "--out", str(tmp_path / out)]) == 0
+        said = "compiled cells only, as " in capsys.readouterr().err
+        assert said == (not extra), extra
     default = ["--variants", "naive", "--layers", "1", *TINY, "--out", str(tmp_path / "d")]
     assert profile_train.main(["--config", str(ROOT / "configs" / "profile.toml"), *default]) == 0
     assert seen == [
