@@ -372,12 +372,12 @@ def train(
                 f"(train.cpu_linear={tc.cpu_linear}); freed memory "
                 f"{'kept for the next step' if kept_host_memory else 'returned to the OS'}"
             )
-        if tc.warmup_steps >= tc.max_steps:  # a short run cut from a longer one's config, say
+        if tc.warmup_steps >= tc.max_steps - 1:  # a short run cut from a longer one's config
             print(
-                f"warning: train.warmup_steps={tc.warmup_steps} >= train.max_steps="
-                f"{tc.max_steps}: the learning rate climbs the whole run, to "
-                f"{lr_at(tc.max_steps - 1, tc):.3g} of train.lr={tc.lr:.3g}, and never decays; "
-                "lower train.warmup_steps for a full schedule",
+                f"warning: train.warmup_steps={tc.warmup_steps} with train.max_steps="
+                f"{tc.max_steps}: the learning rate warms up the whole run, to "
+                f"{lr_at(tc.max_steps - 1, tc):.3g} at the last step (train.lr={tc.lr:.3g}), "
+                "and never decays; lower train.warmup_steps for a full schedule",
                 file=sys.stderr,
             )
     written_by = provenance() if master else {}  # asked once, not at every save

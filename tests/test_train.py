@@ -1084,11 +1084,25 @@ def test_sample_stop_at_eot_ends_at_the_first_separator(
 def test_sample_with_another_attention_variant_gives_the_same_text(
     base_run: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Attention holds no weights: every variant that runs here computes the same function,
-    flex too, whose forward runs on a CPU though it cannot train there."""
+    """Attention holds no weights: every variant that runs here computes the same function."""
     own = sample_text(capsys, base_run, "--temperature", "0")  # tiny.toml trains naive
-    for variant in ("sdpa", "inplace", "flex"):
+    for variant in ("sdpa", "inplace"):
         assert sample_text(capsys, base_run, "--temperature", "0", "--attention", variant) == own
+
+
+@pytest.mark.slow
+def test_flex_samples_on_a_cpu_with_naives_logits(base_run: Path) -> None:
+    """flex cannot train on a CPU, but its forward runs there (compiled, so slow the first time):
+    the run's logits through it match naive's, at a prompt's length and at the full context."""
+    cpu = torch.device("cpu")
+    naive, _, config = sample.load_run(base_run, cpu)
+    flex, _, _ = sample.load_run(base_run, cpu, attention="flex")
+    assert flex.config.attention == "flex"
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for length in (7, config.model.block_size):
+            ids = torch.randint(config.model.vocab_size, (2, length), generator=generator)
+            torch.testing.assert_close(flex(ids)[0], naive(ids)[0], rtol=1e-5, atol=1e-5)
 
 
 def test_sample_a_run_whose_variant_cannot_run_here_names_it_and_the_way_out(
@@ -1311,12 +1325,16 @@ def test_lr_warms_up_to_the_peak_once_then_decays_to_min_lr() -> None:
 def test_a_run_shorter_than_its_warmup_says_so(
     data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """tiny.toml warms up for 5 steps: a 3-step run never reaches train.lr; a 6-step one does."""
+    """tiny.toml warms up for 5 steps: a 3-step run never reaches train.lr, a 6-step one reaches
+    it at its last step and never decays; a 7-step one decays."""
     one_eval = ["--train.eval_interval=0", "--train.eval_batches=1", "--train.lr=0.003"]
     assert run(data_root, tmp_path / "short", "--train.max_steps=3", *one_eval) == 0
     err = capsys.readouterr().err
-    assert "train.warmup_steps=5 >= train.max_steps=3" in err and "to 0.0015 of" in err  # lr x 3/6
-    assert run(data_root, tmp_path / "long", "--train.max_steps=6", *one_eval) == 0
+    assert "train.warmup_steps=5 with train.max_steps=3" in err
+    assert "to 0.0015 at the last step" in err  # lr x 3/6
+    assert run(data_root, tmp_path / "peak", "--train.max_steps=6", *one_eval) == 0
+    assert "to 0.003 at the last step" in capsys.readouterr().err
+    assert run(data_root, tmp_path / "long", "--train.max_steps=7", *one_eval) == 0
     assert "warmup_steps" not in capsys.readouterr().err
 
 
