@@ -372,7 +372,7 @@ def train(
                 f"(train.cpu_linear={tc.cpu_linear}); freed memory "
                 f"{'kept for the next step' if kept_host_memory else 'returned to the OS'}"
             )
-        if tc.warmup_steps >= tc.max_steps - 1:  # a short run cut from a longer one's config
+        if tc.warmup_steps and tc.warmup_steps >= tc.max_steps - 1:  # a run cut short, say
             print(
                 f"warning: train.warmup_steps={tc.warmup_steps} with train.max_steps="
                 f"{tc.max_steps}: the learning rate warms up the whole run, to "

@@ -1336,6 +1336,9 @@ def test_a_run_shorter_than_its_warmup_says_so(
     assert "to 0.003 at the last step" in capsys.readouterr().err
     assert run(data_root, tmp_path / "long", "--train.max_steps=7", *one_eval) == 0
     assert "warmup_steps" not in capsys.readouterr().err
+    no_warmup = ["--train.max_steps=1", "--train.warmup_steps=0"]  # one step at the peak
+    assert run(data_root, tmp_path / "one", *no_warmup, *one_eval) == 0
+    assert "warmup_steps" not in capsys.readouterr().err
 
 
 def test_the_last_evaluation_is_of_the_final_weights_on_each_split(
