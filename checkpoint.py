@@ -59,9 +59,11 @@ def provenance() -> dict[str, str | None]:
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
     """Write to a temporary file, flush it to disk, then rename over the old checkpoint.
 
-    A crash mid-write leaves the previous checkpoint whole; rename is atomic on POSIX.
+    A crash mid-write leaves the previous checkpoint whole; rename is atomic on POSIX. The
+    temporary file is this process's own, so another writer cannot rename it away. A write that
+    fails (a full disk) is a CheckpointError that says the previous checkpoint is untouched.
     """
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
             torch.save(state, f)
@@ -73,6 +75,16 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
             os.fsync(directory)
         finally:
             os.close(directory)
+    except (OSError, RuntimeError) as e:  # torch.save reports a short write as RuntimeError
+        cause = e
+        while cause.__cause__ is not None or cause.__context__ is not None:
+            cause = cause.__cause__ or cause.__context__
+        reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(e)
+        raise CheckpointError(
+            f"could not write {path} ({reason.strip().splitlines()[0]}); the checkpoint there "
+            "before, if any, is untouched: free space (or fix the folder) and continue with "
+            "--resume"
+        ) from e
     finally:
         tmp.unlink(missing_ok=True)
 
