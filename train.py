@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import math
 import os
 import shutil
@@ -293,10 +294,39 @@ def token_batches(
     }
 
 
+@contextlib.contextmanager
+def run_lock(out_dir: Path):
+    """Hold DIR/.lock for the run: a second process training into the same directory (a
+    --resume while the run goes on, two runs started at once) is refused, not let interleave
+    its metrics and checkpoints with the first one's. Released when the run ends, however."""
+    with open(out_dir / ".lock", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            pid = f.read().strip() or "?"
+            raise TrainError(
+                f"another process (pid {pid}) is training in {out_dir}; let it finish (or stop "
+                "it), or give this run another --out"
+            ) from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        yield
+
+
 def train(
     config: Config, out_dir: Path, resume: bool = False, stop_after: int | None = None
 ) -> RunEnd:
     """Run (or resume) training. Raises one of USER_ERRORS on bad input, before writing."""
+    with contextlib.ExitStack() as held:  # the run directory's lock, once it is taken
+        return _train(config, out_dir, resume, stop_after, held)
+
+
+def _train(
+    config: Config, out_dir: Path, resume: bool, stop_after: int | None, held: contextlib.ExitStack
+) -> RunEnd:
     tc = config.train
     rank, world_size, device = init_distributed(tc)
     kept_host_memory = device.type == "cpu" and keep_freed_host_memory()
@@ -358,6 +388,7 @@ def train(
             out_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:  # a file on the path, a dangling link, no permission
             raise TrainError(f"--out {out_dir}: cannot make the directory ({e.strerror})") from None
+        held.enter_context(run_lock(out_dir))
         (out_dir / "config.toml").write_text(dump_toml(config), encoding="utf-8")
         start_metrics(out_dir / "metrics.jsonl", step if resumed else None)
         shutil.copyfile(data_dir / "tokenizer.json", out_dir / "tokenizer.json")

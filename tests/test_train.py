@@ -541,6 +541,25 @@ def test_resume_with_another_tokenizer_is_an_error(
 # --- failures while training ------------------------------------------------------------------------
 
 
+def test_a_second_process_on_a_run_in_progress_is_refused(
+    data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A --resume (or a second new run) into a directory another process is training in would
+    interleave metrics.jsonl and overwrite ckpt.pt in turns: refused, nothing written."""
+    out = tmp_path / "run"
+    out.mkdir()
+    one_step = ["--train.max_steps=1", "--train.eval_interval=0", "--train.eval_batches=1"]
+    with train.run_lock(out):  # the other process (flock conflicts across open files)
+        capsys.readouterr()
+        assert run(data_root, out, *one_step) == 2
+        err = error_of(capsys.readouterr().err)
+        assert f"another process (pid {os.getpid()}) is training in {out}" in err
+        assert sorted(p.name for p in out.iterdir()) == [".lock"], "nothing written"
+    assert run(data_root, out, *one_step) == 0, "released when that run ends"
+    assert run(data_root, out, "--train.max_steps=2", *one_step[1:], "--resume") == 0
+    assert load_ckpt(out)["step"] == 2
+
+
 def test_interrupted_save_leaves_the_previous_checkpoint_whole(
     data_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
