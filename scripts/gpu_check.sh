@@ -53,7 +53,10 @@ if [ -n "$missing" ]; then
 fi
 
 echo "== 1. CUDA tests"
+# faulthandler_timeout: a test that hangs dumps its stack (to stderr) before timeout kills
+# pytest, which then prints no summary to say which test it was.
 timeout -k 10 110 "$PY" -m pytest -m cuda -p no:cacheprovider -q -rs --durations=8 \
+  -o faulthandler_timeout=90 \
   tests/test_model.py tests/test_profile.py tests/test_runtime.py \
   | tee "$OUT/cuda_tests.txt"
 tests_rc=${PIPESTATUS[0]}
