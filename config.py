@@ -238,6 +238,8 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
             raw = tomllib.loads(path.read_text(encoding="utf-8"))  # TOML is UTF-8 by spec
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist") from None
+        except OSError as e:  # a directory, no permission
+            raise ConfigError(f"config file {path}: cannot read it ({e.strerror})") from None
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"config file {path}: {e}") from None
     sections = [f.name for f in dataclasses.fields(Config)]

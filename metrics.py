@@ -7,6 +7,7 @@ writes them on rank 0 only. See the README for the fields.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,8 @@ from typing import Any
 def start_metrics(path: Path, resume_step: int | None) -> None:
     """A fresh run starts a fresh metrics.jsonl; a resumed one drops the lines logged after
     its checkpoint (a crash between checkpoints), since those steps run again, and a line
-    cut short by a kill mid-write."""
+    cut short by a kill mid-write or otherwise unreadable. The kept lines are written to a
+    temporary file and renamed over the log, so a crash meanwhile loses none of them."""
     if resume_step is None or not path.exists():
         path.write_text("")
         return
@@ -25,10 +27,16 @@ def start_metrics(path: Path, resume_step: int | None) -> None:
             record = json.loads(line)
         except json.JSONDecodeError:
             return False
-        return isinstance(record, dict) and record.get("step", resume_step + 1) <= resume_step
+        step = record.get("step") if isinstance(record, dict) else None
+        return isinstance(step, int) and not isinstance(step, bool) and step <= resume_step
 
-    lines = path.read_text().splitlines()
-    path.write_text("".join(line + "\n" for line in lines if kept(line)))
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text("".join(line + "\n" for line in lines if kept(line)), encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 class MetricsLog:

@@ -275,6 +275,10 @@ def test_missing_config_file_is_a_clear_error(
     assert train.main(["--config", str(missing), "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and str(missing) in err and "Traceback" not in err
+    folder = tmp_path / "configs.toml"  # a directory by that name
+    folder.mkdir()
+    with pytest.raises(ConfigError, match=r"configs\.toml: cannot read it \(Is a directory\)"):
+        load_config(folder)
 
 
 def test_malformed_toml_names_the_file(tmp_path: Path) -> None:

@@ -446,12 +446,15 @@ def test_checkpoint_with_our_keys_but_other_contents_is_an_error(
 def test_resume_drops_a_metrics_line_cut_short(
     base_run: Path, data_root: Path, tmp_path: Path
 ) -> None:
-    """A kill in the middle of a log write leaves half a line; resuming must still work."""
+    """A kill in the middle of a log write leaves half a line; resuming must still work. So
+    must other damage: a line whose step is not a number, bytes that are not UTF-8."""
     out = copy_run(base_run, tmp_path / "run")
-    with open(out / "metrics.jsonl", "a") as f:
-        f.write('{"step": 21, "loss": 5.7')
+    with open(out / "metrics.jsonl", "ab") as f:
+        f.write(b'{"step": "x", "loss": 1.0}\n{"step": 99, "loss": 1.0, "note": "\xff"}\n')
+        f.write(b'{"step": 21, "loss": 5.7')
     assert run(data_root, out, f"--train.max_steps={STEPS + 2}", "--resume") == 0
     assert [r["step"] for r in train_lines(out)] == list(range(1, STEPS + 3))
+    assert not list(out.glob("*.tmp"))
 
 
 def test_out_that_is_a_file_or_holds_corpora_is_refused(
