@@ -56,6 +56,17 @@ def provenance() -> dict[str, str | None]:
     return {"torch": str(torch.__version__), "python": platform.python_version(), "commit": commit}
 
 
+def write_atomically(path: Path, text: str) -> None:
+    """Write `text` to a temporary file of this process's and rename it over `path`: a crash
+    leaves the old file or the new one, never a part of either."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
     """Write to a temporary file, flush it to disk, then rename over the old checkpoint.
 

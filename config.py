@@ -230,18 +230,39 @@ def parse_override(arg: str) -> tuple[str, str, Any]:
     return section, key, value
 
 
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """A config file's tables, as written; errors name the file."""
+    path = Path(path)
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))  # TOML is UTF-8 by spec
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except OSError as e:  # a directory, no permission
+        raise ConfigError(f"config file {path}: cannot read it ({e.strerror})") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {path}: {e}") from None
+
+
+def missing_fields(raw: dict[str, Any]) -> list[str]:
+    """The 'section.field' names a config's tables leave out (dump_toml writes them all)."""
+    return [
+        f"{section.name}.{field.name}"
+        for section in dataclasses.fields(Config)
+        for field in dataclasses.fields(typing.get_type_hints(Config)[section.name])
+        if not isinstance(raw.get(section.name), dict) or field.name not in raw[section.name]
+    ]
+
+
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
-    raw: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        try:
-            raw = tomllib.loads(path.read_text(encoding="utf-8"))  # TOML is UTF-8 by spec
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist") from None
-        except OSError as e:  # a directory, no permission
-            raise ConfigError(f"config file {path}: cannot read it ({e.strerror})") from None
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"config file {path}: {e}") from None
+    return build_config(read_toml(path) if path is not None else {}, overrides)
+
+
+def build_config(raw: dict[str, Any], overrides: list[str] = ()) -> Config:
+    """A Config from TOML-like tables (a file's, a checkpoint's record) and overrides on top."""
+    raw = {
+        section: dict(values) if isinstance(values, dict) else values
+        for section, values in raw.items()
+    }
     sections = [f.name for f in dataclasses.fields(Config)]
     hints = typing.get_type_hints(Config)
 

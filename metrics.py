@@ -7,10 +7,11 @@ writes them on rank 0 only. See the README for the fields.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from checkpoint import write_atomically
 
 
 def start_metrics(path: Path, resume_step: int | None) -> None:
@@ -31,12 +32,7 @@ def start_metrics(path: Path, resume_step: int | None) -> None:
         return isinstance(step, int) and not isinstance(step, bool) and step <= resume_step
 
     lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text("".join(line + "\n" for line in lines if kept(line)), encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_atomically(path, "".join(line + "\n" for line in lines if kept(line)))
 
 
 class MetricsLog:

@@ -39,8 +39,19 @@ from checkpoint import (
     restoring,
     rng_states,
     save_checkpoint,
+    write_atomically,
 )
-from config import Config, ConfigError, TrainConfig, config_diff, dump_toml, load_config
+from config import (
+    Config,
+    ConfigError,
+    TrainConfig,
+    build_config,
+    config_diff,
+    dump_toml,
+    load_config,
+    missing_fields,
+    read_toml,
+)
 from cpu_linear import use_onednn_linears, wants_onednn
 from data.loader import DataError, TokenBatches, check_vocab, load_meta
 from metrics import MetricsLog, start_metrics
@@ -389,7 +400,7 @@ def _train(
         except OSError as e:  # a file on the path, a dangling link, no permission
             raise TrainError(f"--out {out_dir}: cannot make the directory ({e.strerror})") from None
         held.enter_context(run_lock(out_dir))
-        (out_dir / "config.toml").write_text(dump_toml(config), encoding="utf-8")
+        write_atomically(out_dir / "config.toml", dump_toml(config))
         start_metrics(out_dir / "metrics.jsonl", step if resumed else None)
         shutil.copyfile(data_dir / "tokenizer.json", out_dir / "tokenizer.json")
         print(
@@ -564,10 +575,29 @@ def _train(
 def run_config(out: Path, config_file: Path | None, overrides: list[str], resume: bool) -> Config:
     """The config to train with: on --resume, the run's own config.toml, whatever --config says
     (`make train ARGS=--resume` gives configs/default.toml: the run's overrides must not fall
-    back to that file's values), with the overrides given now on top; otherwise --config's."""
+    back to that file's values), with the overrides given now on top; otherwise --config's.
+
+    train.py writes every field into config.toml, so one that lacks fields is damaged (or cut
+    by hand), and resuming on the defaults in their place would change the run without a
+    word: an error. Without config.toml, the config ckpt.pt records is the run's."""
     saved = out / "config.toml"
-    if not (resume and saved.is_file()):
+    if not resume:
         return load_config(config_file, overrides)
+    if not saved.is_file():
+        recorded = _recorded_config(out / CHECKPOINT)
+        if recorded is None:  # no run here: open_run says so
+            return load_config(config_file, overrides)
+        print(
+            f"{saved} is missing; resuming with the config {out / CHECKPOINT} records",
+            file=sys.stderr,
+        )
+        return build_config(recorded, overrides)
+    missing = missing_fields(read_toml(saved))
+    if missing:
+        raise ConfigError(
+            f"{saved} lacks {', '.join(missing)}, which train.py writes: it is damaged or was cut; "
+            f"delete it to resume with the config {out / CHECKPOINT} records, or restore them"
+        )
     config = load_config(saved, overrides)
     if config_file is not None and int(os.environ.get("RANK", 0)) == 0:
         differ = config_diff(config, load_config(config_file, overrides))
@@ -581,6 +611,17 @@ def run_config(out: Path, config_file: Path | None, overrides: list[str], resume
                 file=sys.stderr,
             )
     return config
+
+
+def _recorded_config(ckpt_path: Path) -> dict[str, Any] | None:
+    """The config a checkpoint records, read without loading its tensors; None if unreadable
+    (resuming then reports the checkpoint's problem)."""
+    try:
+        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # missing, truncated, another program's: open_run words each
+        return None
+    recorded = ckpt.get("config") if isinstance(ckpt, dict) else None
+    return recorded if isinstance(recorded, dict) else None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -687,6 +687,31 @@ def test_resume_without_config_continues_with_the_runs_own_config(
     assert load_config(out / "config.toml").model == load_config(base_run / "config.toml").model
 
 
+def test_resume_with_a_damaged_or_missing_config_toml(
+    data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A config.toml cut before [train] would resume on the defaults (lr, batch, intervals)
+    without a word: an error naming the fields. Without config.toml, the checkpoint's record."""
+    out = tmp_path / "run"
+    started = ("--train.max_steps=8", "--train.lr=0.01", "--train.batch_size=2")
+    assert run(data_root, out, *started, "--stop-after", "2") == 0
+    text = (out / "config.toml").read_text()
+    (out / "config.toml").write_text(text[: text.index("[train]")])
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+    assert train.main(["--out", str(out), "--resume"]) == 2
+    err = error_of(capsys.readouterr().err)
+    assert "config.toml lacks train.device" in err and "train.lr" in err and "delete it" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before, "nothing written"
+
+    (out / "config.toml").unlink()
+    assert train.main(["--out", str(out), "--resume", "--stop-after", "1"]) == 0
+    assert "config.toml is missing; resuming with the config" in capsys.readouterr().err
+    resumed = load_config(out / "config.toml").train
+    assert (resumed.lr, resumed.batch_size, resumed.max_steps) == (0.01, 2, 8)
+    assert load_ckpt(out)["step"] == 3
+
+
 def test_resume_with_config_keeps_the_runs_own_settings_and_names_those_that_differ(
     data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
