@@ -68,6 +68,10 @@ def main() -> int:
     args, overrides = parser.parse_known_args()
     if args.steps < args.skip + 3:
         parser.error(f"--steps={args.steps} leaves fewer than 3 steps after --skip={args.skip}")
+    ours = ("--out", "--train.max_steps", "--train.eval_interval", "--train.sample_tokens")
+    taken = [o for o in overrides if o.split("=")[0] in ours]
+    if taken:  # a step count short of --skip, or evaluations inside the timed window
+        parser.error(f"{' '.join(taken)}: this script sets those (--steps for the step count)")
     modes = {"lagged (train.py)": _Timed, "read at once": _ReadAtOnce}
     ms: dict[str, list[float]] = {name: [] for name in modes}
     for r in range(args.rounds):
