@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed-$(shell cat requirements.txt | cksum | cut -d' ' -f1
 
 setup: $(STAMP)
 
-# Re-runs only when requirements.txt changes. A venv without pip (a failed ensurepip) or with a
+# Re-runs only when requirements.txt changes (not PYTHON_SYS or PIP_ARGS: make clean first). A venv without pip (a failed ensurepip) or with a
 # Python older than 3.11 (no tomllib) is rebuilt, not reused.
 $(STAMP): requirements.txt
 	@$(PY) -c 'import sys, pip; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { \
