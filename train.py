@@ -577,22 +577,27 @@ def run_config(out: Path, config_file: Path | None, overrides: list[str], resume
     (`make train ARGS=--resume` gives configs/default.toml: the run's overrides must not fall
     back to that file's values), with the overrides given now on top; otherwise --config's.
 
-    train.py writes every field into config.toml, so one that lacks fields is damaged (or cut
-    by hand), and resuming on the defaults in their place would change the run without a
-    word: an error. Without config.toml, the config ckpt.pt records is the run's."""
+    train.py writes every field into config.toml, so one that lacks a field the checkpoint
+    records is damaged (or cut by hand), and resuming on the defaults in its place would change
+    the run without a word: an error. (A field newer than the run is in neither: its default
+    holds.) Without config.toml, the config ckpt.pt records is the run's."""
     saved = out / "config.toml"
     if not resume:
         return load_config(config_file, overrides)
+    recorded = _recorded_config(out / CHECKPOINT)  # None: no readable run here; open_run says
     if not saved.is_file():
-        recorded = _recorded_config(out / CHECKPOINT)
-        if recorded is None:  # no run here: open_run says so
+        if recorded is None:
             return load_config(config_file, overrides)
         print(
             f"{saved} is missing; resuming with the config {out / CHECKPOINT} records",
             file=sys.stderr,
         )
         return build_config(recorded, overrides)
-    missing = missing_fields(read_toml(saved))
+    missing = [
+        name
+        for name in missing_fields(read_toml(saved))
+        if recorded is not None and name.split(".")[1] in recorded.get(name.split(".")[0], {})
+    ]
     if missing:
         raise ConfigError(
             f"{saved} lacks {', '.join(missing)}, which train.py writes: it is damaged or was cut; "

@@ -712,6 +712,21 @@ def test_resume_with_a_damaged_or_missing_config_toml(
     assert load_ckpt(out)["step"] == 3
 
 
+def test_resume_of_a_run_older_than_a_config_field(base_run: Path, tmp_path: Path) -> None:
+    """A field added to the config after a run was made is in neither its config.toml nor its
+    checkpoint: not damage; the field's default holds."""
+    out = copy_run(base_run, tmp_path / "old")
+    ckpt = load_ckpt(out)
+    del ckpt["config"]["train"]["peak_tflops"]
+    torch.save(ckpt, out / train.CHECKPOINT)
+    text = (out / "config.toml").read_text()
+    (out / "config.toml").write_text(
+        "".join(line for line in text.splitlines(True) if not line.startswith("peak_tflops"))
+    )
+    assert train.main(["--out", str(out), "--resume", f"--train.max_steps={STEPS + 1}"]) == 0
+    assert load_config(out / "config.toml").train.peak_tflops == 0.0
+
+
 def test_resume_with_config_keeps_the_runs_own_settings_and_names_those_that_differ(
     data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
