@@ -11,6 +11,7 @@ import contextlib
 import os
 import platform
 import re
+import shutil
 import subprocess
 from collections.abc import Iterator
 from dataclasses import asdict
@@ -57,11 +58,14 @@ def provenance() -> dict[str, str | None]:
 
 
 def write_atomically(path: Path, text: str) -> None:
-    """Write `text` to a temporary file of this process's and rename it over `path`: a crash
-    leaves the old file or the new one, never a part of either."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    """Write `text` to a temporary file and rename it over `path` (keeping its mode): a crash of
+    the process leaves the old file or the new one, never a part of either. One writer at a
+    time: train.py holds the run directory's lock."""
+    tmp = path.with_name(path.name + ".tmp")
     try:
         tmp.write_text(text, encoding="utf-8")
+        if path.exists():
+            shutil.copymode(path, tmp)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -70,11 +74,11 @@ def write_atomically(path: Path, text: str) -> None:
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
     """Write to a temporary file, flush it to disk, then rename over the old checkpoint.
 
-    A crash mid-write leaves the previous checkpoint whole; rename is atomic on POSIX. The
-    temporary file is this process's own, so another writer cannot rename it away. A write that
-    fails (a full disk) is a CheckpointError that says the previous checkpoint is untouched.
+    A crash mid-write leaves the previous checkpoint whole; rename is atomic on POSIX. A write
+    that fails for want of space or access is a CheckpointError that says the previous
+    checkpoint is untouched; any other failure is raised as it is.
     """
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, "wb") as f:
             torch.save(state, f)
@@ -87,17 +91,33 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
         finally:
             os.close(directory)
     except (OSError, RuntimeError) as e:  # torch.save reports a short write as RuntimeError
-        cause = e
-        while cause.__cause__ is not None or cause.__context__ is not None:
-            cause = cause.__cause__ or cause.__context__
-        reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(e)
+        cause = _os_error_behind(e)
+        if cause is None:
+            raise
         raise CheckpointError(
-            f"could not write {path} ({reason.strip().splitlines()[0]}); the checkpoint there "
-            "before, if any, is untouched: free space (or fix the folder) and continue with "
-            "--resume"
+            f"could not write {path} ({cause.strerror or cause}); the checkpoint there before, "
+            "if any, is untouched: free space (or fix the folder) and continue with --resume"
         ) from e
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _os_error_behind(error: BaseException) -> OSError | None:
+    """The OSError that `error` is or was raised from (an ENOSPC under torch's RuntimeError),
+    following __cause__ and shown __context__; None if there is none."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, OSError):
+            return current
+        seen.add(id(current))
+        if current.__cause__ is not None:
+            current = current.__cause__
+        elif not current.__suppress_context__:
+            current = current.__context__
+        else:
+            current = None
+    return None
 
 
 def load_checkpoint(path: Path, needs: tuple[str, ...] = KEYS) -> dict[str, Any]:
