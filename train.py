@@ -17,7 +17,7 @@ import os
 import shutil
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -250,17 +250,22 @@ def check_runnable(config: Config, device: torch.device, amp_dtype: torch.dtype 
         raise TrainError(str(e)) from None
 
 
+def check_out_dir(out_dir: Path, config: Config) -> None:
+    """`out_dir` is a directory for a run, or can be made one; not a corpus folder."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise TrainError(f"--out {out_dir} is a file; give a run directory")
+    if (out_dir / "meta.json").exists() or out_dir.resolve() == Path(config.data.root).resolve():
+        # Writing a run there would overwrite a corpus's tokenizer.json with this one's.
+        raise TrainError(f"--out {out_dir} holds prepared corpora; give the run its own directory")
+
+
 def open_run(
     out_dir: Path, config: Config, tokenizer_sha256: str, resume: bool
 ) -> tuple[Path, dict[str, Any] | None]:
     """Check that `out_dir` can take this run, before anything is written. Returns the
     checkpoint's path and the checkpoint to resume from (checked against the config and
     corpus), or None for a new run."""
-    if out_dir.exists() and not out_dir.is_dir():
-        raise TrainError(f"--out {out_dir} is a file; give a run directory")
-    if (out_dir / "meta.json").exists() or out_dir.resolve() == Path(config.data.root).resolve():
-        # Writing a run there would overwrite a corpus's tokenizer.json with this one's.
-        raise TrainError(f"--out {out_dir} holds prepared corpora; give the run its own directory")
+    check_out_dir(out_dir, config)
     ckpt_path = out_dir / CHECKPOINT
     if ckpt_path.exists() and not resume:
         raise TrainError(
@@ -306,7 +311,7 @@ def token_batches(
 
 
 @contextlib.contextmanager
-def run_lock(out_dir: Path):
+def run_lock(out_dir: Path) -> Iterator[None]:
     """Hold DIR/.lock for the run: a second process training into the same directory (a
     --resume while the run goes on, two runs started at once) is refused, not let interleave
     its metrics and checkpoints with the first one's. Released when the run ends, however."""
@@ -320,11 +325,42 @@ def run_lock(out_dir: Path):
                 f"another process (pid {pid}) is training in {out_dir}; let it finish (or stop "
                 "it), or give this run another --out"
             ) from None
+        except OSError as e:  # a filesystem without locks (NFS mounted nolock, some FUSE)
+            print(
+                f"warning: cannot lock {out_dir} ({e.strerror}): nothing stops a second "
+                "process from training into it meanwhile",
+                file=sys.stderr,
+            )
+            yield
+            return
         f.seek(0)
         f.truncate()
         f.write(f"{os.getpid()}\n")
         f.flush()
         yield
+
+
+def _lock_existing_run(
+    held: contextlib.ExitStack, out_dir: Path, rank: int, world_size: int, device: torch.device
+) -> bool:
+    """Rank 0 locks `out_dir` if it exists, before the run's state there is read (a --resume
+    must not read a checkpoint the run going on is about to replace); every rank learns the
+    outcome, so a refusal is the same error on each. True if locked."""
+    refused, locked = "", False
+    if rank == 0 and out_dir.is_dir():
+        try:
+            held.enter_context(run_lock(out_dir))
+            locked = True
+        except TrainError as e:
+            refused = str(e)
+    if world_size > 1:
+        flag = torch.tensor([float(bool(refused))], device=device)
+        dist.broadcast(flag, src=0)
+        if flag.item() and not refused:
+            refused = f"rank 0 found another process training in {out_dir}"
+    if refused:
+        raise TrainError(refused)
+    return locked
 
 
 def train(
@@ -340,6 +376,8 @@ def _train(
 ) -> RunEnd:
     tc = config.train
     rank, world_size, device = init_distributed(tc)
+    check_out_dir(out_dir, config)  # before a lock file is made there
+    locked = _lock_existing_run(held, out_dir, rank, world_size, device)
     kept_host_memory = device.type == "cpu" and keep_freed_host_memory()
     master = rank == 0
     set_fp32_matmul_precision(tc.dtype, device)
@@ -399,7 +437,8 @@ def _train(
             out_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:  # a file on the path, a dangling link, no permission
             raise TrainError(f"--out {out_dir}: cannot make the directory ({e.strerror})") from None
-        held.enter_context(run_lock(out_dir))
+        if not locked:  # a new directory: two runs started at once meet here
+            held.enter_context(run_lock(out_dir))
         write_atomically(out_dir / "config.toml", dump_toml(config))
         start_metrics(out_dir / "metrics.jsonl", step if resumed else None)
         shutil.copyfile(data_dir / "tokenizer.json", out_dir / "tokenizer.json")
@@ -588,11 +627,15 @@ def run_config(out: Path, config_file: Path | None, overrides: list[str], resume
     if not saved.is_file():
         if recorded is None:
             return load_config(config_file, overrides)
-        print(
-            f"{saved} is missing; resuming with the config {out / CHECKPOINT} records",
-            file=sys.stderr,
-        )
-        return build_config(recorded, overrides)
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(
+                f"{saved} is missing; resuming with the config {out / CHECKPOINT} records",
+                file=sys.stderr,
+            )
+        try:
+            return build_config(recorded, overrides)
+        except ConfigError as e:
+            raise ConfigError(f"in the config {out / CHECKPOINT} records: {e}") from None
     missing = [
         name
         for name in missing_fields(read_toml(saved))
@@ -619,12 +662,14 @@ def run_config(out: Path, config_file: Path | None, overrides: list[str], resume
 
 
 def _recorded_config(ckpt_path: Path) -> dict[str, Any] | None:
-    """The config a checkpoint records, read without loading its tensors; None if unreadable
-    (resuming then reports the checkpoint's problem)."""
+    """The config a checkpoint records, read without loading its tensors into memory; None
+    where there is no checkpoint. A damaged one is its own error, as resuming words it."""
+    if not ckpt_path.is_file():
+        return None
     try:
         ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:  # missing, truncated, another program's: open_run words each
-        return None
+    except Exception:  # truncated, another program's, a format mmap cannot read
+        ckpt = load_checkpoint(ckpt_path)  # raises the worded error, or reads it after all
     recorded = ckpt.get("config") if isinstance(ckpt, dict) else None
     return recorded if isinstance(recorded, dict) else None
 

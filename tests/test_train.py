@@ -5,6 +5,7 @@ Runs go through `train.main` in-process; only SIGTERM and torchrun need a subpro
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import math
@@ -335,6 +336,10 @@ def test_unreadable_checkpoint_on_resume_is_an_error(
     err = error_of(capsys.readouterr().err)
     assert f"{ckpt} is unreadable (truncated or corrupt?)" in err
     assert ckpt.read_bytes() == broken[damage]
+    # Without config.toml the checkpoint's record would be the config: the same error.
+    (out / "config.toml").unlink()
+    assert train.main(["--out", str(out), "--resume"]) == 2
+    assert f"{ckpt} is unreadable" in error_of(capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("foreign", ["nanogpt", "tensor"])
@@ -544,8 +549,35 @@ def test_resume_with_another_tokenizer_is_an_error(
 # --- failures while training ------------------------------------------------------------------------
 
 
+def test_save_rewords_only_a_failed_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full disk under torch's RuntimeError is a CheckpointError naming it; any other error
+    (a CUDA fault, say) is raised as it is, even one whose chain loops on itself."""
+    path = tmp_path / "ckpt.pt"
+
+    def full_disk(obj: Any, f: Any) -> None:
+        try:
+            raise OSError(28, "No space left on device")
+        except OSError as e:
+            raise RuntimeError("[enforce fail at inline_container.cc] unexpected pos") from e
+
+    def cuda_fault(obj: Any, f: Any) -> None:
+        error = RuntimeError("CUDA error: an illegal memory access was encountered")
+        error.__cause__ = error
+        raise error
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(
+        checkpoint.CheckpointError, match=r"could not write .*\(No space left on device\)"
+    ):
+        checkpoint.save_checkpoint(path, {})
+    monkeypatch.setattr(torch, "save", cuda_fault)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        checkpoint.save_checkpoint(path, {})
+    assert not list(tmp_path.iterdir()), "no file left behind"
+
+
 def test_a_second_process_on_a_run_in_progress_is_refused(
-    data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+    data_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
     """A --resume (or a second new run) into a directory another process is training in would
     interleave metrics.jsonl and overwrite ckpt.pt in turns: refused, nothing written."""
@@ -559,8 +591,29 @@ def test_a_second_process_on_a_run_in_progress_is_refused(
         assert f"another process (pid {os.getpid()}) is training in {out}" in err
         assert sorted(p.name for p in out.iterdir()) == [".lock"], "nothing written"
     assert run(data_root, out, *one_step) == 0, "released when that run ends"
+    # A --resume is refused before it reads the checkpoint the run going on will replace.
+    read = []
+    monkeypatch.setattr(train, "load_checkpoint", lambda *a, **k: read.append(a))
+    with train.run_lock(out):
+        assert run(data_root, out, "--train.max_steps=2", *one_step[1:], "--resume") == 2
+    assert "another process" in capsys.readouterr().err and not read
+    monkeypatch.undo()
     assert run(data_root, out, "--train.max_steps=2", *one_step[1:], "--resume") == 0
     assert load_ckpt(out)["step"] == 2
+
+
+def test_a_run_dir_that_cannot_be_locked_trains_with_a_warning(
+    data_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """NFS mounted nolock, some FUSE filesystems: flock fails with ENOLCK."""
+
+    def no_locks(*args: Any) -> None:
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(train.fcntl, "flock", no_locks)
+    one_step = ["--train.max_steps=1", "--train.eval_interval=0", "--train.eval_batches=1"]
+    assert run(data_root, tmp_path / "run", *one_step) == 0
+    assert "warning: cannot lock" in capsys.readouterr().err
 
 
 def test_interrupted_save_leaves_the_previous_checkpoint_whole(
