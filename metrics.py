@@ -17,8 +17,9 @@ from checkpoint import write_atomically
 def start_metrics(path: Path, resume_step: int | None) -> None:
     """A fresh run starts a fresh metrics.jsonl; a resumed one drops the lines logged after
     its checkpoint (a crash between checkpoints), since those steps run again, and a line
-    cut short by a kill mid-write or otherwise unreadable. The kept lines are written to a
-    temporary file and renamed over the log, so a crash meanwhile loses none of them."""
+    cut short by a kill mid-write or without an integer step (bytes that are not UTF-8 are
+    read as U+FFFD). The kept lines are written to a temporary file and renamed over the log,
+    so a crash meanwhile loses none of them."""
     if resume_step is None or not path.exists():
         path.write_text("")
         return

@@ -53,12 +53,11 @@ if [ -n "$missing" ]; then
 fi
 
 echo "== 1. CUDA tests"
-# faulthandler_timeout: a test that hangs dumps its stack (to stderr) before timeout kills
-# pytest, which then prints no summary to say which test it was.
-timeout -k 10 110 "$PY" -m pytest -m cuda -p no:cacheprovider -q -rs --durations=8 \
-  -o faulthandler_timeout=90 \
+# SIGABRT, not TERM: pytest's faulthandler then prints where each thread was, so a test that
+# hangs is named (killed, pytest prints no summary); stderr goes to the file too.
+timeout -s ABRT -k 10 110 "$PY" -m pytest -m cuda -p no:cacheprovider -q -rs --durations=8 \
   tests/test_model.py tests/test_profile.py tests/test_runtime.py \
-  | tee "$OUT/cuda_tests.txt"
+  2>&1 | tee "$OUT/cuda_tests.txt"
 tests_rc=${PIPESTATUS[0]}
 
 # Traces for one depth only (they are large on a GPU): 2 if swept, else the first depth.
