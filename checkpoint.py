@@ -84,6 +84,8 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
+        if path.exists():
+            shutil.copymode(path, tmp)  # a checkpoint made private stays so
         os.replace(tmp, path)
         directory = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
         try:

@@ -315,7 +315,13 @@ def run_lock(out_dir: Path) -> Iterator[None]:
     """Hold DIR/.lock for the run: a second process training into the same directory (a
     --resume while the run goes on, two runs started at once) is refused, not let interleave
     its metrics and checkpoints with the first one's. Released when the run ends, however."""
-    with open(out_dir / ".lock", "a+") as f:
+    lock = out_dir / ".lock"
+    try:
+        f = open(lock, "a+")  # noqa: SIM115 (held open for the run: closed below)
+    except OSError as e:  # a read-only directory, another user's lock file
+        raise TrainError(f"--out {out_dir}: cannot write there ({e.strerror})") from None
+    with f:
+        unlocked = None
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -326,41 +332,67 @@ def run_lock(out_dir: Path) -> Iterator[None]:
                 "it), or give this run another --out"
             ) from None
         except OSError as e:  # a filesystem without locks (NFS mounted nolock, some FUSE)
+            unlocked = e.strerror
+        if unlocked is not None:
             print(
-                f"warning: cannot lock {out_dir} ({e.strerror}): nothing stops a second "
-                "process from training into it meanwhile",
+                f"warning: cannot lock {out_dir} ({unlocked}): nothing stops a second process "
+                "from training into it meanwhile",
                 file=sys.stderr,
             )
-            yield
-            return
-        f.seek(0)
-        f.truncate()
-        f.write(f"{os.getpid()}\n")
-        f.flush()
+        else:
+            f.seek(0)
+            f.truncate()
+            f.write(f"{os.getpid()}\n")
+            f.flush()
         yield
 
 
-def _lock_existing_run(
-    held: contextlib.ExitStack, out_dir: Path, rank: int, world_size: int, device: torch.device
-) -> bool:
-    """Rank 0 locks `out_dir` if it exists, before the run's state there is read (a --resume
-    must not read a checkpoint the run going on is about to replace); every rank learns the
-    outcome, so a refusal is the same error on each. True if locked."""
-    refused, locked = "", False
-    if rank == 0 and out_dir.is_dir():
+def _lock_run_dir(
+    held: contextlib.ExitStack,
+    out_dir: Path,
+    config: Config,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+) -> None:
+    """Rank 0 makes `out_dir` if need be and locks it, before the run's state there is read (a
+    --resume must not read a checkpoint the run going on is about to replace, a new run must
+    not start over one that finished meanwhile); every rank learns the outcome, so a refusal
+    is the same error on each. What this made is removed again if the run writes nothing."""
+    refused = ""
+    if rank == 0:
         try:
+            check_out_dir(out_dir, config)
+            made_dir, made_lock = not out_dir.exists(), not (out_dir / ".lock").exists()
+            try:
+                out_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as e:  # a file on the path, a dangling link, no permission
+                raise TrainError(
+                    f"--out {out_dir}: cannot make the directory ({e.strerror})"
+                ) from None
+            held.callback(_tidy_unused, out_dir, made_dir, made_lock)
             held.enter_context(run_lock(out_dir))
-            locked = True
         except TrainError as e:
             refused = str(e)
     if world_size > 1:
         flag = torch.tensor([float(bool(refused))], device=device)
         dist.broadcast(flag, src=0)
         if flag.item() and not refused:
-            refused = f"rank 0 found another process training in {out_dir}"
+            refused = f"rank 0 refused --out {out_dir}: see its message"
     if refused:
         raise TrainError(refused)
-    return locked
+
+
+def _tidy_unused(out_dir: Path, made_dir: bool, made_lock: bool) -> None:
+    """A run that stopped before its first write (config.toml) leaves no .lock or directory
+    of its making behind."""
+    if (out_dir / "config.toml").exists():
+        return
+    if made_lock:
+        (out_dir / ".lock").unlink(missing_ok=True)
+    if made_dir:
+        with contextlib.suppress(OSError):  # not empty after all: leave it
+            out_dir.rmdir()
 
 
 def train(
@@ -376,8 +408,7 @@ def _train(
 ) -> RunEnd:
     tc = config.train
     rank, world_size, device = init_distributed(tc)
-    check_out_dir(out_dir, config)  # before a lock file is made there
-    locked = _lock_existing_run(held, out_dir, rank, world_size, device)
+    _lock_run_dir(held, out_dir, config, rank, world_size, device)
     kept_host_memory = device.type == "cpu" and keep_freed_host_memory()
     master = rank == 0
     set_fp32_matmul_precision(tc.dtype, device)
@@ -432,13 +463,7 @@ def _train(
         ranks_note += f", {grad_accum} micro-batches of {tc.batch_size} sequences" + (
             " per rank" * (world_size > 1)
         )
-    if master:
-        try:
-            out_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:  # a file on the path, a dangling link, no permission
-            raise TrainError(f"--out {out_dir}: cannot make the directory ({e.strerror})") from None
-        if not locked:  # a new directory: two runs started at once meet here
-            held.enter_context(run_lock(out_dir))
+    if master:  # the directory was made and locked by _lock_run_dir
         write_atomically(out_dir / "config.toml", dump_toml(config))
         start_metrics(out_dir / "metrics.jsonl", step if resumed else None)
         shutil.copyfile(data_dir / "tokenizer.json", out_dir / "tokenizer.json")

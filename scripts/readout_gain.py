@@ -69,10 +69,12 @@ def main() -> int:
     if args.steps < args.skip + 3:
         parser.error(f"--steps={args.steps} leaves fewer than 3 steps after --skip={args.skip}")
     ours = ("--out", "--train.max_steps", "--train.eval_interval", "--train.sample_tokens")
-    ours += ("--resume", "--stop-after")  # each run is a new one, to the end
     taken = [o for o in overrides if o.split("=")[0] in ours]
     if taken:  # a step count short of --skip, or evaluations inside the timed window
         parser.error(f"{' '.join(taken)}: this script sets those (--steps for the step count)")
+    partial = [o for o in overrides if o.split("=")[0] in ("--resume", "--stop-after")]
+    if partial:
+        parser.error(f"{' '.join(partial)}: not supported; each run is a whole new one")
     modes = {"lagged (train.py)": _Timed, "read at once": _ReadAtOnce}
     ms: dict[str, list[float]] = {name: [] for name in modes}
     for r in range(args.rounds):

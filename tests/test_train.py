@@ -602,6 +602,21 @@ def test_a_second_process_on_a_run_in_progress_is_refused(
     assert load_ckpt(out)["step"] == 2
 
 
+def test_a_refused_run_leaves_no_lock_or_directory_behind(
+    data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """The run directory is made and locked before anything is read; a run refused before its
+    first write takes both back."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    assert run(data_root, mine, "--resume") == 2  # no checkpoint there
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+    assert run(data_root, tmp_path / "new", "--model.attention=sdpa-cudnn") == 2
+    assert not (tmp_path / "new").exists()
+    assert "cannot run on cpu" in capsys.readouterr().err
+
+
 def test_a_run_dir_that_cannot_be_locked_trains_with_a_warning(
     data_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
