@@ -363,14 +363,15 @@ def _lock_run_dir(
     if rank == 0:
         try:
             check_out_dir(out_dir, config)
-            made_dir, made_lock = not out_dir.exists(), not (out_dir / ".lock").exists()
+            made_dirs = [d for d in (out_dir, *out_dir.parents) if not d.exists()]  # deepest first
+            made_lock = not (out_dir / ".lock").exists()
             try:
                 out_dir.mkdir(parents=True, exist_ok=True)
             except OSError as e:  # a file on the path, a dangling link, no permission
                 raise TrainError(
                     f"--out {out_dir}: cannot make the directory ({e.strerror})"
                 ) from None
-            held.callback(_tidy_unused, out_dir, made_dir, made_lock)
+            held.callback(_tidy_unused, out_dir, made_dirs, made_lock)
             held.enter_context(run_lock(out_dir))
         except TrainError as e:
             refused = str(e)
@@ -383,16 +384,18 @@ def _lock_run_dir(
         raise TrainError(refused)
 
 
-def _tidy_unused(out_dir: Path, made_dir: bool, made_lock: bool) -> None:
-    """A run that stopped before its first write (config.toml) leaves no .lock or directory
+def _tidy_unused(out_dir: Path, made_dirs: list[Path], made_lock: bool) -> None:
+    """A run that stopped before its first write (config.toml) leaves no .lock or directories
     of its making behind."""
     if (out_dir / "config.toml").exists():
         return
     if made_lock:
         (out_dir / ".lock").unlink(missing_ok=True)
-    if made_dir:
-        with contextlib.suppress(OSError):  # not empty after all: leave it
-            out_dir.rmdir()
+    for made in made_dirs:
+        try:
+            made.rmdir()
+        except OSError:  # not empty after all: leave it, and those above it
+            break
 
 
 def train(

@@ -612,8 +612,8 @@ def test_a_refused_run_leaves_no_lock_or_directory_behind(
     (mine / "notes.txt").write_text("mine")
     assert run(data_root, mine, "--resume") == 2  # no checkpoint there
     assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
-    assert run(data_root, tmp_path / "new", "--model.attention=sdpa-cudnn") == 2
-    assert not (tmp_path / "new").exists()
+    assert run(data_root, tmp_path / "new" / "run", "--model.attention=sdpa-cudnn") == 2
+    assert not (tmp_path / "new").exists(), "nor the folders made on the way"
     assert "cannot run on cpu" in capsys.readouterr().err
 
 
