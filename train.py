@@ -399,19 +399,38 @@ def _tidy_unused(out_dir: Path, made_dirs: list[Path], made_lock: bool) -> None:
 
 
 def train(
-    config: Config, out_dir: Path, resume: bool = False, stop_after: int | None = None
+    config: Config,
+    out_dir: Path,
+    resume: bool = False,
+    stop_after: int | None = None,
+    config_read: bytes | None = None,
 ) -> RunEnd:
-    """Run (or resume) training. Raises one of USER_ERRORS on bad input, before writing."""
+    """Run (or resume) training. Raises one of USER_ERRORS on bad input, before writing.
+
+    config_read: the bytes of the run's config.toml that `config` was read from (main does,
+    on --resume, before the run's lock is taken): if another process rewrote the file in
+    between, resuming the same run with other settings, this one's are stale: an error."""
     with contextlib.ExitStack() as held:  # the run directory's lock, once it is taken
-        return _train(config, out_dir, resume, stop_after, held)
+        return _train(config, out_dir, resume, stop_after, config_read, held)
 
 
 def _train(
-    config: Config, out_dir: Path, resume: bool, stop_after: int | None, held: contextlib.ExitStack
+    config: Config,
+    out_dir: Path,
+    resume: bool,
+    stop_after: int | None,
+    config_read: bytes | None,
+    held: contextlib.ExitStack,
 ) -> RunEnd:
     tc = config.train
     rank, world_size, device = init_distributed(tc)
     _lock_run_dir(held, out_dir, config, rank, world_size, device)
+    saved = out_dir / "config.toml"
+    if config_read is not None and (not saved.is_file() or saved.read_bytes() != config_read):
+        raise TrainError(
+            f"{saved} changed while this process waited for the run (another one resumed it "
+            "meanwhile); run the command again to resume with the settings it has now"
+        )
     kept_host_memory = device.type == "cpu" and keep_freed_host_memory()
     master = rank == 0
     set_fp32_matmul_precision(tc.dtype, device)
@@ -736,8 +755,13 @@ def main(argv: list[str] | None = None) -> int:
         # runs/<config name>; the built-in defaults are not configs/default.toml, so not
         # runs/default, where `make train` keeps that config's run.
         out = args.out or Path("runs") / (args.config.stem if args.config else "builtin")
+        saved = out / "config.toml"
+        config_read = None
+        if args.resume and saved.is_file():
+            with contextlib.suppress(OSError):  # unreadable: run_config says so
+                config_read = saved.read_bytes()
         config = run_config(out, args.config, overrides, args.resume)
-        end = train(config, out, resume=args.resume, stop_after=args.stop_after)
+        end = train(config, out, args.resume, args.stop_after, config_read)
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

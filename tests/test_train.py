@@ -602,6 +602,21 @@ def test_a_second_process_on_a_run_in_progress_is_refused(
     assert load_ckpt(out)["step"] == 2
 
 
+def test_resume_refuses_settings_read_before_another_resume_rewrote_them(
+    base_run: Path, tmp_path: Path
+) -> None:
+    """main reads config.toml before the run's lock is taken: if another process resumed the
+    run with other settings in between, this one's would undo them."""
+    out = copy_run(base_run, tmp_path / "run")
+    read = (out / "config.toml").read_bytes()
+    config = load_config(out / "config.toml", [f"--train.max_steps={STEPS + 1}"])
+    (out / "config.toml").write_bytes(read.replace(b"lr = ", b"lr =  "))  # the other's write
+    with pytest.raises(train.TrainError, match=r"config\.toml changed while this process waited"):
+        train.train(config, out, resume=True, config_read=read)
+    assert load_ckpt(out)["step"] == STEPS, "nothing resumed"
+    assert train.train(config, out, resume=True, config_read=None).step == STEPS + 1
+
+
 def test_a_refused_run_leaves_no_lock_or_directory_behind(
     data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
