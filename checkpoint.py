@@ -13,10 +13,10 @@ import platform
 import re
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 import torch.distributed as dist
@@ -57,41 +57,34 @@ def provenance() -> dict[str, str | None]:
     return {"torch": str(torch.__version__), "python": platform.python_version(), "commit": commit}
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """Write `text` to a temporary file and rename it over `path` (keeping its mode): a crash of
-    the process leaves the old file or the new one, never a part of either. One writer at a
-    time: train.py holds the run directory's lock."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        if path.exists():
-            shutil.copymode(path, tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
-    """Write to a temporary file, flush it to disk, then rename over the old checkpoint.
-
-    A crash mid-write leaves the previous checkpoint whole; rename is atomic on POSIX. A write
-    that fails for want of space or access is a CheckpointError that says the previous
-    checkpoint is untouched; any other failure is raised as it is.
-    """
+def write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """`write` into a temporary file, flush it to disk, then rename it over `path`, keeping its
+    mode (a file made private stays so): a crash mid-write leaves the old file whole; rename is
+    atomic on POSIX. One writer at a time: train.py holds the run directory's lock."""
     tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, "wb") as f:
-            torch.save(state, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         if path.exists():
-            shutil.copymode(path, tmp)  # a checkpoint made private stays so
+            shutil.copymode(path, tmp)
         os.replace(tmp, path)
         directory = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
         try:
             os.fsync(directory)
         finally:
             os.close(directory)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
+    """Write the checkpoint atomically (write_atomically). A write that fails for want of space
+    or access is a CheckpointError that says the previous checkpoint is untouched; any other
+    failure is raised as it is."""
+    try:
+        write_atomically(path, lambda f: torch.save(state, f))
     except (OSError, RuntimeError) as e:  # torch.save reports a short write as RuntimeError
         cause = _os_error_behind(e)
         if cause is None:
@@ -100,8 +93,6 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
             f"could not write {path} ({cause.strerror or cause}); the checkpoint there before, "
             "if any, is untouched: free space (or fix the folder) and continue with --resume"
         ) from e
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _os_error_behind(error: BaseException) -> OSError | None:

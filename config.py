@@ -243,14 +243,21 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path}: {e}") from None
 
 
-def missing_fields(raw: dict[str, Any]) -> list[str]:
-    """The 'section.field' names a config's tables leave out (dump_toml writes them all)."""
+def missing_fields(raw: dict[str, Any], recorded: dict[str, Any]) -> list[str]:
+    """The 'section.field' names of the config that a config's tables leave out and that
+    `recorded` (another record of the same run) has: dump_toml writes them all."""
     return [
         f"{section.name}.{field.name}"
         for section in dataclasses.fields(Config)
         for field in dataclasses.fields(typing.get_type_hints(Config)[section.name])
-        if not isinstance(raw.get(section.name), dict) or field.name not in raw[section.name]
+        if field.name not in _table(raw, section.name)
+        and field.name in _table(recorded, section.name)
     ]
+
+
+def _table(tables: dict[str, Any], name: str) -> dict[str, Any]:
+    table = tables.get(name)
+    return table if isinstance(table, dict) else {}
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:

@@ -33,7 +33,8 @@ def start_metrics(path: Path, resume_step: int | None) -> None:
         return isinstance(step, int) and not isinstance(step, bool) and step <= resume_step
 
     lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    write_atomically(path, "".join(line + "\n" for line in lines if kept(line)))
+    text = "".join(line + "\n" for line in lines if kept(line))
+    write_atomically(path, lambda f: f.write(text.encode("utf-8")))
 
 
 class MetricsLog:

@@ -262,10 +262,9 @@ def check_out_dir(out_dir: Path, config: Config) -> None:
 def open_run(
     out_dir: Path, config: Config, tokenizer_sha256: str, resume: bool
 ) -> tuple[Path, dict[str, Any] | None]:
-    """Check that `out_dir` can take this run, before anything is written. Returns the
-    checkpoint's path and the checkpoint to resume from (checked against the config and
-    corpus), or None for a new run."""
-    check_out_dir(out_dir, config)
+    """Check that `out_dir` (checked and locked by _lock_run_dir) can take this run, before
+    anything is written. Returns the checkpoint's path and the checkpoint to resume from
+    (checked against the config and corpus), or None for a new run."""
     ckpt_path = out_dir / CHECKPOINT
     if ckpt_path.exists() and not resume:
         raise TrainError(
@@ -486,7 +485,8 @@ def _train(
             " per rank" * (world_size > 1)
         )
     if master:  # the directory was made and locked by _lock_run_dir
-        write_atomically(out_dir / "config.toml", dump_toml(config))
+        text = dump_toml(config)
+        write_atomically(out_dir / "config.toml", lambda f: f.write(text.encode("utf-8")))
         start_metrics(out_dir / "metrics.jsonl", step if resumed else None)
         shutil.copyfile(data_dir / "tokenizer.json", out_dir / "tokenizer.json")
         print(
@@ -683,11 +683,7 @@ def run_config(out: Path, config_file: Path | None, overrides: list[str], resume
             return build_config(recorded, overrides)
         except ConfigError as e:
             raise ConfigError(f"in the config {out / CHECKPOINT} records: {e}") from None
-    missing = [
-        name
-        for name in missing_fields(read_toml(saved))
-        if recorded is not None and name.split(".")[1] in recorded.get(name.split(".")[0], {})
-    ]
+    missing = missing_fields(read_toml(saved), recorded or {})
     if missing:
         raise ConfigError(
             f"{saved} lacks {', '.join(missing)}, which train.py writes: it is damaged or was cut; "

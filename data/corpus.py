@@ -71,7 +71,7 @@ def stdlib_corpus(max_bytes: int | None) -> Corpus:
     root, paths = _stdlib_files()
     # ~70 near-copies of one another: split apart, they would put most of each val table's
     # lines in train.
-    tables = [path for path in paths if _charmap_table(path, root)]
+    tables = {path for path in paths if _charmap_table(path, root)}
     paths = [path for path in paths if path not in tables]
     corpus = _read_local(paths, root, skip_bad=True, replace_bad=False, max_bytes=max_bytes)
     corpus.skipped["charmap_codec_tables"] = len(tables)
