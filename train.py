@@ -533,8 +533,18 @@ def _train(
         warn=lambda message: bar.write(message, file=sys.stderr),
     )
 
+    def stopped_unsaved(what: str) -> TrainError:
+        last = f"the last good one is {ckpt_path}" if ckpt_path.is_file() else "none yet"
+        return TrainError(f"{what}; stopped without saving a checkpoint ({last})")
+
     def eval_and_save() -> None:
         val_loss = evaluate(model, batches["val"], tc.eval_batches, amp_dtype)
+        if not math.isfinite(val_loss):  # the same on every rank: evaluate all-reduces it
+            # Weights a step made non-finite while its own loss, computed before the update,
+            # was finite (without clipping no norm shows it): never over the last good save.
+            raise stopped_unsaved(
+                f"val loss is {val_loss} at step {step}: the weights are not finite"
+            )
         train_loss = evaluate(model, batches["train_eval"], tc.eval_batches, amp_dtype)
         rngs = rng_states(device, world_size)
         if master:
@@ -571,10 +581,12 @@ def _train(
         """Wait for a step's values, check, show and log them; True if a rank asked to stop."""
         (loss, stops, norm), seconds = pending.readout.read(next_began)
         if not math.isfinite(loss):
-            last = f"the last good one is {ckpt_path}" if ckpt_path.is_file() else "none yet"
-            raise TrainError(
-                f"loss is {loss} at step {pending.step}; stopped without saving a checkpoint "
-                f"({last})"
+            raise stopped_unsaved(f"loss is {loss} at step {pending.step}")
+        if tc.grad_clip > 0 and not math.isfinite(norm):
+            # The loss came before the update; non-finite gradients made the weights NaN.
+            raise stopped_unsaved(
+                f"gradient norm is {norm} at step {pending.step}, so the step's update left "
+                "the weights not finite"
             )
         bar.update(1)
         bar.set_postfix(

@@ -109,19 +109,30 @@ def misbehave_at(
     call: int,
     before: Callable[[], None] | None = None,
     loss: float | None = None,
+    grad_norm: float | None = None,
+    spoil_weights: bool = False,
 ) -> list[int]:
     """Replace train.train_step with the real step that, at its `call`-th call, first runs
-    `before` (raise, send a signal) and/or returns `loss` instead. Returns the list of calls."""
+    `before` (raise, send a signal), then the step, and returns `loss` and/or `grad_norm`
+    instead of its own, or makes a weight NaN after it (as non-finite gradients would, the
+    loss, computed before the update, still finite). Returns the list of calls."""
     real_step = train.train_step
     calls: list[int] = []
 
-    def step(*args: Any, **kwargs: Any) -> train.StepResult:
+    def step(model: torch.nn.Module, *args: Any, **kwargs: Any) -> train.StepResult:
         calls.append(1)
-        if len(calls) == call and before is not None:
+        if len(calls) != call:
+            return real_step(model, *args, **kwargs)
+        if before is not None:
             before()
-        real = real_step(*args, **kwargs)
-        if len(calls) == call and loss is not None:
-            return real._replace(loss=torch.tensor(loss))
+        real = real_step(model, *args, **kwargs)
+        if spoil_weights:
+            with torch.no_grad():
+                next(model.parameters()).view(-1)[0] = math.nan
+        if loss is not None:
+            real = real._replace(loss=torch.tensor(loss))
+        if grad_norm is not None:
+            real = real._replace(grad_norm=torch.tensor(grad_norm))
         return real
 
     monkeypatch.setattr(train, "train_step", step)
@@ -708,6 +719,38 @@ def test_non_finite_loss_stops_the_run_without_saving(
     else:
         assert load_ckpt(out)["step"] == saved
     assert [r["step"] for r in train_lines(out)] == list(range(1, at))
+
+
+@pytest.mark.parametrize("clip", ["on", "off"])
+def test_non_finite_weights_never_overwrite_the_last_good_checkpoint(
+    data_root: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    clip: str,
+) -> None:
+    """Infinite gradients make the weights NaN through the step's own update, while its loss,
+    computed before, is finite. With clipping the step's gradient norm shows it at once;
+    without, the evaluation before a save does. Either way step 2's checkpoint stays, also
+    when the bad step is the last (where a run would otherwise end as if all were well)."""
+    if clip == "on":
+        misbehave_at(monkeypatch, 4, grad_norm=math.inf)
+    else:
+        misbehave_at(monkeypatch, 4, spoil_weights=True)
+    out = tmp_path / "run"
+    args = [
+        "--train.max_steps=4",
+        "--train.eval_interval=2",
+        f"--train.grad_clip={1.0 * (clip == 'on')}",
+    ]
+    assert run(data_root, out, *args) == 2
+    err = error_of(capsys.readouterr().err)
+    expected = "gradient norm is inf at step 4" if clip == "on" else "val loss is nan at step 4"
+    assert expected in err and "stopped without saving" in err and "last good one" in err
+    ckpt = load_ckpt(out)
+    assert ckpt["step"] == 2
+    assert all(torch.isfinite(p).all() for p in ckpt["model"].values())
+    assert all(math.isfinite(r["val_loss"]) for r in eval_lines(out))
 
 
 @pytest.mark.slow
