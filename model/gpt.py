@@ -184,7 +184,8 @@ class GPT(nn.Module):
         for _ in range(max_new_tokens):
             context = idx[:, -self.config.block_size :]
             # Only the last position's scores are needed: (B, C) @ (C, V), not (B, T, C) @ (C, V).
-            # fp32 scores even under autocast: the shift and softmax below want the precision.
+            # The shift and softmax below in fp32 (under autocast the head's output is bf16:
+            # this upcasts it, its rounding stays).
             logits = self.lm_head(self.features(context)[:, -1, :]).float()  # (B, V)
             if vocab_limit is not None:
                 logits = logits[:, :vocab_limit]  # ids from vocab_limit up are never drawn
