@@ -218,9 +218,11 @@ def _region_of(start_ns: int, regions: list[tuple[int, int, str]]) -> str | None
     return None
 
 
-def _categorised(events: list) -> Iterator[tuple[Any, str | None, int]]:
-    """Each CPU event with the category it counts under and its self time (ns): its duration
-    less that of the events directly inside it.
+def _categorised(events: list) -> Iterator[tuple[Any, str | None, int, bool]]:
+    """Each CPU event with the category it counts under, its self time (ns): its duration
+    less that of the events directly inside it, and whether it is a re-dispatch: directly
+    inside an event of its own name, as autocast records an op it wraps (`aten::linear` at
+    the Autocast key, then again as it calls the op in the cast dtype): one call, not two.
 
     Events nest by time within their thread. The category is that of the outermost op around
     the event, itself included, that gives one (analysis.enclosing_category). Backward work
@@ -236,7 +238,7 @@ def _categorised(events: list) -> Iterator[tuple[Any, str | None, int]]:
         thread.sort(key=lambda e: (e.start_ns(), -e.end_ns()))  # parents before their children
 
     creators: dict[tuple[int, int], tuple[int, str | None]] = {}  # (thread, seq): start, category
-    for e, category, _ in _nest(threads.values(), linked=lambda e: None):
+    for e, category, _, _ in _nest(threads.values(), linked=lambda e: None):
         if e.sequence_nr() >= 0 and e.fwd_thread_id() == 0:  # a forward event
             key = (e.start_thread_id(), e.sequence_nr())
             if key not in creators or e.start_ns() >= creators[key][0]:
@@ -257,19 +259,21 @@ class _Open:
 
     event: Any
     category: str | None
+    redispatch: bool  # directly inside an event of the same name
     children_ns: int = 0
 
-    def closed(self) -> tuple[Any, str | None, int]:
-        return self.event, self.category, max(0, self.event.duration_ns() - self.children_ns)
+    def closed(self) -> tuple[Any, str | None, int, bool]:
+        self_ns = max(0, self.event.duration_ns() - self.children_ns)
+        return self.event, self.category, self_ns, self.redispatch
 
 
 def _nest(
     threads: Iterable[list], linked: Callable[[Any], str | None]
-) -> Iterator[tuple[Any, str | None, int]]:
+) -> Iterator[tuple[Any, str | None, int, bool]]:
     """Walks each thread's events (sorted parents first) as a tree, as torch's profiler builds
     it: an event is inside the last open one if it starts before that one ends and ends no
-    later. Yields (event, category, self time in ns) as each event closes; the category is the
-    enclosing event's, else `linked(event)`'s, else its own name's."""
+    later. Yields (event, category, self time in ns, re-dispatch) as each event closes; the
+    category is the enclosing event's, else `linked(event)`'s, else its own name's."""
     for thread in threads:
         stack: list[_Open] = []
         for e in thread:
@@ -280,7 +284,8 @@ def _nest(
             if stack:
                 stack[-1].children_ns += e.duration_ns()
             outer = stack[-1].category if stack else None
-            stack.append(_Open(e, outer or linked(e) or enclosing_category(e.name())))
+            again = bool(stack) and stack[-1].event.name() == e.name()
+            stack.append(_Open(e, outer or linked(e) or enclosing_category(e.name()), again))
         while stack:
             yield stack.pop().closed()
 
@@ -300,11 +305,11 @@ def parse_events(events: list, device: torch.device) -> StepProfile:
     cpu = [e for e in events if e.device_type() == DeviceType.CPU]
     regions = sorted((e.start_ns(), e.end_ns(), e.name()) for e in cpu if e.name() in REGIONS)
     launches: dict[int, tuple[int, str | None]] = {}  # correlation id: (start, category)
-    for e, category, self_ns in _categorised(cpu):
+    for e, category, self_ns, redispatch in _categorised(cpu):
         name = e.name()
         if name.startswith(OP_NAMESPACES):
             region = _region_of(e.start_ns(), regions)
-            if region:
+            if region and not redispatch:
                 result.ops[region][name] += 1
             result.cpu_self_us[name] += self_ns / 1e3
             result.cpu_split_us[category or OTHER] += self_ns / 1e3

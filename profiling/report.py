@@ -531,6 +531,7 @@ def _report_md(results: dict[str, Any]) -> str:
             "",
             "## Findings: what each variant changes, per layer per step",
             "",
+            *([f"> {_DOUBLED_OPS}", ""] if _ops_doubled(meta) else []),
             *(findings(rows) or ["- (needs `naive` and at least one other variant in the sweep)"]),
             "",
             "## Where the time goes",
@@ -582,6 +583,7 @@ def _report_md(results: dict[str, Any]) -> str:
             "ATen ops (and the oneDNN linear's `cpu_linear::linear`/`mkldnn::_linear_pointwise`) counted (nested calls included, so `aten::masked_fill` and the `aten::clone` it makes both "
             "count) by the `record_function` region their start falls in; CUDA kernels (and memcpy/memset) by "
             "the region of the runtime call that launched them, matched by correlation id."
+            + _autocast_ops_text(meta)
             + (_KERNEL_LABELS if any(r.get("kernels_per_step") for r in rows) else ""),
             *_unattributed_lines(rows),
             f"- **Peak memory**: {meta.get('resident', 'parameters and optimizer state')} resident before the step, plus the step's own "
@@ -613,6 +615,30 @@ def _report_md(results: dict[str, Any]) -> str:
             "",
         ]
     )
+
+
+_DOUBLED_OPS = (
+    "**This sweep counted an op autocast wraps twice per call** (at autocast's dispatch key and "
+    "again as it calls the op: `aten::linear`, `aten::matmul`, "
+    "`aten::scaled_dot_product_attention`, `aten::softmax`, `aten::layer_norm`, ...), so those "
+    "counts, the ops per layer and the ATen op diffs here are too high; sweeps since count each "
+    "call once. Kernel counts are not affected."
+)
+
+
+def _ops_doubled(meta: dict[str, Any]) -> bool:
+    return bool(meta.get("autocast")) and meta.get("op_calls") != "autocast counted once"
+
+
+def _autocast_ops_text(meta: dict[str, Any]) -> str:
+    if _ops_doubled(meta):
+        return " " + _DOUBLED_OPS
+    if meta.get("autocast"):
+        return (
+            " Autocast records an op it wraps twice, at its own dispatch key and again as it "
+            "calls the op in the cast dtype; that is one call, counted once."
+        )
+    return ""
 
 
 def _eager_excess_text(meta: dict[str, Any]) -> str:

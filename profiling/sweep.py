@@ -234,6 +234,8 @@ class Sweep:
             # time_split places each op and kernel by the op around it (before: by its name)
             "time_categories": "by enclosing op",
             "flop_count": "meta device",  # sweeps before it ran a real eager naive step
+            # an op autocast wraps counts once (sweeps before it: twice, at autocast's key too)
+            "op_calls": "autocast counted once",
             "profile_steps": self.args.profile_steps,
             "command": "python " + shlex.join(sys.argv),
             "out": str(self.out),

@@ -943,6 +943,35 @@ def test_every_op_of_a_training_step_is_in_a_region(grad_accum: int) -> None:
     assert outside == []
 
 
+def test_ops_autocast_wraps_count_once_per_call() -> None:
+    """Autocast records an op it wraps twice, at its own dispatch key and again as it calls the
+    op in the cast dtype: a bf16 step counts each call once, as the same fp32 step does."""
+    from torch.profiler import profile
+
+    from config import TrainConfig
+    from model import GPT, GPTConfig
+    from profiling.measure import parse_events
+    from train import build_optimizer, train_step
+
+    def forward_ops(amp_dtype: torch.dtype | None) -> Counter:
+        torch.manual_seed(0)
+        config = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16)
+        model = GPT(dataclasses.replace(config, attention="sdpa"))
+        optimizer = build_optimizer(model, TrainConfig(), torch.device("cpu"))
+        xy = torch.randint(64, (2, 17))
+        with profile() as prof:
+            train_step(model, optimizer, [(xy[:, :-1], xy[:, 1:])], 1.0, amp_dtype)
+        events = prof.profiler.kineto_results.events()
+        return parse_events(events, torch.device("cpu")).ops["forward"]
+
+    fp32, bf16 = forward_ops(None), forward_ops(torch.bfloat16)
+    # 4 linears a layer and the head; one attention call a layer, whatever the dtype
+    assert fp32["aten::linear"] == bf16["aten::linear"] == 2 * 4 + 1, (fp32, bf16)
+    assert bf16["aten::layer_norm"] == fp32["aten::layer_norm"] == 2 * 2 + 1
+    assert bf16["aten::scaled_dot_product_attention"] == 2, bf16
+    assert bf16["aten::_to_copy"] > 0  # autocast's casts are counted: they are real calls
+
+
 class FakeEvent:
     """The parts of a kineto event that parse_events reads."""
 
@@ -1081,7 +1110,7 @@ def test_backward_work_counts_where_its_forward_op_does() -> None:
             y = torch.matmul(x, x.transpose(-1, -2))
         y.float().sum().backward()
     events = [e for e in prof.profiler.kineto_results.events() if e.device_type() == DeviceType.CPU]
-    casts_back = Counter(c for e, c, _ in _categorised(events) if e.name() == "ToCopyBackward0")
+    casts_back = Counter(c for e, c, _, _ in _categorised(events) if e.name() == "ToCopyBackward0")
     assert casts_back[None] == 1 and casts_back["attention"] >= 1, casts_back
     assert set(casts_back) == {None, "attention"}, casts_back
 
@@ -1507,6 +1536,14 @@ def test_the_report_states_the_method_its_sweep_used(naive_vs_inplace: dict) -> 
     assert "each round starting one later" in report and "Latin" not in report
     assert "parameters and optimizer state resident" in report
     assert "By the op's name" in report and "outermost" not in report
+    # Under autocast: a sweep before ops were counted once per call says its counts are high.
+    assert "twice per call" not in report  # fp32: nothing to say
+    bf16 = copy.deepcopy(naive_vs_inplace)
+    bf16["meta"]["autocast"] = True
+    assert "twice per call" not in _report_md(bf16) and "counted once" in _report_md(bf16)
+    del bf16["meta"]["op_calls"]
+    findings = _report_md(bf16).split("## Findings")[1].split("##")[0]
+    assert "counted an op autocast wraps twice per call" in findings
 
 
 def test_report_details_follow_the_cells_that_measured() -> None:
