@@ -648,6 +648,13 @@ def _eager_excess_text(meta: dict[str, Any]) -> str:
         ", less the same difference of the eager cell of that variant and depth where the "
         "sweep timed one (`eager_excess_s`: AdamW's state and the allocator's and oneDNN's "
         "set-up, which any first step pays)"
+        + (
+            ", unless that eager first step compiled something itself (eager `flex` compiles "
+            "its kernel); – where the eager cell's difference was the larger: each is one "
+            "first step, so the compile time is within their noise"
+            if meta.get("compile_netting") == "eager compiles kept"
+            else ""
+        )
     )
 
 

@@ -309,14 +309,35 @@ def test_compile_time_nets_out_what_any_first_step_pays(
     assert eager_row["compile_s"] is None and eager_row["first_step_ms"] > 0
     excess = first_e - statistics.median(eager)
     assert compiled_row["eager_excess_s"] == pytest.approx(excess)
-    assert compiled_row["compile_s"] == pytest.approx(
-        max(0.0, first_c - statistics.median(compiled) - excess)
-    )
+    net = first_c - statistics.median(compiled) - excess
+    assert compiled_row["compile_s"] == (pytest.approx(net) if net > 0 else None)
     assert results["meta"]["compile_time"] == "less eager"
     assert (
         "less the same difference of the eager cell"
         in (tmp_path / "sweep" / "report.md").read_text()
     )
+
+
+def test_compile_time_keeps_an_eager_first_steps_own_compile() -> None:
+    """Eager flex compiles its kernel in its first step: that excess is compilation, so the
+    compiled twin's is not netted by it. A twin whose single first step ran longer than the
+    compiled cell's excess leaves no compile time to tell (None), not 0."""
+    from profiling.sweep import Cell, compile_seconds, eager_first_step_excess
+
+    def cell(variant: str, compiled: bool, first: float, **kw: object) -> Cell:
+        return Cell(variant, 1, compiled, times=[0.1, 0.1, 0.1], first_step_s=first, **kw)
+
+    cells = [
+        cell("naive", False, 0.4),
+        cell("naive", True, 2.5),
+        cell("flex", False, 3.1, first_step_compiled=True),
+        cell("flex", True, 2.0),
+        cell("sdpa", False, 0.9, status="failed"),
+    ]
+    assert eager_first_step_excess(cells) == pytest.approx({"naive": 0.3})
+    assert compile_seconds(2.5, 0.1, 0.3) == pytest.approx(2.1)
+    assert compile_seconds(2.0, 0.1, None) == pytest.approx(1.9)  # flex: nothing to take off
+    assert compile_seconds(0.35, 0.1, 0.3) is None
 
 
 @pytest.mark.slow
