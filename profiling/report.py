@@ -54,12 +54,22 @@ def _steps(n: int, what: str) -> str:
     return f"{n} {what}{'' if n == 1 else 's'}"
 
 
+def _se(se: float, decimals: int) -> str:
+    """A standard error to `decimals` places; one that rounds to nothing there is '<0.01'
+    (not '0.00', which reads as exact); '0' only for an exact fit."""
+    if se == 0:
+        return "0"
+    if round(se, decimals) == 0:
+        return f"<{10.0**-decimals:.{decimals}f}"
+    return f"{se:.{decimals}f}"
+
+
 def _pm(value: float, se: float | None, spec: str = ".2f", unit: str = "") -> str:
     """'1.23 ± 0.04 ms', or '1.23 ms (2 depths: no se)' when the fit had no residual to
     estimate it from."""
     if se is None:
         return f"{value:{spec}}{unit} (2 depths: no se)"
-    return f"{value:{spec}} ± {se:.2f}{unit}"
+    return f"{value:{spec}} ± {_se(se, 2)}{unit}"
 
 
 def _projected(p: dict[str, float | None]) -> str:
@@ -69,7 +79,7 @@ def _projected(p: dict[str, float | None]) -> str:
         return f"n/a: {p['why_none']}"
     if p["saving_se"] is None:
         return f"{p['saving']:+.1f} ms ({p['percent']:+.1f}%), 2 depths: no se"
-    return f"{p['saving']:+.1f} ± {p['saving_se']:.1f} ms ({_projected_percent(p)})"
+    return f"{p['saving']:+.1f} ± {_se(p['saving_se'], 1)} ms ({_projected_percent(p)})"
 
 
 def _projected_percent(p: dict[str, float | None]) -> str:
@@ -77,7 +87,7 @@ def _projected_percent(p: dict[str, float | None]) -> str:
         return "n/a"
     if p["percent_se"] is None:
         return f"{p['percent']:+.1f}% (no se)"
-    return f"{p['percent']:+.1f} ± {p['percent_se']:.1f}%"
+    return f"{p['percent']:+.1f} ± {_se(p['percent_se'], 1)}%"
 
 
 def _fmt(x: float | None, spec: str = ".1f", none: str = "–") -> str:

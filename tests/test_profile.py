@@ -662,6 +662,16 @@ def test_projected_savings_carry_their_standard_error() -> None:
     assert "% (no se)" in "\n".join(headline_table({"rows": two, "fits": fits_by_label(two)}))
 
 
+def test_a_standard_error_below_the_shown_precision_does_not_read_as_exact() -> None:
+    from profiling.report import _pm, _projected
+
+    assert _pm(8.22, 0.004) == "8.22 ± <0.01"
+    assert _pm(8.22, 0.006) == "8.22 ± 0.01"
+    assert _pm(3.0, 0.0) == "3.00 ± 0"  # an exact fit, as op counts have
+    p = {"saving": 280.2, "saving_se": 0.04, "percent": 67.0, "percent_se": 0.01}
+    assert _projected(p) == "+280.2 ± <0.1 ms (+67.0 ± <0.1%)"
+
+
 def test_a_projection_through_a_line_below_zero_is_not_a_saving() -> None:
     """Noisy fits over few depths can cross zero before 48 layers: no percentage of that."""
     from profiling.report import _projected
