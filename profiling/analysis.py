@@ -43,9 +43,10 @@ def fit_line(xs: list[float], ys: list[float]) -> dict[str, float | None] | None
     intercept = my - slope * mx
     ss_res = sum((y - intercept - slope * x) ** 2 for x, y in zip(xs, ys, strict=True))
     ss_tot = sum((y - my) ** 2 for y in ys)
-    if ss_res <= 1e-20 * ss_tot:
-        ss_res = 0.0  # an exact line (op counts per layer) left only rounding: no error
-    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
+    if ss_res <= 1e-20 * ss_tot or ss_tot <= 1e-24 * sum(y * y for y in ys):
+        ss_res = 0.0  # an exact line (op counts per layer), or a flat one, left only rounding
+    # A flat series has no spread to explain: r^2 1 by convention, as its line is exact.
+    r2 = min(1.0, max(0.0, 1.0 - ss_res / ss_tot)) if ss_res else 1.0
     # Two points fit exactly and say nothing about the error: None (JSON null), not NaN.
     slope_se = math.sqrt(ss_res / (n - 2) / sxx) if n > 2 else None
     return {"slope": slope, "intercept": intercept, "r2": r2, "slope_se": slope_se, "points": n}

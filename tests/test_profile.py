@@ -628,6 +628,14 @@ def test_fits_recover_known_slopes() -> None:
     assert "sdpa+compile" not in savings(no_compiled_naive), "never against eager naive"
 
 
+def test_a_flat_or_exact_series_fits_exactly() -> None:
+    """Rounding must not make r^2 of an exact or flat line a hair below 0 or above 1."""
+    for ys in ([0.1, 0.1, 0.1], [0.1 + 0.2 * n for n in (1, 2, 4)], [7.0, 7.0, 7.0]):
+        fit = fit_line([1, 2, 4], ys)
+        assert fit["r2"] == 1.0 and fit["slope_se"] == 0.0, (ys, fit)
+    assert 0.0 <= fit_line([1, 2, 4], [1.0, 3.0, 1.0])["r2"] < 1.0
+
+
 def test_projected_savings_carry_their_standard_error() -> None:
     """The saving at 12/24/48 layers comes with the se of the fitted difference line there,
     s^2 [1 L] (X'X)^-1 [1 L]'; with two depths there is none, and the report says so."""
