@@ -46,10 +46,17 @@ from profiling.measure import (
     verify_backend,
 )
 from profiling.results import write_results
-from runtime import autocast_dtype, keep_freed_host_memory, pick_device, set_fp32_matmul_precision
+from runtime import (
+    autocast_dtype,
+    keep_freed_host_memory,
+    pick_device,
+    reserve_heap,
+    set_fp32_matmul_precision,
+)
 from train import build_model, train_step
 
 BATCH_POOL = 4  # distinct batches cycled through, drawn before timing so no I/O is timed
+HEAP_RESERVE = 256 << 20  # CPU, memory kept: heap faulted in before each depth's timed steps
 
 
 def out_of_memory(e: BaseException) -> bool:
@@ -243,6 +250,8 @@ class Sweep:
             "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
             "host_memory": self.host_memory,
+            # the heap grown by this much (faulted in, freed) before each depth's timed steps
+            "heap_reserve_bytes": HEAP_RESERVE if self.host_memory == "keep" else None,
             "linear": "oneDNN" if self.onednn else "torch",
             "torch_version": torch.__version__,
             "commit": provenance()["commit"],  # this project's, '-dirty' with local changes
@@ -423,6 +432,11 @@ class Sweep:
                     cell.first_step_compiled = cache != "none"
                 for _ in range(self.args.warmup - 1):
                     timed(cell.step, self.device)
+        if self.host_memory == "keep":
+            # Room for the heap's growth as the cells' allocations interleave: fragmentation
+            # would otherwise fault fresh pages in during the timed steps (at the profile
+            # shape, up to 1,500 a step in naive at n_layer=8, where memory was kept).
+            reserve_heap(HEAP_RESERVE)
         orders = balanced_orders(len(cells))
         for r in range(self.args.steps):
             bar.set_postfix_str(f"L{cells[0].n_layer} round {r + 1}/{self.args.steps}")

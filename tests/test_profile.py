@@ -114,6 +114,8 @@ def test_results_json_contract(naive_vs_inplace: dict) -> None:
     # The MFU denominator is the fastest matmul path timed, and every path is reported.
     assert meta["peak_flops"] == pytest.approx(max(meta["peak_flops_by_path"].values()))
     assert meta["linear"] in ("oneDNN", "torch") and meta["host_memory"] in ("keep", "release")
+    # Where memory is kept, the heap is grown before the timed steps (runtime.reserve_heap).
+    assert meta["heap_reserve_bytes"] == (256 << 20 if meta["host_memory"] == "keep" else None)
     assert meta["cells_planned"] == 9  # 3 variants x 3 depths
     assert meta["other_cpu_share"] is None or 0 <= meta["other_cpu_share"] <= 1
     rows = naive_vs_inplace["rows"]
@@ -1491,6 +1493,9 @@ def test_host_memory_line_names_the_cell_with_most_page_faults() -> None:
     none = [{**r, "page_faults_per_step": 0.0} for r in rows]
     [line] = _host_memory_lines({"device": "cpu", "host_memory": "keep"}, none)
     assert "at most 0 over the cells." in line  # no cell named for a maximum of zero
+    assert "grown by" not in line
+    reserved = {"device": "cpu", "host_memory": "keep", "heap_reserve_bytes": 256 << 20}
+    assert "the heap was grown by 256 MiB" in _host_memory_lines(reserved, rows)[0]
 
 
 def test_headline_marks_cells_timed_on_a_busy_machine() -> None:
