@@ -250,13 +250,30 @@ def check_runnable(config: Config, device: torch.device, amp_dtype: torch.dtype 
         raise TrainError(str(e)) from None
 
 
-def check_out_dir(out_dir: Path, config: Config) -> None:
-    """`out_dir` is a directory for a run, or can be made one; not a corpus folder."""
+# What a run writes into its directory; a new run goes only where nothing else is.
+RUN_FILES = frozenset(
+    {"config.toml", "metrics.jsonl", "tokenizer.json", CHECKPOINT, ".lock"}
+    | {f"{name}.tmp" for name in ("config.toml", "metrics.jsonl", CHECKPOINT)}
+)
+
+
+def check_out_dir(out_dir: Path, config: Config, resume: bool) -> None:
+    """`out_dir` is a directory for a run, or can be made one; not a corpus folder, nor, for a
+    new run, a folder of other files (`--out .` would write the run among a project's)."""
     if out_dir.exists() and not out_dir.is_dir():
         raise TrainError(f"--out {out_dir} is a file; give a run directory")
     if (out_dir / "meta.json").exists() or out_dir.resolve() == Path(config.data.root).resolve():
         # Writing a run there would overwrite a corpus's tokenizer.json with this one's.
         raise TrainError(f"--out {out_dir} holds prepared corpora; give the run its own directory")
+    if resume or not out_dir.is_dir():
+        return
+    others = sorted(p.name for p in out_dir.iterdir() if p.name not in RUN_FILES)
+    if others:
+        listed = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        raise TrainError(
+            f"--out {out_dir} holds files that are not a run's ({listed}); give a new run a new "
+            "or empty directory"
+        )
 
 
 def open_run(
@@ -350,6 +367,7 @@ def _lock_run_dir(
     held: contextlib.ExitStack,
     out_dir: Path,
     config: Config,
+    resume: bool,
     rank: int,
     world_size: int,
     device: torch.device,
@@ -361,7 +379,7 @@ def _lock_run_dir(
     refused = ""
     if rank == 0:
         try:
-            check_out_dir(out_dir, config)
+            check_out_dir(out_dir, config, resume)
             made_dirs = [d for d in (out_dir, *out_dir.parents) if not d.exists()]  # deepest first
             made_lock = not (out_dir / ".lock").exists()
             try:
@@ -423,7 +441,7 @@ def _train(
 ) -> RunEnd:
     tc = config.train
     rank, world_size, device = init_distributed(tc)
-    _lock_run_dir(held, out_dir, config, rank, world_size, device)
+    _lock_run_dir(held, out_dir, config, resume, rank, world_size, device)
     saved = out_dir / "config.toml"
     if config_read is not None and (not saved.is_file() or saved.read_bytes() != config_read):
         raise TrainError(

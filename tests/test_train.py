@@ -493,6 +493,28 @@ def test_out_that_is_a_file_or_holds_corpora_is_refused(
     assert {p: p.read_bytes() for p in data_root.rglob("*") if p.is_file()} == before
 
 
+def test_a_new_run_goes_only_where_nothing_else_is(
+    data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--out .` in a project would write config.toml, metrics.jsonl and tokenizer.json among
+    its files. A run's own files (one that stopped before its first checkpoint) are no bar."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "README.md").write_text("mine")
+    (project / "src").mkdir()
+    assert run(data_root, project) == 2
+    err = error_of(capsys.readouterr().err)
+    assert "holds files that are not a run's (README.md, src)" in err, err
+    assert sorted(p.name for p in project.iterdir()) == ["README.md", "src"]
+
+    unsaved = tmp_path / "unsaved"
+    unsaved.mkdir()
+    for name in ("config.toml", "metrics.jsonl", "tokenizer.json", ".lock"):
+        (unsaved / name).write_text("")
+    one_step = ["--train.max_steps=1", "--train.eval_interval=0", "--train.eval_batches=1"]
+    assert run(data_root, unsaved, *one_step) == 0
+
+
 def test_resume_without_checkpoint_is_an_error(
     data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
