@@ -22,6 +22,7 @@ from profiling.analysis import (
     savings,
     time_split,
 )
+from profiling.measure import ONE_CALL
 from profiling.plots import MiB, plot_results
 
 NOISY_SPREAD = 1.25  # p90/p10 of a cell's step times above which its headline cell gets a *
@@ -541,7 +542,11 @@ def _report_md(results: dict[str, Any]) -> str:
             "",
             "## Findings: what each variant changes, per layer per step",
             "",
-            *([f"> {_DOUBLED_OPS}", ""] if _ops_doubled(meta) else []),
+            *(
+                [f"> {_doubled_ops(meta)}", ""]
+                if meta.get("autocast") and _doubled_ops(meta)
+                else []
+            ),
             *(findings(rows) or ["- (needs `naive` and at least one other variant in the sweep)"]),
             "",
             "## Where the time goes",
@@ -593,7 +598,7 @@ def _report_md(results: dict[str, Any]) -> str:
             "ATen ops (and the oneDNN linear's `cpu_linear::linear`/`mkldnn::_linear_pointwise`) counted (nested calls included, so `aten::masked_fill` and the `aten::clone` it makes both "
             "count) by the `record_function` region their start falls in; CUDA kernels (and memcpy/memset) by "
             "the region of the runtime call that launched them, matched by correlation id."
-            + _autocast_ops_text(meta)
+            + _one_call_text(meta)
             + (_KERNEL_LABELS if any(r.get("kernels_per_step") for r in rows) else ""),
             *_unattributed_lines(rows),
             f"- **Peak memory**: {meta.get('resident', 'parameters and optimizer state')} resident before the step, plus the step's own "
@@ -627,28 +632,37 @@ def _report_md(results: dict[str, Any]) -> str:
     )
 
 
-_DOUBLED_OPS = (
-    "**This sweep counted an op autocast wraps twice per call** (at autocast's dispatch key and "
-    "again as it calls the op: `aten::linear`, `aten::matmul`, "
-    "`aten::scaled_dot_product_attention`, `aten::softmax`, `aten::layer_norm`, ...), so those "
-    "counts, the ops per layer and the ATen op diffs here are too high; sweeps since count each "
-    "call once. Kernel counts are not affected."
-)
-
-
-def _ops_doubled(meta: dict[str, Any]) -> bool:
-    return bool(meta.get("autocast")) and meta.get("op_calls") != "autocast counted once"
-
-
-def _autocast_ops_text(meta: dict[str, Any]) -> str:
-    if _ops_doubled(meta):
-        return " " + _DOUBLED_OPS
+def _doubled_ops(meta: dict[str, Any]) -> str | None:
+    """For a sweep made before an op that calls itself again counted once: what that means."""
+    if meta.get("op_calls") == ONE_CALL:
+        return None
     if meta.get("autocast"):
         return (
-            " Autocast records an op it wraps twice, at its own dispatch key and again as it "
-            "calls the op in the cast dtype; that is one call, counted once."
+            "**This sweep counted an op autocast wraps twice per call** (at autocast's dispatch "
+            "key and again as it calls the op: `aten::linear`, `aten::matmul`, "
+            "`aten::scaled_dot_product_attention`, `aten::softmax`, `aten::layer_norm`, ...; "
+            "also `aten::add_` in AdamW, once per parameter tensor, and `aten::arange`, whose "
+            "overloads call one another), so those counts, the ops per layer and the ATen op "
+            "diffs here are too high; sweeps since count each call once. Kernel counts are not "
+            "affected."
         )
-    return ""
+    return (
+        "This sweep counted twice an op whose overload calls another of the same name: "
+        "`aten::add_` in AdamW, once per parameter tensor, and `aten::arange`; its ops per "
+        "layer are too high by the parameter tensors of a layer. Sweeps since count each call "
+        "once; the op diffs between variants are not affected."
+    )
+
+
+def _one_call_text(meta: dict[str, Any]) -> str:
+    if (doubled := _doubled_ops(meta)) is not None:
+        return " " + doubled
+    return (
+        " An op directly inside one of its own name is the same call, counted once: autocast "
+        "records an op it wraps at its own dispatch key and again as it calls the op in the "
+        "cast dtype, and some overloads call another (`aten::add_` on a tensor and a number, "
+        "`aten::arange`)."
+    )
 
 
 def _eager_excess_text(meta: dict[str, Any]) -> str:

@@ -33,6 +33,7 @@ from data.loader import TokenBatches, check_vocab, load_meta
 from model import VARIANTS, unavailable_reason
 from profiling.analysis import label
 from profiling.measure import (
+    ONE_CALL,
     TRACE_WARN_BYTES,
     OtherLoad,
     backend_that_ran,
@@ -274,8 +275,9 @@ class Sweep:
             # time_split places each op and kernel by the op around it (before: by its name)
             "time_categories": "by enclosing op",
             "flop_count": "meta device",  # sweeps before it ran a real eager naive step
-            # an op autocast wraps counts once (sweeps before it: twice, at autocast's key too)
-            "op_calls": "autocast counted once",
+            # an op directly inside one of its name (autocast's wrapper, an overload calling
+            # another) counts once; sweeps before it counted it twice
+            "op_calls": ONE_CALL,
             "profile_steps": self.args.profile_steps,
             "command": "python " + shlex.join(sys.argv),
             "out": str(self.out),
