@@ -14,6 +14,7 @@ import contextlib
 import fcntl
 import math
 import os
+import shlex
 import shutil
 import signal
 import sys
@@ -672,7 +673,8 @@ def _train(
                 bar.close()
                 if master:
                     print(
-                        f"stopped by {stopped_by} after step {step}; resume with --resume",
+                        f"stopped by {stopped_by} after step {step}; resume with --resume "
+                        f"--out {shlex.quote(str(out_dir))}",
                         file=sys.stderr,
                     )
                 return RunEnd(out_dir, step, step - first_step, stopped_by)
@@ -682,7 +684,7 @@ def _train(
     if master and step < tc.max_steps:
         print(
             f"paused after step {step} of {tc.max_steps} (--stop-after {stop_after}); "
-            "resume with --resume",
+            f"resume with --resume --out {shlex.quote(str(out_dir))}",
             file=sys.stderr,
         )
     return RunEnd(out_dir, step, step - first_step, None)

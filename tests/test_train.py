@@ -295,7 +295,8 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(
     capsys.readouterr()
     assert run(data_root, split, *overrides, "--stop-after", "7") == 0
     assert load_ckpt(split)["step"] == 7
-    assert f"paused after step 7 of {STEPS}" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"paused after step 7 of {STEPS}" in err and f"--resume --out {split}" in err
     assert run(data_root, split, *overrides, "--resume", "--stop-after", "6") == 0
     assert load_ckpt(split)["step"] == 13
     assert run(data_root, split, *overrides, "--resume") == 0
