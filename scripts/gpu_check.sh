@@ -26,11 +26,16 @@ if [ -d "$OUT" ] && [ -n "$(ls -A "$OUT")" ]; then
   earlier="$OUT.earlier-$(date -u +%Y%m%dT%H%M%S)"
   mv "$OUT" "$earlier" && echo "gpu_check: the earlier run in $OUT is now in $earlier"
 fi
+# No GPU, or no torch with CUDA: say so in one line, before a folder or log is made.
+"$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null || {
+  echo "error: no CUDA GPU for $PY here (torch missing, a CPU build, or no GPU); PYTHON=... picks another python" >&2
+  exit 1
+}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/gpu_check.log") 2>&1
 
 echo "== $(date -u +%FT%TZ) gpu_check on $(hostname)"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.csv"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$OUT/gpu.csv"
 "$PY" -c "import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)" \
   || { echo "error: $PY is older than Python 3.11 (tomllib is needed)"; exit 1; }
 "$PY" -c "import torch, sys; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'python', sys.version.split()[0]); sys.exit(0 if torch.cuda.is_available() else 1)" \

@@ -1691,18 +1691,23 @@ def test_a_sweep_records_the_code_that_measured_it(naive_vs_inplace: dict) -> No
 def test_a_gpu_check_rerun_keeps_the_earlier_run(tmp_path: Path) -> None:
     """A warm machine keeps OUT between calls: a rerun moves the earlier run aside, whole,
     rather than have the sweeps refuse the folder and the log overwritten. (Here, without
-    CUDA, each run stops after its first checks, and says why.)"""
+    CUDA, the run then stops with one line that says why, and makes nothing.)"""
     out = tmp_path / "gc"
-    env = {**os.environ, "PYTHON": sys.executable}
-    for _ in range(2):
-        done = subprocess.run(
-            ["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(out)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert done.returncode == 1 and "no torch with CUDA" in done.stdout
+    out.mkdir()
+    (out / "gpu_check.log").write_text("the earlier run's log")
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(out)],
+        env={**os.environ, "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        f"error: no CUDA GPU for {sys.executable} here (torch missing, a CPU build, or no GPU); "
+        "PYTHON=... picks another python"
+    ]
     (earlier,) = tmp_path.glob("gc.earlier-*")
-    assert "no torch with CUDA" in (earlier / "gpu_check.log").read_text()
+    assert (earlier / "gpu_check.log").read_text() == "the earlier run's log"
     assert f"the earlier run in {out} is now in {earlier}" in done.stdout
+    assert not out.exists()
