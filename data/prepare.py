@@ -156,6 +156,7 @@ def prepare(
     if _is_complete(out_dir, content_sha256):
         print(f"reusing {out_dir}: inputs and settings unchanged ({content_sha256[:12]})")
         return out_dir
+    _say_what_is_replaced(out_dir, settings, content_sha256)
 
     # Arrow files for local corpora are only needed while tokenizing.
     with tempfile.TemporaryDirectory(prefix="prepare-datasets-") as cache_dir:
@@ -379,6 +380,28 @@ def _write_outputs(
         for path in temporary.values():
             path.unlink(missing_ok=True)
     return meta
+
+
+def _say_what_is_replaced(out_dir: Path, settings: dict[str, Any], content_sha256: str) -> None:
+    """A corpus prepared there before with other settings or inputs is about to be replaced:
+    say so, and what differs, since runs trained on it can no longer resume or sample."""
+    try:
+        meta = json.loads((out_dir / "meta.json").read_text())
+        if meta["content_sha256"] == content_sha256:
+            return  # the same corpus, its files damaged: rebuilt as it was
+        before = dict(meta["settings"])
+    except (OSError, ValueError, TypeError, KeyError):
+        return  # nothing whole there: nothing to lose
+    differ = [
+        f"{key} {before.get(key)!r} -> {value!r}"
+        for key, value in settings.items()
+        if key != "tokenizers_version" and before.get(key) != value
+    ]
+    print(
+        f"replacing the corpus in {out_dir} ({', '.join(differ) or 'its source text changed'}): "
+        "runs trained on the one there now cannot resume or sample (their tokenizer differs)",
+        file=sys.stderr,
+    )
 
 
 def _is_complete(out_dir: Path, content_sha256: str) -> bool:

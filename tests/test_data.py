@@ -106,19 +106,27 @@ def test_rerun_reuses_and_changes_rebuild(
 
     (corpus / "fjord.txt").write_text(_document("fjord") + "one more line\n")
     prepare("tiny", files=files, vocab_size=VOCAB, out_root=tmp_path)
-    assert "reusing" not in capsys.readouterr().out
+    said = capsys.readouterr()
+    assert "reusing" not in said.out
+    assert f"replacing the corpus in {out} (its source text changed)" in said.err
     assert _meta(out)["content_sha256"] != first["content_sha256"]
 
     changed = _meta(out)["content_sha256"]
     prepare("tiny", files=files, vocab_size=VOCAB + 1, out_root=tmp_path)
     assert _meta(out)["content_sha256"] != changed
+    said = capsys.readouterr().err
+    assert f"(vocab_size {VOCAB} -> {VOCAB + 1})" in said and "cannot resume" in said
 
 
-def test_truncated_output_is_rebuilt(corpus: Path, tmp_path: Path) -> None:
+def test_truncated_output_is_rebuilt(
+    corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = prepare("tiny", files=[str(corpus / "*.txt")], vocab_size=VOCAB, out_root=tmp_path)
     tokens = (out / "train.bin").read_bytes()
     (out / "train.bin").write_bytes(tokens[:-2])
+    capsys.readouterr()
     prepare("tiny", files=[str(corpus / "*.txt")], vocab_size=VOCAB, out_root=tmp_path)
+    assert "replacing" not in capsys.readouterr().err  # the same corpus, made whole again
     assert (out / "train.bin").read_bytes() == tokens
 
 
