@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import inspect
 import os
+import resource
 import signal
 import sys
 import time
@@ -83,6 +84,39 @@ def reserve_heap(nbytes: int) -> None:
     a long run amortises; a short timed window would charge it to whichever step met it.
     """
     torch.ones(nbytes, dtype=torch.uint8)  # written, so every page is faulted in, then freed
+
+
+class OtherLoad:
+    """The share of the machine's CPU time that went elsewhere while a run or measurement goes on.
+
+    Busy time of all CPUs (Linux /proc/stat, steal included: a VM's neighbours count) minus
+    this process's own CPU time, over wall time x cores, from construction to `share()`.
+    Another job on the machine shows here before it shows as noise in the step times.
+    Inductor's compile workers (--compile) are other processes, so they count too.
+    """
+
+    def __init__(self) -> None:
+        self.start = self._read()
+
+    @staticmethod
+    def _read() -> tuple[float, float, float] | None:
+        try:
+            with open("/proc/stat") as f:
+                ticks = [int(x) for x in f.readline().split()[1:9]]
+            hz = os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError):
+            return None  # not Linux
+        # user nice system idle iowait irq softirq steal; guest time is inside user.
+        busy = (sum(ticks) - ticks[3] - ticks[4]) / hz
+        own = resource.getrusage(resource.RUSAGE_SELF)
+        return busy, own.ru_utime + own.ru_stime, time.monotonic()
+
+    def share(self) -> float | None:
+        end = self._read()
+        if self.start is None or end is None or end[2] <= self.start[2]:
+            return None
+        busy, own, wall = (e - s for e, s in zip(end, self.start, strict=True))
+        return max(0.0, (busy - own) / (wall * (os.cpu_count() or 1)))
 
 
 def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:

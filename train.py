@@ -58,6 +58,7 @@ from data.loader import DataError, TokenBatches, check_vocab, load_meta
 from metrics import MetricsLog, start_metrics
 from model import GPT, GPTConfig, VariantUnavailable, check_variant
 from runtime import (
+    OtherLoad,
     StepReadout,
     StopSignal,
     agreed_signal,
@@ -68,6 +69,8 @@ from runtime import (
     set_fp32_matmul_precision,
     wrap_ddp,
 )
+
+OTHER_LOAD_NOTE = 0.2  # a CPU run says so when other processes took more of the CPUs
 
 
 class TrainError(RuntimeError):
@@ -622,6 +625,19 @@ def _train(
             )
         return stops > 0
 
+    other_load = OtherLoad()
+
+    def note_other_load() -> None:
+        """On a CPU, say when other processes took a large share of it: the step times, and
+        so the time to train, say as much about them as about this run."""
+        share = other_load.share() if device.type == "cpu" and world_size == 1 else None
+        if master and share is not None and share > OTHER_LOAD_NOTE:
+            print(
+                f"note: other processes used {share:.0%} of the CPUs while this run trained; "
+                "its step times (ms/step, tokens/s) are slower for it",
+                file=sys.stderr,
+            )
+
     with StopSignal() as stop, bar:  # the bar closes on errors too, before the message
         model.train()
         to_means = torch.tensor([1 / world_size, 1.0, 1 / world_size], device=device)
@@ -671,6 +687,7 @@ def _train(
                 eval_and_save()
                 stopped_by = agreed_signal(stop.received, device, world_size)
                 bar.close()
+                note_other_load()
                 if master:
                     print(
                         f"stopped by {stopped_by} after step {step}; resume with --resume "
@@ -681,6 +698,7 @@ def _train(
             if evaluating and step != last_step:
                 eval_and_save()
         eval_and_save()
+    note_other_load()
     if master and step < tc.max_steps:
         print(
             f"paused after step {step} of {tc.max_steps} (--stop-after {stop_after}); "

@@ -35,7 +35,6 @@ from profiling.analysis import label
 from profiling.measure import (
     ONE_CALL,
     TRACE_WARN_BYTES,
-    OtherLoad,
     backend_that_ran,
     count_flops,
     matmul_peaks,
@@ -48,6 +47,7 @@ from profiling.measure import (
 )
 from profiling.results import write_results
 from runtime import (
+    OtherLoad,
     autocast_dtype,
     keep_freed_host_memory,
     pick_device,

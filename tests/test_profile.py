@@ -29,9 +29,10 @@ from config import load_config
 from cpu_linear import onednn_unavailable_reason
 from model import attention
 from profiling.analysis import fit_line, fits_by_label, op_diff, savings
-from profiling.measure import OtherLoad, count_flops, parse_events, verify_backend
+from profiling.measure import count_flops, parse_events, verify_backend
 from profiling.report import headline_table
 from profiling.sweep import Cell, Sweep
+from runtime import OtherLoad
 
 TINY = [
     "--model.vocab_size=128",

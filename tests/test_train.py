@@ -516,6 +516,23 @@ def test_a_new_run_goes_only_where_nothing_else_is(
     assert run(data_root, unsaved, *one_step) == 0
 
 
+@pytest.mark.parametrize("share", [0.5, 0.0])
+def test_a_cpu_run_says_when_other_processes_took_the_cpus(
+    data_root: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    share: float,
+) -> None:
+    """A run that took four times as long as the README says because another job shared
+    the CPUs says so, as the profiler does."""
+    monkeypatch.setattr(train.OtherLoad, "share", lambda self: share)
+    one_step = ["--train.max_steps=1", "--train.eval_interval=0", "--train.eval_batches=1"]
+    assert run(data_root, tmp_path / "run", *one_step) == 0
+    err = capsys.readouterr().err
+    assert ("note: other processes used 50% of the CPUs" in err) == (share > 0), err
+
+
 def test_resume_without_checkpoint_is_an_error(
     data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
