@@ -713,6 +713,11 @@ def _startup_text(meta: dict[str, Any]) -> str:
     )
 
 
+def _faults(n: float) -> str:
+    """A mean count of page faults: whole numbers, but a fraction below 10 (0.3, not 0)."""
+    return f"{n:,.0f}" if n >= 10 or n == 0 else f"{n:.1f}"
+
+
 def _host_memory_lines(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
     """How freed host memory was handled, and the page faults the timed steps took."""
     counted = [r for r in rows if r.get("page_faults_per_step") is not None]
@@ -728,7 +733,8 @@ def _host_memory_lines(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list
     )
     return [
         f"- **Host memory**: memory that tensors free was {how}; minor page faults per timed "
-        f"step: median {statistics.median(faults):,.0f}, at most {max(faults):,.0f} over the cells"
+        f"step: median {_faults(statistics.median(faults))}, at most {_faults(max(faults))} "
+        "over the cells"
         + (
             f" ({label(most['variant'], most['compile'])} L{most['n_layer']})"
             if max(faults)

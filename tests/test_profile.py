@@ -1488,12 +1488,17 @@ def test_host_memory_line_names_the_cell_with_most_page_faults() -> None:
         for v, f in (("naive", 871.0), ("inplace", 0.4), ("sdpa", 0.3))
     ]
     [line] = _host_memory_lines({"device": "cpu", "host_memory": "keep"}, rows)
-    assert "median 0, at most 871 over the cells (naive L4)" in line and "bursts" in line
+    assert "median 0.4, at most 871 over the cells (naive L4)" in line and "bursts" in line
     [line] = _host_memory_lines({"device": "cpu", "host_memory": "release"}, rows)
     assert "bursts" not in line
     none = [{**r, "page_faults_per_step": 0.0} for r in rows]
     [line] = _host_memory_lines({"device": "cpu", "host_memory": "keep"}, none)
     assert "at most 0 over the cells." in line  # no cell named for a maximum of zero
+    few = [{**r, "page_faults_per_step": f} for r, f in zip(rows, (0.0, 0.3, 0.0), strict=True)]
+    assert (
+        "median 0, at most 0.3 over the cells (inplace L4)"
+        in _host_memory_lines({"device": "cpu", "host_memory": "keep"}, few)[0]
+    )
     assert "grown by" not in line
     reserved = {"device": "cpu", "host_memory": "keep", "heap_reserve_bytes": 256 << 20}
     assert "the heap was grown by 256 MiB" in _host_memory_lines(reserved, rows)[0]
