@@ -269,9 +269,14 @@ def check_out_dir(out_dir: Path, config: Config, resume: bool) -> None:
     if (out_dir / "meta.json").exists() or out_dir.resolve() == Path(config.data.root).resolve():
         # Writing a run there would overwrite a corpus's tokenizer.json with this one's.
         raise TrainError(f"--out {out_dir} holds prepared corpora; give the run its own directory")
-    if resume or not out_dir.is_dir():
-        return
-    others = sorted(p.name for p in out_dir.iterdir() if p.name not in RUN_FILES)
+    if resume or not out_dir.is_dir() or (out_dir / CHECKPOINT).exists():
+        return  # a run's directory (open_run says to pass --resume)
+    # Hidden files (an editor's, a file manager's) and lost+found are no one's work to lose.
+    others = sorted(
+        p.name
+        for p in out_dir.iterdir()
+        if p.name not in RUN_FILES and not p.name.startswith(".") and p.name != "lost+found"
+    )
     if others:
         listed = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
         raise TrainError(
@@ -607,8 +612,8 @@ def _train(
         if tc.grad_clip > 0 and not math.isfinite(norm):
             # The loss came before the update; non-finite gradients made the weights NaN.
             raise stopped_unsaved(
-                f"gradient norm is {norm} at step {pending.step}, so the step's update left "
-                "the weights not finite"
+                f"gradient norm is {norm} at step {pending.step}, so the step's update may "
+                "have left the weights not finite"
             )
         bar.update(1)
         bar.set_postfix(
@@ -632,9 +637,10 @@ def _train(
         so the time to train, say as much about them as about this run."""
         share = other_load.share() if device.type == "cpu" and world_size == 1 else None
         if master and share is not None and share > OTHER_LOAD_NOTE:
+            workers = " (Inductor's compile workers among them)" * tc.compile
             print(
-                f"note: other processes used {share:.0%} of the CPUs while this run trained; "
-                "its step times (ms/step, tokens/s) are slower for it",
+                f"note: other processes{workers} used {share:.0%} of the CPUs while this run "
+                "trained; its step times (ms/step, tokens/s) are slower for it",
                 file=sys.stderr,
             )
 

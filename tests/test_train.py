@@ -510,10 +510,15 @@ def test_a_new_run_goes_only_where_nothing_else_is(
 
     unsaved = tmp_path / "unsaved"
     unsaved.mkdir()
-    for name in ("config.toml", "metrics.jsonl", "tokenizer.json", ".lock"):
-        (unsaved / name).write_text("")
+    for name in ("config.toml", "metrics.jsonl", "tokenizer.json", ".lock", ".config.toml.swp"):
+        (unsaved / name).write_text("")  # and hidden files: an editor's, no one's work
     one_step = ["--train.max_steps=1", "--train.eval_interval=0", "--train.eval_batches=1"]
     assert run(data_root, unsaved, *one_step) == 0
+    # A finished run with a note beside it, run again without --resume: the advice is that.
+    (unsaved / "notes.txt").write_text("mine")
+    capsys.readouterr()
+    assert run(data_root, unsaved, *one_step) == 2
+    assert "already holds a checkpoint; pass --resume" in error_of(capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("share", [0.5, 0.0])
@@ -531,6 +536,11 @@ def test_a_cpu_run_says_when_other_processes_took_the_cpus(
     assert run(data_root, tmp_path / "run", *one_step) == 0
     err = capsys.readouterr().err
     assert ("note: other processes used 50% of the CPUs" in err) == (share > 0), err
+    if share:  # compiled, the run's own compile workers count among them, and it says so
+        assert run(data_root, tmp_path / "compiled", *one_step, "--train.compile=true") == 0
+        assert "other processes (Inductor's compile workers among them) used 50%" in (
+            capsys.readouterr().err
+        )
 
 
 def test_resume_without_checkpoint_is_an_error(
