@@ -395,7 +395,7 @@ def _say_what_is_replaced(out_dir: Path, settings: dict[str, Any], content_sha25
     differ = [
         f"{key} {before.get(key)!r} -> {value!r}"
         for key, value in settings.items()
-        if key != "tokenizers_version" and before.get(key) != value
+        if before.get(key) != value
     ]
     print(
         f"replacing the corpus in {out_dir} ({', '.join(differ) or 'its source text changed'}): "

@@ -117,6 +117,13 @@ def test_rerun_reuses_and_changes_rebuild(
     said = capsys.readouterr().err
     assert f"(vocab_size {VOCAB} -> {VOCAB + 1})" in said and "cannot resume" in said
 
+    # A corpus made by another tokenizers version (its hash covers the version) says that.
+    meta = _meta(out)
+    meta["settings"]["tokenizers_version"], meta["content_sha256"] = "0.0.1", "0" * 64
+    (out / "meta.json").write_text(json.dumps(meta))
+    prepare("tiny", files=files, vocab_size=VOCAB + 1, out_root=tmp_path)
+    assert "(tokenizers_version '0.0.1' -> " in capsys.readouterr().err
+
 
 def test_truncated_output_is_rebuilt(
     corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
