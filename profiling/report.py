@@ -641,16 +641,16 @@ def _doubled_ops(meta: dict[str, Any]) -> str | None:
             "**This sweep counted an op autocast wraps twice per call** (at autocast's dispatch "
             "key and again as it calls the op: `aten::linear`, `aten::matmul`, "
             "`aten::scaled_dot_product_attention`, `aten::softmax`, `aten::layer_norm`, ...; "
-            "also `aten::add_` in AdamW, once per parameter tensor, and `aten::arange`, whose "
-            "overloads call one another), so those counts, the ops per layer and the ATen op "
-            "diffs here are too high; sweeps since count each call once. Kernel counts are not "
-            "affected."
+            "also ops whose overloads call one another, such as `aten::arange`), so those "
+            "counts, the ops per layer and the ATen op diffs here are too high; sweeps since "
+            "count each call once. Kernel counts are not affected."
         )
     return (
         "This sweep counted twice an op whose overload calls another of the same name: "
-        "`aten::add_` in AdamW, once per parameter tensor, and `aten::arange`; its ops per "
-        "layer are too high by the parameter tensors of a layer. Sweeps since count each call "
-        "once; the op diffs between variants are not affected."
+        "`aten::arange`; on CPU `aten::add_` in AdamW, once per parameter tensor; in "
+        "`sdpa-math`, some `aten::mul` and `aten::where`. Its ops per layer are too high by "
+        "those, and so are its op diffs that involve them; sweeps since count each call once. "
+        "Kernel counts are not affected."
     )
 
 

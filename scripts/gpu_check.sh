@@ -20,17 +20,17 @@ PY=${PYTHON:-python3}
 LAYERS=${LAYERS:-1,4,12}
 COMPILED_LAYERS=${COMPILED_LAYERS:-1,12}
 STEPS=${STEPS:-16}
+# No GPU, or no torch with CUDA: say so in one line, before anything is made or moved.
+"$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null || {
+  echo "error: no CUDA GPU for $PY here (torch missing, a CPU build, or no GPU); PYTHON=... picks another python" >&2
+  exit 1
+}
 # A rerun into the same folder (a warm machine keeps it) moves the earlier run aside, whole:
 # the sweeps refuse a folder that holds one, and its log would be overwritten.
 if [ -d "$OUT" ] && [ -n "$(ls -A "$OUT")" ]; then
   earlier="$OUT.earlier-$(date -u +%Y%m%dT%H%M%S)"
   mv "$OUT" "$earlier" && echo "gpu_check: the earlier run in $OUT is now in $earlier"
 fi
-# No GPU, or no torch with CUDA: say so in one line, before a folder or log is made.
-"$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null || {
-  echo "error: no CUDA GPU for $PY here (torch missing, a CPU build, or no GPU); PYTHON=... picks another python" >&2
-  exit 1
-}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/gpu_check.log") 2>&1
 
