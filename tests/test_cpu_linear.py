@@ -257,5 +257,5 @@ def test_a_reserved_heap_serves_new_blocks_without_page_faults() -> None:
         assert done.returncode == 0, done.stderr
         return int(done.stdout)
 
-    assert faults("fresh") > 8000
+    assert faults("fresh") > 6000  # most of its 8192 pages (the heap top may hold a few)
     assert faults("reserve") < 500
