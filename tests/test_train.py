@@ -28,6 +28,7 @@ import pytest
 import torch
 
 import checkpoint
+import rundir
 import sample
 import train
 from config import TrainConfig, load_config
@@ -101,7 +102,7 @@ def error_of(err: str) -> str:
 
 
 def load_ckpt(run_dir: Path) -> dict[str, Any]:
-    return torch.load(run_dir / train.CHECKPOINT, map_location="cpu", weights_only=True)
+    return torch.load(run_dir / checkpoint.CHECKPOINT, map_location="cpu", weights_only=True)
 
 
 def misbehave_at(
@@ -151,7 +152,7 @@ def copy_run_trained_with(run_dir: Path, to: Path, section: str, key: str, value
     ckpt = load_ckpt(out)
     was = ckpt["config"][section][key]
     ckpt["config"][section][key] = value
-    torch.save(ckpt, out / train.CHECKPOINT)
+    torch.save(ckpt, out / checkpoint.CHECKPOINT)
     toml = out / "config.toml"
     text = toml.read_text()
     assert text.count(f'{key} = "{was}"') == 1, f"{key} is not a single string in {toml}"
@@ -331,7 +332,7 @@ def test_unreadable_checkpoint_on_resume_is_an_error(
     base_run: Path, data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: str
 ) -> None:
     out = copy_run(base_run, tmp_path / "run")
-    ckpt = out / train.CHECKPOINT
+    ckpt = out / checkpoint.CHECKPOINT
     whole = ckpt.read_bytes()
     # torch stores data.pkl uncompressed: the byte after its PROTO opcode becomes one that
     # pickle does not know (weights_only's unpickler says "Weights only load failed" for it).
@@ -364,7 +365,7 @@ def test_checkpoint_from_another_program_is_an_error_for_resume_and_sample(
 ) -> None:
     """torch reads it fine (weights_only), but it is not ours: say so, change nothing."""
     out = copy_run(base_run, tmp_path / "run")
-    ckpt = out / train.CHECKPOINT
+    ckpt = out / checkpoint.CHECKPOINT
     torch.save({"model": {}, "iter_num": 3} if foreign == "nanogpt" else torch.zeros(3), ckpt)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     assert run(data_root, out, *SHARED_OVERRIDES, "--resume") == 2
@@ -385,7 +386,7 @@ def test_checkpoint_holding_objects_is_refused_not_loaded(
 ) -> None:
     """weights_only refuses a pickled object: say what it was, without torch's page of advice."""
     out = copy_run(base_run, tmp_path / "run")
-    ckpt = out / train.CHECKPOINT
+    ckpt = out / checkpoint.CHECKPOINT
     torch.save({"model": {}, "out_dir": Path("runs/x")}, ckpt)
     assert run(data_root, out, *SHARED_OVERRIDES, "--resume") == 2
     err = error_of(capsys.readouterr().err)
@@ -452,11 +453,11 @@ def test_checkpoint_with_our_keys_but_other_contents_is_an_error(
         ckpt["tokenizer_sha256"] = None
     else:
         ckpt[damage] = {}
-    torch.save(ckpt, out / train.CHECKPOINT)
+    torch.save(ckpt, out / checkpoint.CHECKPOINT)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     assert run(data_root, out, f"--train.max_steps={STEPS + 1}", "--resume") == 2
     err = error_of(capsys.readouterr().err)
-    assert str(out / train.CHECKPOINT) in err and damage.split(".")[0] in err
+    assert str(out / checkpoint.CHECKPOINT) in err and damage.split(".")[0] in err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
@@ -547,19 +548,19 @@ def test_resume_without_checkpoint_is_an_error(
     data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert run(data_root, tmp_path / "fresh", "--resume") == 2
-    assert str(tmp_path / "fresh" / train.CHECKPOINT) in capsys.readouterr().err
+    assert str(tmp_path / "fresh" / checkpoint.CHECKPOINT) in capsys.readouterr().err
 
 
 def test_resume_with_another_model_config_names_the_field(
     base_run: Path, data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = copy_run(base_run, tmp_path / "run")
-    before = (out / train.CHECKPOINT).read_bytes(), (out / "config.toml").read_text()
+    before = (out / checkpoint.CHECKPOINT).read_bytes(), (out / "config.toml").read_text()
     assert run(data_root, out, *SHARED_OVERRIDES, "--resume", "--model.n_layer=3") == 2
     err = error_of(capsys.readouterr().err)
     assert "n_layer" in err and "model config" in err
     assert "n_embd" not in err, "only the fields that differ are named"
-    assert ((out / train.CHECKPOINT).read_bytes(), (out / "config.toml").read_text()) == before
+    assert ((out / checkpoint.CHECKPOINT).read_bytes(), (out / "config.toml").read_text()) == before
 
 
 def test_resume_may_change_the_attention_variant(
@@ -645,7 +646,7 @@ def test_a_second_process_on_a_run_in_progress_is_refused(
     out = tmp_path / "run"
     out.mkdir()
     one_step = ["--train.max_steps=1", "--train.eval_interval=0", "--train.eval_batches=1"]
-    with train.run_lock(out):  # the other process (flock conflicts across open files)
+    with rundir.run_lock(out):  # the other process (flock conflicts across open files)
         capsys.readouterr()
         assert run(data_root, out, *one_step) == 2
         err = error_of(capsys.readouterr().err)
@@ -654,8 +655,8 @@ def test_a_second_process_on_a_run_in_progress_is_refused(
     assert run(data_root, out, *one_step) == 0, "released when that run ends"
     # A --resume is refused before it reads the checkpoint the run going on will replace.
     read = []
-    monkeypatch.setattr(train, "load_checkpoint", lambda *a, **k: read.append(a))
-    with train.run_lock(out):
+    monkeypatch.setattr(rundir, "load_checkpoint", lambda *a, **k: read.append(a))
+    with rundir.run_lock(out):
         assert run(data_root, out, "--train.max_steps=2", *one_step[1:], "--resume") == 2
     assert "another process" in capsys.readouterr().err and not read
     monkeypatch.undo()
@@ -701,7 +702,7 @@ def test_a_run_dir_that_cannot_be_locked_trains_with_a_warning(
     def no_locks(*args: Any) -> None:
         raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
 
-    monkeypatch.setattr(train.fcntl, "flock", no_locks)
+    monkeypatch.setattr(rundir.fcntl, "flock", no_locks)
     one_step = ["--train.max_steps=1", "--train.eval_interval=0", "--train.eval_batches=1"]
     assert run(data_root, tmp_path / "run", *one_step) == 0
     assert "warning: cannot lock" in capsys.readouterr().err
@@ -711,7 +712,7 @@ def test_interrupted_save_leaves_the_previous_checkpoint_whole(
     data_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
     out = tmp_path / "run"
-    ckpt = out / train.CHECKPOINT
+    ckpt = out / checkpoint.CHECKPOINT
     real_save = torch.save
     saves: list[bytes] = []
 
@@ -765,7 +766,7 @@ def test_non_finite_loss_stops_the_run_without_saving(
     assert f"step {at}" in err and str(bad) in err
     assert len(made) == calls, "the run went on after a non-finite loss"
     if saved is None:
-        assert "none yet" in err and not (out / train.CHECKPOINT).exists()
+        assert "none yet" in err and not (out / checkpoint.CHECKPOINT).exists()
     else:
         assert load_ckpt(out)["step"] == saved
     assert [r["step"] for r in train_lines(out)] == list(range(1, at))
@@ -894,7 +895,7 @@ def test_resume_of_a_run_older_than_a_config_field(base_run: Path, tmp_path: Pat
     out = copy_run(base_run, tmp_path / "old")
     ckpt = load_ckpt(out)
     del ckpt["config"]["train"]["peak_tflops"]
-    torch.save(ckpt, out / train.CHECKPOINT)
+    torch.save(ckpt, out / checkpoint.CHECKPOINT)
     text = (out / "config.toml").read_text()
     (out / "config.toml").write_text(
         "".join(line for line in text.splitlines(True) if not line.startswith("peak_tflops"))
@@ -951,7 +952,7 @@ def test_resume_reads_a_checkpoint_with_the_older_single_rng_state(
     out = copy_run(base_run, tmp_path / "old")
     ckpt = load_ckpt(out)
     ckpt["rng"] = ckpt["rng"][0]  # the format before per-rank states: one dict
-    torch.save(ckpt, out / train.CHECKPOINT)
+    torch.save(ckpt, out / checkpoint.CHECKPOINT)
     assert train.main(["--out", str(out), "--resume", f"--train.max_steps={STEPS + 1}"]) == 0
     assert load_ckpt(out)["step"] == STEPS + 1
 
@@ -965,7 +966,7 @@ def test_without_config_the_run_goes_to_runs_builtin(
     once = ["--train.max_steps=1", "--train.batch_size=2", "--train.eval_batches=1"]
     corpus = [f"--data.root={data_root}", "--data.name=tiny", "--train.sample_tokens=0"]
     assert train.main([*small, *once, *corpus]) == 0
-    assert (tmp_path / "runs" / "builtin" / train.CHECKPOINT).is_file()
+    assert (tmp_path / "runs" / "builtin" / checkpoint.CHECKPOINT).is_file()
     assert not (tmp_path / "runs" / "default").exists()
 
 
@@ -1236,7 +1237,7 @@ def test_fresh_run_starts_a_fresh_metrics_file(
     assert run(data_root, out, *overrides) == 2  # step 1 logged, dies at step 2: no checkpoint
     monkeypatch.undo()
     assert [r["step"] for r in train_lines(out)] == [1]
-    assert not (out / train.CHECKPOINT).exists()
+    assert not (out / checkpoint.CHECKPOINT).exists()
     assert run(data_root, out, *overrides) == 0
     assert [r["step"] for r in train_lines(out)] == [1, 2, 3]
 
@@ -1411,7 +1412,8 @@ def test_sample_from_a_missing_dir_or_a_file_says_so(
 ) -> None:
     assert sample.main(["--run", str(tmp_path / "nope")]) == 2
     assert "does not exist" in error_of(capsys.readouterr().err)
-    assert sample.main(["--run", str(base_run / train.CHECKPOINT)]) == 2  # the checkpoint itself
+    ckpt = base_run / checkpoint.CHECKPOINT
+    assert sample.main(["--run", str(ckpt)]) == 2  # the checkpoint itself
     assert f"is a file; give the run directory ({base_run})" in error_of(capsys.readouterr().err)
 
 

@@ -1,0 +1,232 @@
+"""The run directory: where a run's files go (config.toml, metrics.jsonl, tokenizer.json,
+ckpt.pt), the lock a run holds on it, and the config a run resumes with.
+
+train.py calls these before it writes anything; errors name the directory or file at fault
+(a RunDirError, or a ConfigError for the config a run resumes with).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from checkpoint import CHECKPOINT, check_compatible, load_checkpoint
+from config import (
+    Config,
+    ConfigError,
+    build_config,
+    config_diff,
+    load_config,
+    missing_fields,
+    read_toml,
+)
+
+
+class RunDirError(RuntimeError):
+    """A run directory that cannot take this run; the message says why and what to do."""
+
+
+# What a run writes into its directory; a new run goes only where nothing else is.
+RUN_FILES = frozenset(
+    {"config.toml", "metrics.jsonl", "tokenizer.json", CHECKPOINT, ".lock"}
+    | {f"{name}.tmp" for name in ("config.toml", "metrics.jsonl", CHECKPOINT)}
+)
+
+
+def check_out_dir(out_dir: Path, config: Config, resume: bool) -> None:
+    """`out_dir` is a directory for a run, or can be made one; not a corpus folder, nor, for a
+    new run, a folder of other files (`--out .` would write the run among a project's)."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise RunDirError(f"--out {out_dir} is a file; give a run directory")
+    if (out_dir / "meta.json").exists() or out_dir.resolve() == Path(config.data.root).resolve():
+        # Writing a run there would overwrite a corpus's tokenizer.json with this one's.
+        raise RunDirError(f"--out {out_dir} holds prepared corpora; give the run its own directory")
+    if resume or not out_dir.is_dir() or (out_dir / CHECKPOINT).exists():
+        return  # a run's directory (open_run says to pass --resume)
+    # Hidden files (an editor's, a file manager's) and lost+found are no one's work to lose.
+    others = sorted(
+        p.name
+        for p in out_dir.iterdir()
+        if p.name not in RUN_FILES and not p.name.startswith(".") and p.name != "lost+found"
+    )
+    if others:
+        listed = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        raise RunDirError(
+            f"--out {out_dir} holds files that are not a run's ({listed}); give a new run a new "
+            "or empty directory"
+        )
+
+
+def open_run(
+    out_dir: Path, config: Config, tokenizer_sha256: str, resume: bool
+) -> tuple[Path, dict[str, Any] | None]:
+    """Check that `out_dir` (checked and locked by lock_run_dir) can take this run, before
+    anything is written. Returns the checkpoint's path and the checkpoint to resume from
+    (checked against the config and corpus), or None for a new run."""
+    ckpt_path = out_dir / CHECKPOINT
+    if ckpt_path.exists() and not resume:
+        raise RunDirError(
+            f"{out_dir} already holds a checkpoint; pass --resume to continue it, or --out for a "
+            f"new run (or delete {out_dir} to start it over)"
+        )
+    if not resume:
+        return ckpt_path, None
+    ckpt = load_checkpoint(ckpt_path)
+    check_compatible(ckpt, config, tokenizer_sha256, ckpt_path)
+    return ckpt_path, ckpt
+
+
+@contextlib.contextmanager
+def run_lock(out_dir: Path) -> Iterator[None]:
+    """Hold DIR/.lock for the run: a second process training into the same directory (a
+    --resume while the run goes on, two runs started at once) is refused, not let interleave
+    its metrics and checkpoints with the first one's. Released when the run ends, however."""
+    lock = out_dir / ".lock"
+    try:
+        f = open(lock, "a+")  # noqa: SIM115 (held open for the run: closed below)
+    except OSError as e:  # a read-only directory, another user's lock file
+        raise RunDirError(f"--out {out_dir}: cannot write there ({e.strerror})") from None
+    with f:
+        unlocked = None
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            pid = f.read().strip() or "?"
+            raise RunDirError(
+                f"another process (pid {pid}) is training in {out_dir}; let it finish (or stop "
+                "it), or give this run another --out"
+            ) from None
+        except OSError as e:  # a filesystem without locks (NFS mounted nolock, some FUSE)
+            unlocked = e.strerror
+        if unlocked is not None:
+            print(
+                f"warning: cannot lock {out_dir} ({unlocked}): nothing stops a second process "
+                "from training into it meanwhile",
+                file=sys.stderr,
+            )
+        else:
+            f.seek(0)
+            f.truncate()
+            f.write(f"{os.getpid()}\n")
+            f.flush()
+        yield
+
+
+def lock_run_dir(
+    held: contextlib.ExitStack,
+    out_dir: Path,
+    config: Config,
+    resume: bool,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+) -> None:
+    """Rank 0 makes `out_dir` if need be and locks it, before the run's state there is read (a
+    --resume must not read a checkpoint the run going on is about to replace, a new run must
+    not start over one that finished meanwhile); every rank learns the outcome, so a refusal
+    is the same error on each. What this made is removed again if the run writes nothing."""
+    refused = ""
+    if rank == 0:
+        try:
+            check_out_dir(out_dir, config, resume)
+            made_dirs = [d for d in (out_dir, *out_dir.parents) if not d.exists()]  # deepest first
+            made_lock = not (out_dir / ".lock").exists()
+            try:
+                out_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as e:  # a file on the path, a dangling link, no permission
+                raise RunDirError(
+                    f"--out {out_dir}: cannot make the directory ({e.strerror})"
+                ) from None
+            held.callback(_tidy_unused, out_dir, made_dirs, made_lock)
+            held.enter_context(run_lock(out_dir))
+        except RunDirError as e:
+            refused = str(e)
+    if world_size > 1:
+        flag = torch.tensor([float(bool(refused))], device=device)
+        dist.broadcast(flag, src=0)
+        if flag.item() and not refused:
+            refused = f"rank 0 refused --out {out_dir}: see its message"
+    if refused:
+        raise RunDirError(refused)
+
+
+def _tidy_unused(out_dir: Path, made_dirs: list[Path], made_lock: bool) -> None:
+    """A run that stopped before its first write (config.toml) leaves no .lock or directories
+    of its making behind."""
+    if (out_dir / "config.toml").exists():
+        return
+    if made_lock:
+        (out_dir / ".lock").unlink(missing_ok=True)
+    for made in made_dirs:
+        try:
+            made.rmdir()
+        except OSError:  # not empty after all: leave it, and those above it
+            break
+
+
+def run_config(out: Path, config_file: Path | None, overrides: list[str], resume: bool) -> Config:
+    """The config to train with: on --resume, the run's own config.toml, whatever --config says
+    (`make train ARGS=--resume` gives configs/default.toml: the run's overrides must not fall
+    back to that file's values), with the overrides given now on top; otherwise --config's.
+
+    train.py writes every field into config.toml, so one that lacks a field the checkpoint
+    records is damaged (or cut by hand), and resuming on the defaults in its place would change
+    the run without a word: an error. (A field newer than the run is in neither: its default
+    holds.) Without config.toml, the config ckpt.pt records is the run's."""
+    saved = out / "config.toml"
+    if not resume:
+        return load_config(config_file, overrides)
+    recorded = _recorded_config(out / CHECKPOINT)  # None: no readable run here; open_run says
+    if not saved.is_file():
+        if recorded is None:
+            return load_config(config_file, overrides)
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(
+                f"{saved} is missing; resuming with the config {out / CHECKPOINT} records",
+                file=sys.stderr,
+            )
+        try:
+            return build_config(recorded, overrides)
+        except ConfigError as e:
+            raise ConfigError(f"in the config {out / CHECKPOINT} records: {e}") from None
+    missing = missing_fields(read_toml(saved), recorded or {})
+    if missing:
+        raise ConfigError(
+            f"{saved} lacks {', '.join(missing)}, which train.py writes: it is damaged or was cut; "
+            f"delete it to resume with the config {out / CHECKPOINT} records, or restore them"
+        )
+    config = load_config(saved, overrides)
+    if config_file is not None and int(os.environ.get("RANK", 0)) == 0:
+        differ = config_diff(config, load_config(config_file, overrides))
+        if differ:
+            fields = ", ".join(
+                f"{name} = {ours!r} (there {theirs!r})" for name, ours, theirs in differ
+            )
+            print(
+                f"resuming with {saved}, the run's own config; {config_file} differs, and the "
+                f"run keeps {fields}; to change a field now, give --section.field=value",
+                file=sys.stderr,
+            )
+    return config
+
+
+def _recorded_config(ckpt_path: Path) -> dict[str, Any] | None:
+    """The config a checkpoint records, read without loading its tensors into memory; None
+    where there is no checkpoint. A damaged one is its own error, as resuming words it."""
+    if not ckpt_path.is_file():
+        return None
+    try:
+        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # truncated, another program's, a format mmap cannot read
+        ckpt = load_checkpoint(ckpt_path)  # raises the worded error, or reads it after all
+    recorded = ckpt.get("config") if isinstance(ckpt, dict) else None
+    return recorded if isinstance(recorded, dict) else None
