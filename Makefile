@@ -47,7 +47,7 @@ gpu-check:
 
 # Wheels of the tools gpu_check.sh needs, at the versions pinned here, for a GPU machine with
 # no network: carry .gpu-wheels there and run with WHEELS=.gpu-wheels. GPU_PY: its Python
-# (3.12 on the H200 image this project has been lent, which already has all four).
+# (3.12 by default; an image that already has all four needs none).
 GPU_PY ?= 3.12
 gpu-wheels: setup
 	$(PY) -m pip download --quiet --only-binary=:all: --python-version $(GPU_PY) \

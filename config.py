@@ -54,7 +54,7 @@ class TrainConfig:
     min_lr: float = 1e-4  # floor of the cosine decay, reached at max_steps
     warmup_steps: int = 100  # linear warmup from 0: early Adam updates are noisy
     weight_decay: float = 0.1  # decoupled decay on matrices only; not on biases, norms
-    beta1: float = 0.9
+    beta1: float = 0.9  # AdamW momentum, as GPT-2/3 and nanoGPT use
     beta2: float = 0.95  # below 0.999: adapts faster, steadier for small transformers
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     eval_interval: int = 100  # steps between evaluations (and checkpoints); 0: only at the end

@@ -41,6 +41,17 @@ from runtime import SignalScope, autocast_dtype, pick_device
 from train import USER_ERRORS
 
 
+class _DefaultsShown(argparse.RawDescriptionHelpFormatter):
+    """The module docstring as written; each option's default where it has one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        flag = action.nargs == 0  # --no-traces and the like: nothing to show
+        if not flag and action.default not in (None, argparse.SUPPRESS) and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
 def _csv_list(text: str, kind: type, flag: str) -> list:
     """'a,b,c' -> [kind(a), kind(b), kind(c)]; a bad or repeated item is an error naming the
     flag (a repeated variant or depth would be measured twice and written over its trace)."""
@@ -59,13 +70,18 @@ def _csv_list(text: str, kind: type, flag: str) -> list:
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=_DefaultsShown,
         epilog="Any config field can be overridden, as in train.py: --train.cpu_linear=torch "
         "--model.n_embd=256 (not model.n_layer, model.attention or train.compile: --layers, "
         "--variants and --compile)",
         allow_abbrev=False,  # unknown --flags are config overrides; never guess a prefix
     )
-    p.add_argument("--config", type=Path, default=Path("configs/profile.toml"))
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=Path("configs/profile.toml"),
+        help="TOML with the shapes to profile",
+    )
     p.add_argument("--variants", help="comma-separated (default: every variant that runs here)")
     p.add_argument("--layers", default="1,2,4,8", help="comma-separated n_layer values")
     p.add_argument(

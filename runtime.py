@@ -154,6 +154,11 @@ def init_distributed(train_cfg: TrainConfig) -> tuple[int, int, torch.device]:
         return 0, 1, pick_device(train_cfg.device)
     wanted = pick_device(train_cfg.device)
     if wanted.type == "cuda":
+        if wanted.index is not None:  # each rank takes the GPU torchrun gives it
+            raise ConfigError(
+                f"train.device={train_cfg.device!r}: under torchrun each process uses GPU "
+                "LOCAL_RANK; give cuda (pick the GPUs with CUDA_VISIBLE_DEVICES)"
+            )
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device)

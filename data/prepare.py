@@ -439,7 +439,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="data/prepare.py",
         allow_abbrev=False,
-        description="Corpus -> byte-level BPE -> uint16 token files in <out-root>/NAME/.",
+        description="Corpus -> byte-level BPE -> uint16 token files in <out-root>/NAME/ "
+        "(train.bin, val.bin, tokenizer.json, meta.json). How documents are split and chosen: "
+        "the docstring of data/prepare.py.",
     )
     parser.add_argument("--name", required=True, help="output folder name under --out-root")
     source = parser.add_mutually_exclusive_group(required=True)
@@ -453,8 +455,20 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--hub-config", help="--hub: dataset configuration name")
     parser.add_argument("--split", default="train", help="--hub: split to load (default train)")
     parser.add_argument("--text-column", default="text", help="--hub: column with the documents")
-    parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
-    parser.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION)
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=DEFAULT_VOCAB_SIZE,
+        help=f"BPE vocabulary, <|endoftext|> and the 256 bytes included (default "
+        f"{DEFAULT_VOCAB_SIZE}; the run's model.vocab_size must be at least this)",
+    )
+    parser.add_argument(
+        "--val-fraction",
+        type=float,
+        default=DEFAULT_VAL_FRACTION,
+        help=f"about this share of the distinct documents goes to val (default "
+        f"{DEFAULT_VAL_FRACTION})",
+    )
     parser.add_argument("--max-bytes", type=int, help="keep a prefix of whole documents this big")
     parser.add_argument(
         "--encoding-errors",

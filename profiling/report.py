@@ -28,15 +28,21 @@ from profiling.plots import MiB, plot_results
 NOISY_SPREAD = 1.25  # p90/p10 of a cell's step times above which its headline cell gets a *
 
 
+def _rate_unit(flops: float) -> tuple[float, str]:
+    """The divisor and unit a matmul rate reads best in: a CPU's GFLOP/s, a GPU's TFLOP/s."""
+    return (1e12, "TFLOP/s") if flops >= 1e13 else (1e9, "GFLOP/s")
+
+
 def _peak_readings(meta: dict[str, Any]) -> str:
-    start = meta.get("peak_flops_start", meta["peak_flops"]) / 1e9
+    scale, unit = _rate_unit(meta["peak_flops"])
+    start = meta.get("peak_flops_start", meta["peak_flops"]) / scale
     if "peak_flops_end" not in meta:
         return (
-            f"{start:.1f} GFLOP/s, measured at the start (the sweep stopped before the end reading)"
+            f"{start:.1f} {unit}, measured at the start (the sweep stopped before the end reading)"
         )
-    end = meta["peak_flops_end"] / 1e9
+    end = meta["peak_flops_end"] / scale
     return (
-        f"{start:.1f} / {end:.1f} GFLOP/s, measured at the start and end of the sweep, higher used"
+        f"{start:.1f} / {end:.1f} {unit}, measured at the start and end of the sweep, higher used"
     )
 
 
@@ -221,8 +227,9 @@ def _peak_paths(meta: dict[str, Any]) -> str:
     paths = meta.get("peak_flops_by_path") or {}
     if len(paths) < 2:
         return ""
-    rates = ", ".join(f"{name} {rate / 1e9:.1f}" for name, rate in paths.items())
-    return f"; best of each path: {rates} GFLOP/s"
+    scale, unit = _rate_unit(max(paths.values()))
+    rates = ", ".join(f"{name} {rate / scale:.1f}" for name, rate in paths.items())
+    return f"; best of each path: {rates} {unit}"
 
 
 def _machine_line(meta: dict[str, Any]) -> str:
@@ -374,7 +381,8 @@ def write_report(out: Path, results: dict[str, Any], plots: bool = True) -> None
         "Full training steps (forward + backward + AdamW), median step time in ms",
         f"machine: {_machine_line(meta)}",
         f"setup:   {_setup_line(meta)}",
-        f"peak:    {meta['peak_flops'] / 1e9:.1f} GFLOP/s {meta['dtype']} matmul, measured on the spot"
+        f"peak:    {meta['peak_flops'] / _rate_unit(meta['peak_flops'])[0]:.1f} "
+        f"{_rate_unit(meta['peak_flops'])[1]} {meta['dtype']} matmul, measured on the spot"
         f"{_peak_paths(meta)}",
         f"command: {meta['command']}{_commit_text(meta)}",
         "",

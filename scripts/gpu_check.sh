@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check, in one go (at most 6 minutes: each part has a time limit; a sweep that
-# `timeout` stops with SIGTERM keeps the cells it finished, with their report and plots; a
-# device session has 15 minutes, machine start included: short enough to run it twice):
+# `timeout` stops with SIGTERM keeps the cells it finished, with their report and plots):
 #   1. the CUDA-marked tests;
 #   2. profile_train.py over all eight variants at GPT-2-small width, n_layer 1, 4, 12, bf16;
 #      then naive, sdpa and flex compiled and not, at n_layer 1 and 12 (each depth compiles

@@ -172,3 +172,17 @@ def test_a_device_this_machine_lacks_is_a_config_error(name: str, says: str) -> 
     with pytest.raises(ConfigError, match=re.escape(says)) as refused:
         pick_device(name, "--device")
     assert str(refused.value).startswith(f"--device={name!r}")
+
+
+def test_torchrun_refuses_a_numbered_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torchrun each rank takes GPU LOCAL_RANK: a train.device=cuda:1 that would be
+    dropped without a word is an error instead (checked before any process group is joined)."""
+    from config import TrainConfig
+    from runtime import init_distributed
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ConfigError, match=r"train\.device='cuda:1': under torchrun"):
+        init_distributed(TrainConfig(device="cuda:1"))
