@@ -233,16 +233,21 @@ def build_model(
     return model, optimizer
 
 
-def check_runnable(config: Config, device: torch.device, amp_dtype: torch.dtype | None) -> bool:
-    """Fail early, naming the field, if the variant or Linear path cannot run here.
-
-    Returns whether nn.Linear goes through oneDNN (cpu_linear.py).
-    """
+def check_attention(config: Config, device: torch.device, amp_dtype: torch.dtype | None) -> None:
+    """Fail early, naming the variant and why, if it cannot train here."""
     mc = config.model
     try:
         check_variant(mc.attention, device, amp_dtype or torch.float32, mc.head_size, mc.dropout)
+    except (VariantUnavailable, ValueError) as e:  # ValueError: a name the registry lacks
+        raise TrainError(str(e)) from None
+
+
+def linear_path(config: Config, device: torch.device, amp_dtype: torch.dtype | None) -> bool:
+    """Whether nn.Linear goes through oneDNN (cpu_linear.py), as train.cpu_linear asks; an
+    error naming the field where it asks for what cannot run here."""
+    try:
         return wants_onednn(config.train.cpu_linear, device, amp_dtype is not None)
-    except (VariantUnavailable, ValueError) as e:
+    except ValueError as e:
         raise TrainError(str(e)) from None
 
 
@@ -318,7 +323,8 @@ def _train(
     meta = load_meta(config.data.root, config.data.name, config.model.vocab_size)
     check_vocab(meta, config.model.vocab_size, config.data.name)
     data_dir = Path(config.data.root) / config.data.name
-    onednn = check_runnable(config, device, amp_dtype)
+    check_attention(config, device, amp_dtype)
+    onednn = linear_path(config, device, amp_dtype)
 
     ckpt_path, ckpt = open_run(out_dir, config, meta["tokenizer_sha256"], resume)
     trained_with = ckpt["config"]["model"].get("attention") if ckpt is not None else None
