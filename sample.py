@@ -25,11 +25,18 @@ import torch
 from tokenizers import Tokenizer
 
 from checkpoint import CHECKPOINT, CheckpointError, load_checkpoint, model_config_diff, restoring
-from config import Config, load_config
+from config import Config, ConfigError, load_config
 from data.prepare import EOT, file_sha256
 from model import GPT, VARIANTS, VariantUnavailable, check_variant
 from runtime import autocast, autocast_dtype, pick_device, set_fp32_matmul_precision
-from train import USER_ERRORS, TrainError
+
+
+class SampleError(RuntimeError):
+    """A run that cannot be sampled as asked; the message says what and where."""
+
+
+# Errors a user's input causes: a one-line message, not a traceback.
+USER_ERRORS = (SampleError, ConfigError, CheckpointError)
 
 
 def load_run(
@@ -37,12 +44,14 @@ def load_run(
 ) -> tuple[GPT, Tokenizer, Config]:
     """The run's model on `device`, with its own attention variant or `attention`."""
     if run_dir.is_file():
-        raise TrainError(f"--run {run_dir} is a file; give the run directory ({run_dir.parent})")
+        raise SampleError(f"--run {run_dir} is a file; give the run directory ({run_dir.parent})")
     if not run_dir.is_dir():
-        raise TrainError(f"run directory {run_dir} does not exist")
+        raise SampleError(f"run directory {run_dir} does not exist")
     for name in ("config.toml", "tokenizer.json"):
         if not (run_dir / name).is_file():
-            raise TrainError(f"{run_dir} has no {name}; is it a run directory written by train.py?")
+            raise SampleError(
+                f"{run_dir} has no {name}; is it a run directory written by train.py?"
+            )
     config = load_config(run_dir / "config.toml")
     tokenizer_path = run_dir / "tokenizer.json"
     ckpt_path = run_dir / CHECKPOINT
@@ -76,7 +85,7 @@ def load_run(
     except VariantUnavailable as e:
         other = "naive" if config.model.attention == "sdpa" else "sdpa"
         hint = "" if attention is not None else f"; sample with another, e.g. --attention {other}"
-        raise TrainError(f"{e}{hint}") from None
+        raise SampleError(f"{e}{hint}") from None
     model = GPT(config.model)
     with restoring(ckpt_path, "model"):
         model.load_state_dict(ckpt["model"])
@@ -103,7 +112,7 @@ def sample_run(
     model, tokenizer, config = load_run(run_dir, dev, attention)
     ids = tokenizer.encode(prompt).ids
     if not ids:
-        raise TrainError("the prompt is empty; give at least one character")
+        raise SampleError("the prompt is empty; give at least one character")
     generator = torch.Generator(device=dev).manual_seed(seed)
     idx = torch.tensor([ids], dtype=torch.long, device=dev)
     eot = tokenizer.token_to_id(EOT) if stop_at_eot else None

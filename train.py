@@ -651,15 +651,21 @@ def main(argv: list[str] | None = None) -> int:
     if finished and tc.sample_tokens > 0 and int(os.environ.get("RANK", 0)) == 0:
         print(f"\n--- sample from {end.run_dir} (prompt {tc.sample_prompt!r}) ---")
         try:
-            from sample import sample_run  # here: it needs `tokenizers`, training does not
+            import sample  # here: it needs `tokenizers`, training does not
 
-            print(sample_run(end.run_dir, tc.sample_prompt, tc.sample_tokens, device=tc.device))
+            text = sample.sample_run(
+                end.run_dir, tc.sample_prompt, tc.sample_tokens, device=tc.device
+            )
         except KeyboardInterrupt:
             print("sample interrupted; the run is saved", file=sys.stderr)
             return 130
-        except (*USER_ERRORS, ValueError, ImportError) as e:  # ImportError: no `tokenizers`
+        except ImportError as e:  # no `tokenizers`
             print(f"error: no sample ({e}); the run is saved in {end.run_dir}", file=sys.stderr)
             return 2
+        except (*sample.USER_ERRORS, ValueError) as e:  # sample is imported by then
+            print(f"error: no sample ({e}); the run is saved in {end.run_dir}", file=sys.stderr)
+            return 2
+        print(text)
     return 0
 
 
