@@ -178,6 +178,22 @@ def test_matmul_peaks_time_each_path() -> None:
         assert peaks["oneDNN"] > 1e8
 
 
+def run_in_a_process(script: str, mode: str) -> str:
+    """A malloc setting is process-wide: each check runs in its own process. Exit status 3:
+    this malloc is not glibc's, and the check does not apply."""
+    done = subprocess.run(
+        [sys.executable, "-c", script, mode],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parents[1],
+        timeout=120,
+    )
+    if done.returncode == 3:
+        pytest.skip("malloc here is not glibc's")
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
 WHERE_A_BIG_BLOCK_LIVES = """
 import sys, torch, runtime
 if sys.argv[1] == "keep" and not runtime.keep_freed_host_memory():
@@ -207,17 +223,7 @@ def test_kept_host_memory_stays_for_reuse() -> None:
     the heap keeps it after the free. Each in its own process: the setting is process-wide."""
 
     def run(mode: str) -> tuple[bool, int]:
-        done = subprocess.run(
-            [sys.executable, "-c", WHERE_A_BIG_BLOCK_LIVES, mode],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).parents[1],
-            timeout=120,
-        )
-        if done.returncode == 3:
-            pytest.skip("malloc here is not glibc's")
-        assert done.returncode == 0, done.stderr
-        in_heap, heap_bytes = done.stdout.split()
+        in_heap, heap_bytes = run_in_a_process(WHERE_A_BIG_BLOCK_LIVES, mode).split()
         return in_heap == "True", int(heap_bytes)
 
     (released_in_heap, released_heap), (kept_in_heap, kept_heap) = run("release"), run("keep")
@@ -244,18 +250,7 @@ def test_a_reserved_heap_serves_new_blocks_without_page_faults() -> None:
     for 32 MiB); after reserve_heap, the heap's top already holds faulted pages for it. So the
     profiler's timed steps do not pay for the heap's growth."""
 
-    def faults(mode: str) -> int:
-        done = subprocess.run(
-            [sys.executable, "-c", FAULTS_OF_A_FRESH_BLOCK, mode],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).parents[1],
-            timeout=120,
-        )
-        if done.returncode == 3:
-            pytest.skip("malloc here is not glibc's")
-        assert done.returncode == 0, done.stderr
-        return int(done.stdout)
-
-    assert faults("fresh") > 6000  # most of its 8192 pages (the heap top may hold a few)
-    assert faults("reserve") < 500
+    fresh = int(run_in_a_process(FAULTS_OF_A_FRESH_BLOCK, "fresh"))
+    reserved = int(run_in_a_process(FAULTS_OF_A_FRESH_BLOCK, "reserve"))
+    assert fresh > 6000  # most of its 8192 pages (the heap top may hold a few)
+    assert reserved < 500
