@@ -652,17 +652,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n--- sample from {end.run_dir} (prompt {tc.sample_prompt!r}) ---")
         try:
             import sample  # here: it needs `tokenizers`, training does not
-
+        except ImportError as e:
+            print(f"error: no sample ({e}); the run is saved in {end.run_dir}", file=sys.stderr)
+            return 2
+        try:
             text = sample.sample_run(
                 end.run_dir, tc.sample_prompt, tc.sample_tokens, device=tc.device
             )
         except KeyboardInterrupt:
             print("sample interrupted; the run is saved", file=sys.stderr)
             return 130
-        except ImportError as e:  # no `tokenizers`
-            print(f"error: no sample ({e}); the run is saved in {end.run_dir}", file=sys.stderr)
-            return 2
-        except (*sample.USER_ERRORS, ValueError) as e:  # sample is imported by then
+        except (*sample.USER_ERRORS, ValueError) as e:
             print(f"error: no sample ({e}); the run is saved in {end.run_dir}", file=sys.stderr)
             return 2
         print(text)
