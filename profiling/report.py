@@ -377,12 +377,12 @@ def write_report(out: Path, results: dict[str, Any], plots: bool = True) -> None
     if not rows:
         return
     not_run = _not_run(rows)
+    scale, unit = _rate_unit(meta["peak_flops"])
     summary = [
         "Full training steps (forward + backward + AdamW), median step time in ms",
         f"machine: {_machine_line(meta)}",
         f"setup:   {_setup_line(meta)}",
-        f"peak:    {meta['peak_flops'] / _rate_unit(meta['peak_flops'])[0]:.1f} "
-        f"{_rate_unit(meta['peak_flops'])[1]} {meta['dtype']} matmul, measured on the spot"
+        f"peak:    {meta['peak_flops'] / scale:.1f} {unit} {meta['dtype']} matmul, measured on the spot"
         f"{_peak_paths(meta)}",
         f"command: {meta['command']}{_commit_text(meta)}",
         "",
@@ -524,6 +524,7 @@ def _serialised_text(meta: dict[str, Any]) -> str:
 
 def _report_md(results: dict[str, Any]) -> str:
     meta, rows, fits = results["meta"], results["rows"], results["fits"]
+    doubled = _doubled_ops(meta)  # a caveat for sweeps that counted re-dispatched ops twice
     saved = savings(rows)
     projected = [
         f"| {name} | " + " | ".join(_projected(s["projected"][str(n)]) for n in PROJECT_AT) + " |"
@@ -550,11 +551,7 @@ def _report_md(results: dict[str, Any]) -> str:
             "",
             "## Findings: what each variant changes, per layer per step",
             "",
-            *(
-                [f"> {_doubled_ops(meta)}", ""]
-                if meta.get("autocast") and _doubled_ops(meta)
-                else []
-            ),
+            *([f"> {doubled}", ""] if meta.get("autocast") and doubled else []),
             *(findings(rows) or ["- (needs `naive` and at least one other variant in the sweep)"]),
             "",
             "## Where the time goes",
