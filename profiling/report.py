@@ -599,6 +599,7 @@ def _report_md(results: dict[str, Any]) -> str:
             "graphs Inductor then found in its on-disk cache, from an earlier depth or run: its "
             "time is mostly that tracing, not a compile from scratch." + _startup_text(meta),
             *_host_memory_lines(meta, rows),
+            *_device_memory_lines(rows),
             "- **Ops and kernels**: separate steps under torch.profiler with a wait=1/warmup=1/active schedule; "
             "ATen ops (and the oneDNN linear's `cpu_linear::linear`/`mkldnn::_linear_pointwise`) counted (nested calls included, so `aten::masked_fill` and the `aten::clone` it makes both "
             "count) by the `record_function` region their start falls in; CUDA kernels (and memcpy/memset) by "
@@ -721,6 +722,37 @@ def _startup_text(meta: dict[str, Any]) -> str:
 def _faults(n: float) -> str:
     """A mean count of page faults: whole numbers, but a fraction below 10 (0.3, not 0)."""
     return f"{n:,.0f}" if n >= 10 or n == 0 else f"{n:.1f}"
+
+
+def _device_memory_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """CUDA: the caching allocator's cudaMalloc/cudaFree calls in the timed steps (absent in
+    sweeps written before they were counted)."""
+    counted = [r for r in rows if r.get("allocator_calls_per_step") is not None]
+    if not counted:
+        return []
+    calls = [r["allocator_calls_per_step"] for r in counted]
+    most = max(counted, key=lambda r: r["allocator_calls_per_step"])
+    retried = [r for r in counted if r.get("alloc_retries")]
+    return [
+        "- **Device memory**: the CUDA caching allocator's cudaMalloc and cudaFree calls per "
+        f"timed step: median {_faults(statistics.median(calls))}, at most {_faults(max(calls))} "
+        "over the cells"
+        + (f" ({label(most['variant'], most['compile'])} L{most['n_layer']})" if max(calls) else "")
+        + "."
+        + (
+            " Allocations that failed, freed the cache and were retried: "
+            + ", ".join(
+                f"{r['alloc_retries']} in {label(r['variant'], r['compile'])} L{r['n_layer']}"
+                for r in retried
+            )
+            + "."
+            if retried
+            else ""
+        )
+        + " An allocator that has settled makes none; cudaFree waits for the device to finish "
+        "its work, so a cell that makes them per step idles the GPU meanwhile, which shows as "
+        "time with no kernel running."
+    ]
 
 
 def _host_memory_lines(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:

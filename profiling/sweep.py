@@ -98,6 +98,10 @@ class Cell:
     optimizer: torch.optim.Optimizer | None = None
     times: list[float] = dataclasses.field(default_factory=list)
     page_faults: int = 0  # minor page faults of this process during the timed steps
+    # CUDA: the caching allocator's cudaMalloc and cudaFree calls during the timed steps, and
+    # how many of its allocations failed, freed its cache and retried (each a device sync).
+    device_allocs: int = 0
+    alloc_retries: int = 0
     first_step_s: float | None = None
     # Compiled cells: the first-step excess over the median step of the eager cell of the same
     # variant and depth, the part of the compiled cell's excess that is not compilation.
@@ -148,6 +152,20 @@ def compile_seconds(
 def _minor_faults() -> int:
     """Minor page faults of this process so far: pages the OS had to map in and zero."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def allocator_counts(stats: dict[str, int]) -> tuple[int, int]:
+    """From torch.cuda.memory_stats(): the caching allocator's calls to allocate and free device
+    memory so far (cudaMalloc/cudaFree, or cuMemMap/cuMemUnmap with expandable segments; where
+    a torch lacks those counters, the segments it reserved and released), and its retries (an
+    allocation the device refused, retried after freeing the cache). An allocator that has
+    settled makes none; cudaFree waits for the device to finish its work, so a step that makes
+    them leaves the GPU idle meanwhile."""
+    if "num_device_alloc" in stats:
+        calls = stats["num_device_alloc"] + stats.get("num_device_free", 0)
+    else:
+        calls = stats.get("segment.all.allocated", 0) + stats.get("segment.all.freed", 0)
+    return calls, stats.get("num_alloc_retries", 0)
 
 
 def _compile_counters() -> dict[str, int]:
@@ -449,9 +467,12 @@ class Sweep:
                 if cell.step is None:
                     continue
                 with self._guard(cell):
-                    faults = _minor_faults()
+                    faults, (calls, retries) = _minor_faults(), self._allocator()
                     cell.times.append(timed(cell.step, self.device))
                     cell.page_faults += _minor_faults() - faults
+                    calls_after, retries_after = self._allocator()
+                    cell.device_allocs += calls_after - calls
+                    cell.alloc_retries += retries_after - retries
         excess = eager_first_step_excess(cells)
         for cell in cells:
             if cell.compiled:
@@ -466,6 +487,12 @@ class Sweep:
                     f"as interleaved timing needs; alone: --variants {cell.variant} "
                     f"--layers {cell.n_layer} --compile {'on' if cell.compiled else 'off'})"
                 )
+
+    def _allocator(self) -> tuple[int, int]:
+        """allocator_counts on CUDA; (0, 0) elsewhere, where there is no caching allocator."""
+        if self.device.type != "cuda":
+            return 0, 0
+        return allocator_counts(torch.cuda.memory_stats(self.device))
 
     @contextlib.contextmanager
     def _guard(self, cell: Cell):
@@ -500,6 +527,8 @@ class Sweep:
             "kernels_per_step": None,
             "kernels_unattributed_per_step": None,
             "page_faults_per_step": None,
+            "allocator_calls_per_step": None,
+            "alloc_retries": None,
             "cpu_ms_per_step": None,
             "device_ms_per_step": None,
             "time_split": None,
@@ -532,6 +561,9 @@ class Sweep:
             "tokens_per_s": tokens / (stats["median"] / 1e3),
             "page_faults_per_step": cell.page_faults / len(cell.times),
         }
+        if self.device.type == "cuda":
+            fields["allocator_calls_per_step"] = cell.device_allocs / len(cell.times)
+            fields["alloc_retries"] = cell.alloc_retries
         if cell.first_step_s is not None:
             fields["first_step_ms"] = cell.first_step_s * 1e3
         if cell.compiled and cell.first_step_s is not None:

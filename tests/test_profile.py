@@ -143,6 +143,7 @@ def test_results_json_contract(naive_vs_inplace: dict) -> None:
         assert row["kernels_per_step"] is None  # CPU
         assert 0 < row["mfu"] < 1 and row["peak_mem_bytes"] > 0
         assert row["page_faults_per_step"] >= 0
+        assert row["allocator_calls_per_step"] is None and row["alloc_retries"] is None  # CPU
         # Attention's T x T products, forward (QK^T, PV) and backward (2 each): 12 B T^2 C per
         # layer, part of the step's count. (TINY: B=2, T=32, C=32.)
         assert row["attention_flops_per_step"] == 12 * 2 * 32**2 * 32 * row["n_layer"]
@@ -943,6 +944,7 @@ def test_cuda_sweep_counts_kernels(tmp_path: Path) -> None:
         for region in ("forward", "backward", "optimizer"):
             assert sum(row["kernels_per_step"][region].values()) > 0, region
         assert not row["kernels_unattributed_per_step"], row["kernels_unattributed_per_step"]
+        assert row["allocator_calls_per_step"] >= 0 and row["alloc_retries"] >= 0
 
     def forward_kernels(variant: str, n: int) -> float:
         return sum(rows[(variant, n)]["kernels_per_step"]["forward"].values())
@@ -1478,6 +1480,52 @@ def test_findings_compare_compiled_variants_with_compiled_naive() -> None:
         "- sdpa+compile vs naive+compile",
     ]
     assert "aten::mm" not in lines[1], "what compiling changes cancels against compiled naive"
+
+
+def test_allocator_counts_read_device_calls_and_retries() -> None:
+    from profiling.sweep import allocator_counts
+
+    stats = {"num_device_alloc": 5, "num_device_free": 2, "num_alloc_retries": 1}
+    assert allocator_counts({**stats, "segment.all.allocated": 9}) == (7, 1)
+    # A torch without the device-call counters: the segments reserved and released.
+    assert allocator_counts({"segment.all.allocated": 4, "segment.all.freed": 3}) == (7, 0)
+    assert allocator_counts({}) == (0, 0)  # before the first allocation: no stats yet
+
+
+@pytest.mark.cuda
+def test_cuda_allocator_counts_see_memory_reserved_and_released() -> None:
+    """The counters the sweep reads exist in this torch and move when the allocator goes to
+    the device: one allocation the cache cannot serve, one release."""
+    from profiling.sweep import allocator_counts
+
+    torch.cuda.empty_cache()
+    calls, _ = allocator_counts(torch.cuda.memory_stats())
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    del x
+    torch.cuda.empty_cache()
+    assert allocator_counts(torch.cuda.memory_stats())[0] - calls >= 2
+
+
+def test_device_memory_line_names_the_cell_with_most_allocator_calls() -> None:
+    from profiling.report import _device_memory_lines
+
+    def row(variant: str, calls: float | None, retries: int | None) -> dict:
+        return {
+            "variant": variant,
+            "compile": False,
+            "n_layer": 12,
+            "allocator_calls_per_step": calls,
+            "alloc_retries": retries,
+        }
+
+    [line] = _device_memory_lines([row("naive", 0.0, 0), row("sdpa", 2.5, 3), row("flex", 0.0, 0)])
+    assert "median 0, at most 2.5 over the cells (sdpa L12)." in line
+    assert "retried: 3 in sdpa L12." in line
+    [line] = _device_memory_lines([row("naive", 0.0, 0), row("sdpa", 0.0, 0)])
+    assert "at most 0 over the cells." in line and "retried" not in line
+    # CPU sweeps, and CUDA sweeps written before the calls were counted: no line.
+    assert _device_memory_lines([row("naive", None, None)]) == []
+    assert _device_memory_lines([{"variant": "naive", "compile": False, "n_layer": 1}]) == []
 
 
 def test_host_memory_line_names_the_cell_with_most_page_faults() -> None:
