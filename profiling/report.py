@@ -237,7 +237,7 @@ def _machine_line(meta: dict[str, Any]) -> str:
     other = meta.get("other_cpu_share")
     load = "" if other is None else f"; other processes used {other:.0%} of the CPUs meanwhile"
     return (
-        f"{meta['device']} ({meta['device_name']}), {meta['cpu_count']} CPU cores, "
+        f"{meta['device']} ({meta['device_name']}), {meta['cpu_count']} logical CPUs, "
         f"{meta['torch_threads']} torch threads, torch {meta['torch_version']}{extra}, "
         f"Python {meta['python']}, {meta['platform']}{load}"
     )
