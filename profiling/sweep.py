@@ -232,6 +232,7 @@ class Sweep:
         # exception its handler raised. Called before every step.
         self.raise_if_interrupted: Callable[[], None] = lambda: None
         self.rows: list[dict[str, Any]] = []
+        self.unavailable: dict[str, str | None] = {}  # by variant: why it cannot run, probed once
         self.batches = self._batches()
         self.meta = self._meta()
 
@@ -308,7 +309,11 @@ class Sweep:
 
     def _build(self, cell: Cell) -> None:
         mc, tc = self.config.model, self.config.train
-        reason = unavailable_reason(cell.variant, self.device, self.dtype, mc.head_size, mc.dropout)
+        if cell.variant not in self.unavailable:  # the probe runs the variant: once is enough
+            self.unavailable[cell.variant] = unavailable_reason(
+                cell.variant, self.device, self.dtype, mc.head_size, mc.dropout
+            )
+        reason = self.unavailable[cell.variant]
         if reason is not None:
             cell.fail("unsupported", f"{cell.variant} cannot run on {self.device}: {reason}")
             return

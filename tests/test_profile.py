@@ -1482,6 +1482,24 @@ def test_findings_compare_compiled_variants_with_compiled_naive() -> None:
     assert "aten::mm" not in lines[1], "what compiling changes cancels against compiled naive"
 
 
+def test_each_variant_is_probed_once_per_sweep(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whether a variant can run is decided by running it; the answer holds for every depth."""
+    import profiling.sweep
+
+    probed: list[str] = []
+
+    def counted(name: str, *args: object, **kwargs: object) -> str | None:
+        probed.append(name)
+        return attention.unavailable_reason(name, *args, **kwargs)
+
+    monkeypatch.setattr(profiling.sweep, "unavailable_reason", counted)
+    rc, results = sweep(tmp_path, "--variants", "naive,inplace", "--layers", "1,2", "--no-traces")
+    assert rc == 0 and [r["status"] for r in results["rows"]] == ["ok"] * 4
+    assert sorted(probed) == ["inplace", "naive"]
+
+
 def test_allocator_counts_read_device_calls_and_retries() -> None:
     from profiling.sweep import allocator_counts
 
