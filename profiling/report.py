@@ -724,8 +724,13 @@ def _faults(n: float) -> str:
     return f"{n:,.0f}" if n >= 10 or n == 0 else f"{n:.1f}"
 
 
+def _per_step(n: float) -> str:
+    """A mean count per step: whole above 10, two significant figures below (0.031, not 0.0)."""
+    return f"{n:,.0f}" if n >= 10 or n == 0 else f"{n:.2g}"
+
+
 def _device_memory_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """CUDA: the caching allocator's cudaMalloc/cudaFree calls in the timed steps (absent in
+    """CUDA: the caching allocator's device calls and retries in the timed steps (absent in
     sweeps written before they were counted)."""
     counted = [r for r in rows if r.get("allocator_calls_per_step") is not None]
     if not counted:
@@ -733,26 +738,28 @@ def _device_memory_lines(rows: list[dict[str, Any]]) -> list[str]:
     calls = [r["allocator_calls_per_step"] for r in counted]
     most = max(counted, key=lambda r: r["allocator_calls_per_step"])
     retried = [r for r in counted if r.get("alloc_retries")]
-    return [
-        "- **Device memory**: the CUDA caching allocator's cudaMalloc and cudaFree calls per "
-        f"timed step: median {_faults(statistics.median(calls))}, at most {_faults(max(calls))} "
-        "over the cells"
+    line = (
+        "- **Device memory**: the CUDA caching allocator's calls to allocate or free device "
+        f"memory (cudaMalloc, cudaFree) per timed step: median {_per_step(statistics.median(calls))}"
+        f", at most {_per_step(max(calls))} over the cells"
         + (f" ({label(most['variant'], most['compile'])} L{most['n_layer']})" if max(calls) else "")
         + "."
-        + (
-            " Allocations that failed, freed the cache and were retried: "
-            + ", ".join(
-                f"{r['alloc_retries']} in {label(r['variant'], r['compile'])} L{r['n_layer']}"
-                for r in retried
-            )
-            + "."
-            if retried
-            else ""
+    )
+    if retried:
+        line += " Allocations the device refused, retried after the cache was freed, over all "
+        line += "the timed steps: " + ", ".join(
+            f"{r['alloc_retries']} in {label(r['variant'], r['compile'])} L{r['n_layer']}"
+            for r in retried
         )
-        + " An allocator that has settled makes none; cudaFree waits for the device to finish "
-        "its work, so a cell that makes them per step idles the GPU meanwhile, which shows as "
-        "time with no kernel running."
-    ]
+        line += "."
+    if any(r["status"] in ("oom", "failed") for r in rows if "status" in r):
+        line += " A cell that failed freed the cache, so the cells timed after it allocated anew."
+    line += (
+        " A settled allocator makes none. cudaFree waits until the device has finished its "
+        "queued work, so a step that frees device memory can leave the GPU idle: compare these "
+        "counts with the time with no kernel running under Where the time goes."
+    )
+    return [line]
 
 
 def _host_memory_lines(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:

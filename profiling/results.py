@@ -42,6 +42,7 @@ def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
         "compile_cache",
         "page_faults_per_step",
         "allocator_calls_per_step",
+        "alloc_retries",
         "ops_per_step",
         "kernels_per_step",
         "kernels_unattributed_per_step",
@@ -76,6 +77,7 @@ def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
                     r.get("compile_cache"),  # absent in sweeps written before it
                     r.get("page_faults_per_step"),
                     r.get("allocator_calls_per_step"),  # CUDA, and absent in older sweeps
+                    r.get("alloc_retries"),
                     total(r["ops_per_step"]),
                     total(r["kernels_per_step"]),
                     None if unattributed is None else sum(unattributed.values()),

@@ -98,10 +98,10 @@ class Cell:
     optimizer: torch.optim.Optimizer | None = None
     times: list[float] = dataclasses.field(default_factory=list)
     page_faults: int = 0  # minor page faults of this process during the timed steps
-    # CUDA: the caching allocator's cudaMalloc and cudaFree calls during the timed steps, and
-    # how many of its allocations failed, freed its cache and retried (each a device sync).
-    device_allocs: int = 0
-    alloc_retries: int = 0
+    # CUDA (None elsewhere): the caching allocator's calls to allocate and free device memory
+    # during the timed steps, and its retries then (see allocator_counts)
+    device_allocs: int | None = None
+    alloc_retries: int | None = None
     first_step_s: float | None = None
     # Compiled cells: the first-step excess over the median step of the eager cell of the same
     # variant and depth, the part of the compiled cell's excess that is not compilation.
@@ -156,15 +156,12 @@ def _minor_faults() -> int:
 
 def allocator_counts(stats: dict[str, int]) -> tuple[int, int]:
     """From torch.cuda.memory_stats(): the caching allocator's calls to allocate and free device
-    memory so far (cudaMalloc/cudaFree, or cuMemMap/cuMemUnmap with expandable segments; where
-    a torch lacks those counters, the segments it reserved and released), and its retries (an
-    allocation the device refused, retried after freeing the cache). An allocator that has
-    settled makes none; cudaFree waits for the device to finish its work, so a step that makes
-    them leaves the GPU idle meanwhile."""
-    if "num_device_alloc" in stats:
-        calls = stats["num_device_alloc"] + stats.get("num_device_free", 0)
-    else:
-        calls = stats.get("segment.all.allocated", 0) + stats.get("segment.all.freed", 0)
+    memory so far (cudaMalloc and cudaFree, or cuMemMap and cuMemUnmap with expandable
+    segments), and its retries: allocations the device refused, retried after the cache was
+    freed. A settled allocator makes none. cudaFree waits until the device has finished its
+    queued work, so a step that frees device memory can leave the GPU idle; whether that is
+    where a step's time with no kernel running goes is for a GPU run to show."""
+    calls = stats.get("num_device_alloc", 0) + stats.get("num_device_free", 0)
     return calls, stats.get("num_alloc_retries", 0)
 
 
@@ -472,12 +469,14 @@ class Sweep:
                 if cell.step is None:
                     continue
                 with self._guard(cell):
-                    faults, (calls, retries) = _minor_faults(), self._allocator()
+                    before = self._allocator()  # read outside the page faults' window
+                    faults = _minor_faults()
                     cell.times.append(timed(cell.step, self.device))
                     cell.page_faults += _minor_faults() - faults
-                    calls_after, retries_after = self._allocator()
-                    cell.device_allocs += calls_after - calls
-                    cell.alloc_retries += retries_after - retries
+                    after = self._allocator()
+                    if before is not None and after is not None:
+                        cell.device_allocs = (cell.device_allocs or 0) + after[0] - before[0]
+                        cell.alloc_retries = (cell.alloc_retries or 0) + after[1] - before[1]
         excess = eager_first_step_excess(cells)
         for cell in cells:
             if cell.compiled:
@@ -493,10 +492,10 @@ class Sweep:
                     f"--layers {cell.n_layer} --compile {'on' if cell.compiled else 'off'})"
                 )
 
-    def _allocator(self) -> tuple[int, int]:
-        """allocator_counts on CUDA; (0, 0) elsewhere, where there is no caching allocator."""
+    def _allocator(self) -> tuple[int, int] | None:
+        """allocator_counts on CUDA; None elsewhere, where there is no caching allocator."""
         if self.device.type != "cuda":
-            return 0, 0
+            return None
         return allocator_counts(torch.cuda.memory_stats(self.device))
 
     @contextlib.contextmanager
@@ -566,9 +565,9 @@ class Sweep:
             "tokens_per_s": tokens / (stats["median"] / 1e3),
             "page_faults_per_step": cell.page_faults / len(cell.times),
         }
-        if self.device.type == "cuda":
+        if cell.device_allocs is not None:
             fields["allocator_calls_per_step"] = cell.device_allocs / len(cell.times)
-            fields["alloc_retries"] = cell.alloc_retries
+            fields["alloc_retries"] = cell.alloc_retries  # over all the timed steps
         if cell.first_step_s is not None:
             fields["first_step_ms"] = cell.first_step_s * 1e3
         if cell.compiled and cell.first_step_s is not None:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check, in one go (at most 8 minutes: each part has a time limit; a sweep that
+# The GPU check, in one go (about 8 minutes at most: each part has a time limit; a sweep that
 # `timeout` stops with SIGTERM keeps the cells it finished, with their report and plots):
 #   1. the CUDA-marked tests;
 #   2. profile_train.py over all eight variants at GPT-2-small width, n_layer 1, 4, 12, bf16;

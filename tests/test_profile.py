@@ -1505,9 +1505,30 @@ def test_allocator_counts_read_device_calls_and_retries() -> None:
 
     stats = {"num_device_alloc": 5, "num_device_free": 2, "num_alloc_retries": 1}
     assert allocator_counts({**stats, "segment.all.allocated": 9}) == (7, 1)
-    # A torch without the device-call counters: the segments reserved and released.
-    assert allocator_counts({"segment.all.allocated": 4, "segment.all.freed": 3}) == (7, 0)
-    assert allocator_counts({}) == (0, 0)  # before the first allocation: no stats yet
+    assert allocator_counts({}) == (0, 0)  # what memory_stats() gives before CUDA starts
+
+
+def test_a_sweep_records_the_allocator_calls_of_the_timed_steps_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The allocator is read around each timed step, its differences summed per cell: per step
+    for the calls, in all for the retries. (Off CUDA there is no allocator: a stand-in that
+    moves by 3 calls and 1 retry between each pair of readings.)"""
+    readings = itertools.count()
+
+    def allocator(self: Sweep) -> tuple[int, int]:
+        k = next(readings)
+        return 3 * k, k
+
+    monkeypatch.setattr(Sweep, "_allocator", allocator)
+    rc, results = sweep(tmp_path, "--variants", "naive,inplace", "--layers", "1", "--no-traces")
+    assert rc == 0
+    for row in results["rows"]:
+        assert row["step_ms"]["n"] == 2
+        assert row["allocator_calls_per_step"] == 3 and row["alloc_retries"] == 2
+    assert next(readings) == 2 * 2 * 2  # two readings per timed step, none elsewhere
+    report = (tmp_path / "sweep" / "report.md").read_text()
+    assert "per timed step: median 3, at most 3 over the cells (naive L1)." in report
 
 
 @pytest.mark.cuda
@@ -1537,10 +1558,15 @@ def test_device_memory_line_names_the_cell_with_most_allocator_calls() -> None:
         }
 
     [line] = _device_memory_lines([row("naive", 0.0, 0), row("sdpa", 2.5, 3), row("flex", 0.0, 0)])
-    assert "median 0, at most 2.5 over the cells (sdpa L12)." in line
-    assert "retried: 3 in sdpa L12." in line
-    [line] = _device_memory_lines([row("naive", 0.0, 0), row("sdpa", 0.0, 0)])
-    assert "at most 0 over the cells." in line and "retried" not in line
+    assert "per timed step: median 0, at most 2.5 over the cells (sdpa L12)." in line
+    assert "over all the timed steps: 3 in sdpa L12." in line
+    [line] = _device_memory_lines([row("naive", 0.0, 0), row("sdpa", 1 / 32, 0)])
+    assert "at most 0.031 over the cells (sdpa L12)." in line  # not "0.0"
+    assert "retried" not in line and "failed" not in line
+    [line] = _device_memory_lines(
+        [row("naive", 0.0, 0), {**row("sdpa", None, None), "status": "oom"}]
+    )
+    assert "at most 0 over the cells." in line and "A cell that failed freed the cache" in line
     # CPU sweeps, and CUDA sweeps written before the calls were counted: no line.
     assert _device_memory_lines([row("naive", None, None)]) == []
     assert _device_memory_lines([{"variant": "naive", "compile": False, "n_layer": 1}]) == []
