@@ -334,6 +334,17 @@ def _train(
             f"{trained_with} so far (attention holds no weights)",
             file=sys.stderr,
         )
+    # On CPU, which nn.Linear ran: train.cpu_linear=auto picks by CPU, so a run resumed on
+    # another machine can change it (checkpoints before this was recorded have no "linear").
+    linear = ("onednn" if onednn else "torch") if device.type == "cpu" else None
+    linear_before = ckpt.get("written_by", {}).get("linear") if ckpt is not None else None
+    if master and linear is not None and linear_before not in (None, linear):
+        print(
+            f"resuming with nn.Linear through {linear} (train.cpu_linear={tc.cpu_linear}); the "
+            f"run trained through {linear_before} so far: the same function, rounded "
+            "differently, so the run will not match one that never stopped to the last bit",
+            file=sys.stderr,
+        )
 
     # Before the model: a corpus too small for the batch is told in a second, not after a
     # model of block_size (and its memory) is built.
@@ -394,7 +405,8 @@ def _train(
                 "and never decays; lower train.warmup_steps for a full schedule",
                 file=sys.stderr,
             )
-    written_by = provenance() if master else {}  # asked once, not at every save
+    # Asked once, not at every save; with the device and, on CPU, the Linear path it ran.
+    written_by = {**provenance(), "device": str(device), "linear": linear} if master else {}
     bpb_factor = meta["splits"]["val"]["tokens"] / meta["splits"]["val"]["bytes"] / math.log(2)
 
     first_step = step

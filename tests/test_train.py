@@ -32,6 +32,7 @@ import rundir
 import sample
 import train
 from config import TrainConfig, load_config
+from cpu_linear import onednn_unavailable_reason, wants_onednn
 from data.loader import TokenBatches
 from data.prepare import EOT, EOT_ID, prepare, split_documents
 from model import GPT, VARIANTS, available_variants, unavailable_reason
@@ -256,6 +257,10 @@ def test_checkpoint_holds_the_run_state_and_loads_weights_only(
     written_by = ckpt["written_by"]
     assert written_by["torch"] == torch.__version__
     assert written_by["python"] == platform.python_version()
+    assert written_by["device"] == "cpu"
+    cpu_linear = load_config(base_run / "config.toml").train.cpu_linear
+    onednn = wants_onednn(cpu_linear, torch.device("cpu"), autocast=False)
+    assert written_by["linear"] == ("onednn" if onednn else "torch")
     if (ROOT / ".git").exists() and shutil.which("git"):  # a checkout: the commit it is at
         head = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
@@ -580,6 +585,29 @@ def test_resume_may_change_the_attention_variant(
     assert load_ckpt(out)["step"] == STEPS + 1
     assert load_ckpt(out)["config"]["model"]["attention"] == "sdpa"
     assert load_config(out / "config.toml").model.attention == "sdpa"
+
+
+def test_resume_through_another_linear_path_says_so(
+    base_run: Path, data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """train.cpu_linear=auto picks by CPU: a run resumed on another machine (here: told so)
+    may take the other path, which rounds differently. Allowed, and said."""
+    before = load_ckpt(base_run)["written_by"]["linear"]
+    other = "torch" if before == "onednn" else "onednn"
+    if other == "onednn" and onednn_unavailable_reason() is not None:
+        pytest.skip(onednn_unavailable_reason())
+    out = copy_run(base_run, tmp_path / "run")
+    capsys.readouterr()
+    argv = [f"--train.max_steps={STEPS + 1}", f"--train.cpu_linear={other}", "--resume"]
+    assert run(data_root, out, *argv) == 0
+    err = capsys.readouterr().err
+    assert f"resuming with nn.Linear through {other} (train.cpu_linear={other}); the run " in err
+    assert f"trained through {before} so far" in err
+    assert load_ckpt(out)["written_by"]["linear"] == other
+    capsys.readouterr()
+    # Resumed again, it goes on as it now trains (config.toml keeps the override): no note.
+    assert run(data_root, out, f"--train.max_steps={STEPS + 2}", "--resume") == 0
+    assert "nn.Linear through" not in capsys.readouterr().err
 
 
 def test_resume_with_other_optimizer_settings_uses_them(
