@@ -242,6 +242,9 @@ def check_attention(config: Config, device: torch.device, amp_dtype: torch.dtype
         raise TrainError(str(e)) from None
 
 
+LINEAR_PATHS = {"onednn": "oneDNN", "torch": "PyTorch BLAS"}  # CPU nn.Linear, as written_by has it
+
+
 def linear_path(config: Config, device: torch.device, amp_dtype: torch.dtype | None) -> bool:
     """Whether nn.Linear goes through oneDNN (cpu_linear.py), as train.cpu_linear asks; an
     error naming the field where it asks for what cannot run here."""
@@ -340,9 +343,10 @@ def _train(
     linear_before = ckpt.get("written_by", {}).get("linear") if ckpt is not None else None
     if master and linear is not None and linear_before not in (None, linear):
         print(
-            f"resuming with nn.Linear through {linear} (train.cpu_linear={tc.cpu_linear}); the "
-            f"run trained through {linear_before} so far: the same function, rounded "
-            "differently, so the run will not match one that never stopped to the last bit",
+            f"resuming with nn.Linear through {LINEAR_PATHS[linear]} (train.cpu_linear="
+            f"{tc.cpu_linear}); the run trained through {LINEAR_PATHS.get(linear_before)} so "
+            "far: the same function, rounded differently, so the run will not match one that "
+            "never stopped to the last bit",
             file=sys.stderr,
         )
 
@@ -393,7 +397,7 @@ def _train(
         )
         if device.type == "cpu":
             print(
-                f"cpu: nn.Linear through {'oneDNN' if onednn else 'PyTorch BLAS'} "
+                f"cpu: nn.Linear through {LINEAR_PATHS[linear]} "
                 f"(train.cpu_linear={tc.cpu_linear}); freed memory "
                 f"{'kept for the next step' if kept_host_memory else 'returned to the OS'}"
             )

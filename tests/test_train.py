@@ -601,8 +601,9 @@ def test_resume_through_another_linear_path_says_so(
     argv = [f"--train.max_steps={STEPS + 1}", f"--train.cpu_linear={other}", "--resume"]
     assert run(data_root, out, *argv) == 0
     err = capsys.readouterr().err
-    assert f"resuming with nn.Linear through {other} (train.cpu_linear={other}); the run " in err
-    assert f"trained through {before} so far" in err
+    names = {"onednn": "oneDNN", "torch": "PyTorch BLAS"}
+    assert f"resuming with nn.Linear through {names[other]} (train.cpu_linear={other}); " in err
+    assert f"the run trained through {names[before]} so far" in err
     assert load_ckpt(out)["written_by"]["linear"] == other
     capsys.readouterr()
     # Resumed again, it goes on as it now trains (config.toml keeps the override): no note.
