@@ -334,7 +334,8 @@ def _train(
     if master and trained_with not in (None, config.model.attention):
         print(
             f"resuming with attention {config.model.attention}; the run trained with "
-            f"{trained_with} so far (attention holds no weights)",
+            f"{trained_with} so far (attention holds no weights; the same function, rounded "
+            "differently, so the run will not match one that never stopped to the last bit)",
             file=sys.stderr,
         )
     # On CPU, which nn.Linear ran: train.cpu_linear=auto picks by CPU, so a run resumed on
