@@ -69,8 +69,8 @@ tests_rc=${PIPESTATUS[0]}
 case ",$LAYERS," in *,2,*) TRACE_LAYERS=2 ;; *) TRACE_LAYERS=${LAYERS%%,*} ;; esac
 
 echo "== 2. sweep: eight variants x n_layer $LAYERS, eager"
-# The limits leave room over what an H200 took on 2026-11-30: ~115 s for this sweep, and for the
-# compiled one ~90 s, exit included (Inductor's compile workers shut down after the report).
+# The limits leave room over what an H200 took on 2026-11-30: ~115 s for this sweep; the compiled
+# one wrote its report within 90 s but was still shutting down (Inductor's compile workers) at 90.
 timeout -k 10 180 "$PY" profile_train.py --config configs/profile-gpu.toml --out "$OUT/eager" \
   --variants naive,inplace,sdpa,sdpa-math,sdpa-flash,sdpa-efficient,sdpa-cudnn,flex \
   --layers "$LAYERS" --steps "$STEPS" --compile off --trace-layers "$TRACE_LAYERS"
