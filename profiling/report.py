@@ -719,13 +719,9 @@ def _startup_text(meta: dict[str, Any]) -> str:
     )
 
 
-def _faults(n: float) -> str:
-    """A mean count of page faults: whole numbers, but a fraction below 10 (0.3, not 0)."""
-    return f"{n:,.0f}" if n >= 10 or n == 0 else f"{n:.1f}"
-
-
 def _per_step(n: float) -> str:
-    """A mean count per step: whole above 10, two significant figures below (0.031, not 0.0)."""
+    """A mean count per step (page faults, allocator calls): whole from 10 up, two significant
+    figures below (0.3 or 0.031, not 0)."""
     return f"{n:,.0f}" if n >= 10 or n == 0 else f"{n:.2g}"
 
 
@@ -752,7 +748,7 @@ def _device_memory_lines(rows: list[dict[str, Any]]) -> list[str]:
             for r in retried
         )
         line += "."
-    if any(r["status"] in ("oom", "failed") for r in rows if "status" in r):
+    if any(r.get("status") in ("oom", "failed") for r in rows):
         line += " A cell that failed freed the cache, so the cells timed after it allocated anew."
     line += (
         " A settled allocator makes none. cudaFree waits until the device has finished its "
@@ -777,7 +773,7 @@ def _host_memory_lines(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list
     )
     return [
         f"- **Host memory**: memory that tensors free was {how}; minor page faults per timed "
-        f"step: median {_faults(statistics.median(faults))}, at most {_faults(max(faults))} "
+        f"step: median {_per_step(statistics.median(faults))}, at most {_per_step(max(faults))} "
         "over the cells"
         + (
             f" ({label(most['variant'], most['compile'])} L{most['n_layer']})"
