@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from config import ConfigError, load_config
-from model import VARIANTS, available_variants, unavailable_reason
+from model import VARIANTS, unavailable_reason
 from profiling.report import diff_text
 from profiling.results import write_results
 from profiling.sweep import COMPILE_MODES, Sweep
@@ -222,6 +222,8 @@ def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
             # first profile; a user's own setting wins.
             os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         dtype = autocast_dtype(config.train.dtype, device) or torch.float32
+        mc = config.model
+        probe = lambda v: unavailable_reason(v, device, dtype, mc.head_size, mc.dropout)
         if args.variants is not None:
             variants = _csv_list(args.variants, str, "--variants")
             if not variants:
@@ -231,20 +233,17 @@ def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
                 raise ConfigError(
                     f"--variants: unknown {', '.join(unknown)}; valid: {', '.join(VARIANTS)}"
                 )
-            mc = config.model
-            why = {
-                v: unavailable_reason(v, device, dtype, mc.head_size, mc.dropout) for v in variants
-            }
+            why = {v: probe(v) for v in variants}
             if all(why.values()):  # some that cannot run are recorded as such; none, refused
                 raise ConfigError(
                     f"--variants: none can run on {device} ({str(dtype).removeprefix('torch.')}): "
                     + "; ".join(f"{v}: {reason}" for v, reason in why.items())
                 )
-        else:
-            variants = available_variants(
-                device, dtype, config.model.head_size, config.model.dropout
-            )
+        else:  # every variant that can run here
+            why = {v: probe(v) for v in VARIANTS}
+            variants = [v for v, reason in why.items() if reason is None]
         sweep = Sweep(config, args)  # the last check of the input; nothing is written before
+        sweep.unavailable.update(why)  # the probe runs each variant (flex compiles): not twice
         if args.compile is None and sweep.compile_mode == "on":
             print(
                 f"compiled cells only, as {args.config} sets train.compile = true "

@@ -1482,10 +1482,12 @@ def test_findings_compare_compiled_variants_with_compiled_naive() -> None:
     assert "aten::mm" not in lines[1], "what compiling changes cancels against compiled naive"
 
 
+@pytest.mark.parametrize("chosen", [["--variants", "naive,inplace"], []], ids=["named", "all"])
 def test_each_variant_is_probed_once_per_sweep(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chosen: list[str]
 ) -> None:
-    """Whether a variant can run is decided by running it; the answer holds for every depth."""
+    """Whether a variant can run is decided by running it (flex compiles on CUDA); the answer
+    main gets, choosing the variants, holds for the sweep and every depth."""
     import profiling.sweep
 
     probed: list[str] = []
@@ -1495,9 +1497,12 @@ def test_each_variant_is_probed_once_per_sweep(
         return attention.unavailable_reason(name, *args, **kwargs)
 
     monkeypatch.setattr(profiling.sweep, "unavailable_reason", counted)
-    rc, results = sweep(tmp_path, "--variants", "naive,inplace", "--layers", "1,2", "--no-traces")
-    assert rc == 0 and [r["status"] for r in results["rows"]] == ["ok"] * 4
-    assert sorted(probed) == ["inplace", "naive"]
+    monkeypatch.setattr(profile_train, "unavailable_reason", counted)
+    rc, results = sweep(tmp_path, *chosen, "--layers", "1,2", "--no-traces")
+    ran = sorted({r["variant"] for r in results["rows"]})
+    assert rc == 0 and [r["status"] for r in results["rows"]] == ["ok"] * 2 * len(ran)
+    expected = ["naive", "inplace"] if chosen else list(attention.VARIANTS)
+    assert sorted(probed) == sorted(expected)
 
 
 def test_allocator_counts_read_device_calls_and_retries() -> None:
