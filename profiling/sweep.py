@@ -230,6 +230,7 @@ class Sweep:
         self.raise_if_interrupted: Callable[[], None] = lambda: None
         self.rows: list[dict[str, Any]] = []
         self.unavailable: dict[str, str | None] = {}  # by variant: why it cannot run, probed once
+        self.compiles_sdpa = False  # set by run: sdpa+compile is among the cells
         self.batches = self._batches()
         self.meta = self._meta()
 
@@ -314,6 +315,18 @@ class Sweep:
         if reason is not None:
             cell.fail("unsupported", f"{cell.variant} cannot run on {self.device}: {reason}")
             return
+        if cell.compiled and VARIANTS[cell.variant].backend and self.compiles_sdpa:
+            # A pinned call is kept out of the graph (model/attention.py): Dynamo breaks the
+            # block's graph there, and its cache entries for the break do not check which
+            # function the block calls. sdpa's blocks, the same Block.forward with the same
+            # None mask, would then run through them: more graphs, and compiles while timed.
+            cell.fail(
+                "unsupported",
+                f"not compiled beside sdpa+compile, which would reuse its graph break at the "
+                f"pinned call; run it in a sweep without sdpa: --variants {cell.variant} "
+                "--compile on",
+            )
+            return
         torch.manual_seed(tc.seed)
         model_cfg = dataclasses.replace(mc, attention=cell.variant, n_layer=cell.n_layer)
         cell.model, cell.optimizer = build_model(
@@ -351,6 +364,7 @@ class Sweep:
         self.meta["peak_flops"] = self.meta["peak_flops_start"]
         self.meta["peak_flops_by_path"] = start
         total = len(variants) * len(layers) * len(compile_modes)
+        self.compiles_sdpa = "sdpa" in variants and any(compile_modes)
         self.meta["cells_planned"] = total
         if any(compile_modes):
             self.meta["compiler_startup_s"] = self._warm_compiler()

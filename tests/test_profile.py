@@ -365,6 +365,23 @@ def test_every_depth_traces_its_own_graphs(tmp_path: Path, monkeypatch: pytest.M
     assert "one-time start-up" in (tmp_path / "sweep" / "report.md").read_text()
 
 
+@pytest.mark.slow
+def test_compiled_sdpa_measures_the_same_steps_beside_pinned_variants(tmp_path: Path) -> None:
+    """A pinned variant breaks the compiled block's graph at its attention call; sdpa+compile
+    must not run through that break (more graphs, more ops), so the pinned cells are left out
+    of a sweep that compiles sdpa, saying how to run them."""
+    args = ["--layers", "1", "--compile", "on", "--no-traces"]
+    rc, alone = sweep(tmp_path, "--variants", "sdpa", *args, name="alone")
+    assert rc == 0
+    rc, beside = sweep(tmp_path, "--variants", "sdpa-math,sdpa", *args, name="beside")
+    assert rc == 0
+    rows = {r["variant"]: r for r in beside["rows"]}
+    assert rows["sdpa"]["status"] == "ok"
+    assert rows["sdpa"]["ops_per_step"] == alone["rows"][0]["ops_per_step"]
+    assert rows["sdpa-math"]["status"] == "unsupported"
+    assert "--variants sdpa-math --compile on" in rows["sdpa-math"]["reason"]
+
+
 def test_failing_cells_do_not_stop_the_sweep(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
