@@ -625,7 +625,10 @@ def _report_md(results: dict[str, Any]) -> str:
             "`+compile` variant's against `naive+compile`), both fitted over the depths the two "
             "measured, ± the "
             "standard error of the line fitted to the per-depth differences: the variants of a depth "
-            "are timed interleaved, so a disturbance they share cancels there.",
+            "are timed interleaved, so a disturbance they share cancels there. These errors measure "
+            "this run's scatter about its lines, not how far another run would land: on a shared "
+            "machine, repeat sweeps have differed by more than them, so rerun before trusting a "
+            "small saving.",
             "",
             "## How to read it",
             "",

@@ -10,6 +10,7 @@ import itertools
 import json
 import math
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -846,6 +847,24 @@ def test_a_gpu_report_says_its_step_times_are_serialised(naive_vs_inplace: dict)
     assert "cannot overlap" not in _report_md(naive_vs_inplace)
     on_gpu = {**naive_vs_inplace, "meta": {**naive_vs_inplace["meta"], "device": "cuda:0"}}
     assert "next step's launches cannot overlap this one's tail" in _report_md(on_gpu)
+
+
+PUBLISHED = sorted(
+    p.parent.relative_to(ROOT) for p in (ROOT / "docs" / "results").rglob("results.json")
+)
+
+
+@pytest.mark.parametrize("folder", PUBLISHED, ids=str)
+def test_published_reports_are_what_the_report_code_writes(folder: Path, tmp_path: Path) -> None:
+    """The README quotes the reports in docs/results: when the report's text changes, they
+    are re-rendered from their results.json, so they say what the code now says."""
+    copy = tmp_path / "copy"
+    shutil.copytree(ROOT / folder, copy)
+    assert profile_train.main(["--report", str(copy)]) == 0
+    for name in ("report.md", "summary.txt", "results.csv"):
+        assert (copy / name).read_text() == (ROOT / folder / name).read_text(), (
+            f"{folder / name} is stale: python profile_train.py --report {folder}"
+        )
 
 
 def test_report_rerender_and_diff(naive_vs_inplace: dict, capsys: pytest.CaptureFixture) -> None:
