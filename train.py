@@ -85,7 +85,9 @@ def build_optimizer(
         {"params": [p for p in params if p.dim() >= 2]},
         {"params": [p for p in params if p.dim() < 2]},
     ]
-    # One fused kernel per step for all parameters instead of a loop of small ops per tensor.
+    # Fused: one op updates all of a group's tensors (on CUDA, a few multi-tensor kernels) in
+    # place of a loop of small ops per tensor. On CPU each tensor's step count is still
+    # bumped, cast and read on its own: a handful of small ops per parameter tensor.
     fused = device.type in ("cuda", "cpu")
     optimizer = torch.optim.AdamW(groups, lr=cfg.lr, fused=fused, foreach=None if fused else True)
     apply_optimizer_settings(optimizer, cfg)
