@@ -10,6 +10,15 @@ from profiling.analysis import label, labels, ok_rows
 MiB = 2**20
 
 
+def axis_top(drawn: list[float], bar_tops: list[float]) -> float | None:
+    """Where to cut the y axis, or None to let it hold everything: a disturbed cell's p90 (a
+    step ten times the median) would squash every median and line into the bottom of the plot,
+    so past 1.5x the highest of those the axis shows them and the bar is cut."""
+    if not drawn or max(bar_tops, default=0.0) <= 1.5 * max(drawn):
+        return None
+    return 1.15 * max(drawn)
+
+
 def plot_results(out: Path, results: dict[str, Any], setup: str) -> None:
     """step_time_vs_layers.png and memory_vs_layers.png: a point (p10-p90 bar) per cell, one
     colour per variant label, and each label's fitted line; `setup` goes under the title."""
@@ -38,6 +47,8 @@ def plot_results(out: Path, results: dict[str, Any], setup: str) -> None:
     ]
     for filename, metric, ylabel, values, scale in specs:
         fig, ax = plt.subplots(figsize=(7, 4.5))
+        drawn: list[float] = []  # medians and fitted lines: what the axis must show
+        bar_tops: list[float] = []
         for i, name in enumerate(names):
             pts = sorted(
                 (r["n_layer"], values(r)) for r in rows if label(r["variant"], r["compile"]) == name
@@ -53,16 +64,24 @@ def plot_results(out: Path, results: dict[str, Any], setup: str) -> None:
             err = [[(v[0] - v[1]) * scale for _, v in pts], [(v[2] - v[0]) * scale for _, v in pts]]
             color = f"C{i % 10}"
             ax.errorbar(xs, mid, yerr=err, fmt="o", color=color, label=name, capsize=3)
+            drawn += mid
+            bar_tops += [v[2] * scale for _, v in pts]
             fit = fits.get(name, {}).get(metric)
             if fit:
                 line_x = [min(xs) - shift, max(xs) - shift]
-                ax.plot(
-                    line_x,
-                    [(fit["intercept"] + fit["slope"] * x) * scale for x in line_x],
-                    "--",
-                    color=color,
-                    linewidth=1,
-                )
+                line_y = [(fit["intercept"] + fit["slope"] * x) * scale for x in line_x]
+                ax.plot(line_x, line_y, "--", color=color, linewidth=1)
+                drawn += line_y
+        top = axis_top(drawn, bar_tops)
+        if top is not None:
+            ax.set_ylim(0, top)  # from 0: the long bar would otherwise push it below
+            ax.annotate(
+                "some p90 bars run past the top (cells that varied widely)",
+                (0.01, 0.99),
+                xycoords="axes fraction",
+                va="top",
+                fontsize=7,
+            )
         ax.set_xlabel("n_layer")
         ax.set_ylabel(ylabel)
         ax.set_title(

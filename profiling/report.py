@@ -136,7 +136,11 @@ def headline_table(results: dict[str, Any]) -> list[str]:
             else:
                 cells.append((r or {}).get("status", "–"))
         step_fit = fits.get(name, {}).get("step_ms")
-        cells.append(_pm(step_fit["slope"], step_fit["slope_se"]) if step_fit else "–")
+        cells.append(
+            _pm(step_fit["slope"], step_fit["slope_se"]) + "†" * (step_fit["slope"] < 0)
+            if step_fit
+            else "–"
+        )
         s = saved.get(name)
         cells.append(_pm(s["per_layer"], s["per_layer_se"], "+.2f", " ms") if s else "–")
         cells.append(_projected_percent(s["projected"][str(PROJECT_AT[-1])]) if s else "–")
@@ -153,6 +157,12 @@ def headline_table(results: dict[str, Any]) -> list[str]:
     lines += _fewer_depths(saved, layers, baselines(rows))
     if any(r["compile"] for r in rows):
         lines += ["", "`+compile` rows are compared with `naive+compile`, like against like."]
+    if any(f.get("step_ms", {}).get("slope", 0) < 0 for f in fits.values()):
+        lines += [
+            "",
+            "† A layer cannot cost less than nothing: a cell of that variant was disturbed "
+            "while timed, most likely one of its shallower ones. Rerun to check.",
+        ]
     if any(r["step_ms"] and _noisy(r["step_ms"]) for r in rows):
         lines += [
             "",

@@ -1656,7 +1656,22 @@ def test_headline_marks_cells_timed_on_a_busy_machine() -> None:
     assert "| 10.5 | 20.5 | 65.0* |" in table
     assert "Cells marked * varied widely" in table
     calm = headline_table({"rows": rows[:2], "fits": fits_by_label(rows[:2])})
-    assert "*" not in "\n".join(calm)
+    assert "*" not in "\n".join(calm) and "†" not in "\n".join(calm)
+    # One shallow cell timed while the machine was busy: the line through it slopes down.
+    upset = [row("naive", 1, 150, 200), row("naive", 2, 55, 60)]
+    table = "\n".join(headline_table({"rows": upset, "fits": fits_by_label(upset)}))
+    assert "| -117.50 (2 depths: no se)† |" in table
+    assert "A layer cannot cost less than nothing" in table
+
+
+def test_a_disturbed_cell_does_not_squash_the_step_time_plot() -> None:
+    """A step ten times the median stretches its p90 bar; the axis keeps to the medians and
+    the fitted lines, cutting that bar, when the bar would more than double the plot."""
+    from profiling.plots import axis_top
+
+    medians_and_lines = [32.6, 52.8, 92.7, 166.3]
+    assert axis_top(medians_and_lines, [34.1, 54.4, 1017.5, 167.8]) == pytest.approx(191.2, 0.01)
+    assert axis_top(medians_and_lines, [34.1, 54.4, 95.0, 167.8]) is None
 
 
 def test_other_load_sees_another_busy_process() -> None:
