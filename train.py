@@ -393,6 +393,8 @@ def _train(
         write_atomically(out_dir / "config.toml", lambda f: f.write(text.encode("utf-8")))
         start_metrics(out_dir / "metrics.jsonl", step if resumed else None)
         shutil.copyfile(data_dir / "tokenizer.json", out_dir / "tokenizer.json")
+        if resumed:
+            print(f"resuming {out_dir} after step {step} of {tc.max_steps}")
         print(
             f"{config.model.attention}: {raw_model.num_params() / 1e6:.2f}M parameters "
             f"(without position embeddings) on {device}, {tokens_per_step:,} tokens per step"

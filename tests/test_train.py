@@ -304,6 +304,7 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(
     err = capsys.readouterr().err
     assert f"paused after step 7 of {STEPS}" in err and f"--resume --out {split}" in err
     assert run(data_root, split, *overrides, "--resume", "--stop-after", "6") == 0
+    assert f"resuming {split} after step 7 of {STEPS}\n" in capsys.readouterr().out
     assert load_ckpt(split)["step"] == 13
     assert run(data_root, split, *overrides, "--resume") == 0
 
