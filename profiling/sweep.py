@@ -323,7 +323,7 @@ class Sweep:
             cell.fail(
                 "unsupported",
                 f"not compiled beside sdpa+compile, which would reuse its graph break at the "
-                f"pinned call; run it in a sweep without sdpa: --variants {cell.variant} "
+                f"pinned call; run it in a sweep without sdpa: --variants naive,{cell.variant} "
                 "--compile on",
             )
             return
