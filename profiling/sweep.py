@@ -111,6 +111,7 @@ class Cell:
     first_step_compiled: bool = False
     status: str = "ok"
     reason: str | None = None
+    done: float = 0.0  # how much of its one unit on the progress bar the cell has filled
 
     @property
     def name(self) -> str:
@@ -376,7 +377,17 @@ class Sweep:
         )
         try:
             # The bar closes on Ctrl-C too, so the message after it starts on a line of its own.
-            bar = tqdm(total=total, desc="cells", unit="cell", dynamic_ncols=True)
+            # A depth's cells finish together, after their interleaved rounds: the bar moves
+            # by each step instead, a cell's unit shared out over its warm-up, timed and
+            # profiled steps, so its rate and time left do not wait for the depth's end.
+            bar = tqdm(
+                total=total,
+                desc="cells",
+                unit="cell",
+                dynamic_ncols=True,
+                bar_format="{l_bar}{bar}| {n:.1f}/{total_fmt} "
+                "[{elapsed}<{remaining}, {rate_fmt}{postfix}]",
+            )
             with no_silent_eager, bar:
                 for n_layer in layers:
                     cells = [Cell(v, n_layer, c) for v in variants for c in compile_modes]
@@ -384,7 +395,9 @@ class Sweep:
                     self._time(cells, bar)
                     for cell in cells:
                         self._profile_and_record(cell, flops)
-                        bar.update(1)
+                        self._advance(bar, cell, None)  # the rest: a failed cell's, all of it
+                    bar.n = round(bar.n)  # whole cells now: no float drift left behind
+                    bar.refresh()
                     synchronize(self.device)
                     if self.device.type == "cuda":
                         torch.cuda.empty_cache()
@@ -468,6 +481,7 @@ class Sweep:
                     cell.first_step_compiled = cache != "none"
                 for _ in range(self.args.warmup - 1):
                     timed(cell.step, self.device)
+                self._advance(bar, cell, self.args.warmup)
         if self.host_memory == "keep":
             # Room for the heap's growth as the cells' allocations interleave: fragmentation
             # would otherwise fault fresh pages in during the timed steps (at the profile
@@ -491,6 +505,7 @@ class Sweep:
                     if before is not None and after is not None:
                         cell.device_allocs = (cell.device_allocs or 0) + after[0] - before[0]
                         cell.alloc_retries = (cell.alloc_retries or 0) + after[1] - before[1]
+                self._advance(bar, cell, 1)
         excess = eager_first_step_excess(cells)
         for cell in cells:
             if cell.compiled:
@@ -505,6 +520,16 @@ class Sweep:
                     f"as interleaved timing needs; alone: --variants {cell.variant} "
                     f"--layers {cell.n_layer} --compile {'on' if cell.compiled else 'off'})"
                 )
+
+    def _advance(self, bar: tqdm, cell: Cell, steps: int | None) -> None:
+        """Move the bar by `steps` of the cell's warm-up, timed and profiled steps (None: to
+        the end of its unit)."""
+        per_cell = self.args.warmup + self.args.steps + 2 + self.args.profile_steps
+        # The rest held back by a hair: float sums could otherwise overshoot the total
+        # (tqdm warns); the depth's end rounds the bar to whole cells.
+        share = 1 - cell.done - 1e-9 if steps is None else steps / per_cell
+        cell.done += share
+        bar.update(share)
 
     def _allocator(self) -> tuple[int, int] | None:
         """allocator_counts on CUDA; None elsewhere, where there is no caching allocator."""

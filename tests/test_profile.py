@@ -383,6 +383,33 @@ def test_compiled_sdpa_measures_the_same_steps_beside_pinned_variants(tmp_path: 
     assert "--variants naive,sdpa-math --compile on" in rows["sdpa-math"]["reason"]
 
 
+@pytest.mark.filterwarnings("error:clamping frac")  # tqdm's word for a bar past its total
+def test_the_progress_bar_moves_with_the_steps_and_ends_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A depth's cells all finish after its last round: the bar moves by steps, so it is not
+    still at 0 then, never goes back, and ends at the number of cells, a failed one included."""
+    import profiling.sweep
+
+    seen: list[float] = []
+
+    class Recorded(profiling.sweep.tqdm):
+        def update(self, n: float = 1) -> bool | None:
+            out = super().update(n)
+            seen.append(self.n)
+            return out
+
+        def refresh(self, *args: object, **kwargs: object) -> None:
+            super().refresh(*args, **kwargs)
+            seen.append(self.n)
+
+    monkeypatch.setattr(profiling.sweep, "tqdm", Recorded)
+    rc, _ = sweep(tmp_path, "--variants", "naive,sdpa-efficient", "--layers", "1,2", "--no-traces")
+    assert rc == 0
+    assert seen == sorted(seen) and seen[-1] == 4  # 2 variants x 2 depths; one unsupported
+    assert any(0 < n < 1 for n in seen)  # moving before the first cell is recorded
+
+
 def test_failing_cells_do_not_stop_the_sweep(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
