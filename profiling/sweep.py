@@ -231,7 +231,9 @@ class Sweep:
         self.raise_if_interrupted: Callable[[], None] = lambda: None
         self.rows: list[dict[str, Any]] = []
         self.unavailable: dict[str, str | None] = {}  # by variant: why it cannot run, probed once
-        self.compiles_sdpa = False  # set by run: sdpa+compile is among the cells
+        # Set by run: the pinned variants whose compiled cells are left out, as sdpa+compile
+        # is among the cells (see _build).
+        self.pinned_apart: list[str] = []
         self.batches = self._batches()
         self.meta = self._meta()
 
@@ -316,16 +318,18 @@ class Sweep:
         if reason is not None:
             cell.fail("unsupported", f"{cell.variant} cannot run on {self.device}: {reason}")
             return
-        if cell.compiled and VARIANTS[cell.variant].backend and self.compiles_sdpa:
+        if cell.compiled and cell.variant in self.pinned_apart:
             # A pinned call is kept out of the graph (model/attention.py): Dynamo breaks the
             # block's graph there, and its cache entries for the break do not check which
             # function the block calls. sdpa's blocks, the same Block.forward with the same
-            # None mask, would then run through them: more graphs, and compiles while timed.
+            # None mask and no break of their own, would then run through them: more graphs,
+            # and compiles while timed. (Pinned variants share those entries harmlessly: each
+            # still calls its own function at the break.)
             cell.fail(
                 "unsupported",
-                f"not compiled beside sdpa+compile, which would reuse its graph break at the "
-                f"pinned call; run it in a sweep without sdpa: --variants naive,{cell.variant} "
-                "--compile on",
+                "not compiled beside sdpa+compile, which would reuse its graph break at the "
+                "pinned call; the pinned variants' compiled cells in a sweep without sdpa: "
+                f"--variants naive,{','.join(self.pinned_apart)} --compile on",
             )
             return
         torch.manual_seed(tc.seed)
@@ -365,7 +369,8 @@ class Sweep:
         self.meta["peak_flops"] = self.meta["peak_flops_start"]
         self.meta["peak_flops_by_path"] = start
         total = len(variants) * len(layers) * len(compile_modes)
-        self.compiles_sdpa = "sdpa" in variants and any(compile_modes)
+        if "sdpa" in variants and any(compile_modes):
+            self.pinned_apart = [v for v in variants if VARIANTS[v].backend is not None]
         self.meta["cells_planned"] = total
         if any(compile_modes):
             self.meta["compiler_startup_s"] = self._warm_compiler()
