@@ -436,8 +436,7 @@ def _cell_table(rows: list[dict[str, Any]]) -> list[str]:
                     _fmt(r["tokens_per_s"], ",.0f"),
                     _fmt(r["mfu"] * 100 if r["mfu"] else None) + "%" * bool(r["mfu"]),
                     _fmt(r["peak_mem_bytes"] / MiB if r["peak_mem_bytes"] else None),
-                    _fmt(r["compile_s"])
-                    + (" (cached)" if r.get("compile_cache") == "cached" else ""),
+                    _fmt(r["compile_s"]) + _COMPILE_MARKS.get(r.get("compile_cache"), ""),
                     r["backend"] or "–",
                     regions(r["ops_per_step"]),
                     regions(r["kernels_per_step"]),
@@ -607,7 +606,9 @@ def _report_md(results: dict[str, Any]) -> str:
             + ". Dynamo is reset before each depth, so every compiled cell traces its graphs "
             "anew instead of reusing the last depth's; `(cached)` marks a cell whose compiled "
             "graphs Inductor then found in its on-disk cache, from an earlier depth or run: its "
-            "time is mostly that tracing, not a compile from scratch." + _startup_text(meta),
+            "time is mostly that tracing, not a compile from scratch."
+            + _reused_text(rows)
+            + _startup_text(meta),
             *_host_memory_lines(meta, rows),
             *_device_memory_lines(rows),
             "- **Ops and kernels**: separate steps under torch.profiler with a wait=1/warmup=1/active schedule; "
@@ -721,8 +722,41 @@ def _round_order_text(meta: dict[str, Any]) -> str:
     return "each round starting one later (A B C, B C A, C A B, …)"
 
 
+# After a compiled cell's compile time: what its first step compiled, where that qualifies it.
+_COMPILE_MARKS = {"cached": " (cached)", "shared": " (shared)", "none": " (reused)"}
+
+
+def _reused_text(rows: list[dict[str, Any]]) -> str:
+    """What `(shared)` and `(reused)` say, where a cell has one: no compile time of its own."""
+    caches = {r.get("compile_cache") for r in rows}
+    text = ""
+    if "shared" in caches:
+        text += (
+            " `(shared)`: a pinned variant's compiled cell after the first of its depth, whose "
+            "blocks break at the same call and so run the graphs compiled for that first one: "
+            "its first step does not time a compile of its own, and none is given."
+        )
+    if "none" in caches:
+        text += " `(reused)`: the cell's first step compiled nothing; no compile time is given."
+    return text
+
+
 def _startup_text(meta: dict[str, Any]) -> str:
     """The compiler's one-time start-up, paid before the first cell (absent before it was)."""
+    if meta.get("startup") == "tiny model":
+        compiled = meta.get("compiler_startup_s")
+        how = (
+            f"eager and then compiled ({compiled:.1f} s: the compiler's imports and workers, "
+            "its first trace and compile)"
+            if compiled is not None
+            else "eager"
+        )
+        return (
+            " The process's one-time start-up was paid before the first cell, on a training "
+            f"step of a tiny model, {how}, so no cell's first step includes it. A full garbage "
+            "collection runs before each cell's first step and before the timed rounds, so "
+            "none lands in them by chance."
+        )
     if meta.get("compiler_startup_s") is None:
         return ""
     return (

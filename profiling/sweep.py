@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime as dt
+import gc
 import itertools
 import os
 import platform
@@ -174,7 +175,8 @@ def _compile_counters() -> dict[str, int]:
 
 def _compile_cache(before: dict[str, int], after: dict[str, int]) -> str:
     """'cold' if Inductor compiled any graph of the step, 'cached' if its on-disk cache held
-    them all (the compile time is then mostly Dynamo's tracing), 'none' if nothing compiled."""
+    them all (the compile time is then mostly Dynamo's tracing), 'none' if nothing compiled.
+    (The sweep adds 'shared': see _time.)"""
     hits = after["fxgraph_cache_hit"] - before["fxgraph_cache_hit"]
     misses = after["fxgraph_cache_miss"] - before["fxgraph_cache_miss"]
     return "cold" if misses else "cached" if hits else "none"
@@ -372,8 +374,7 @@ class Sweep:
         if "sdpa" in variants and any(compile_modes):
             self.pinned_apart = [v for v in variants if VARIANTS[v].backend is not None]
         self.meta["cells_planned"] = total
-        if any(compile_modes):
-            self.meta["compiler_startup_s"] = self._warm_compiler()
+        self._warm_up(compiled=any(compile_modes))
         # A depth's variants share Block.forward, and each adds a Dynamo cache entry to it. Past
         # the limit Dynamo would run the block eager with only a warning, under a "+compile"
         # label: the limit leaves room for them all, and hitting it fails the cell instead.
@@ -421,17 +422,46 @@ class Sweep:
             row["mfu"] = self._mfu(row)
         self._write(plots=True)
 
-    def _warm_compiler(self) -> float:
-        """Compile a tiny function, forward and backward, and run it: seconds taken.
+    def _warm_up(self, compiled: bool) -> None:
+        """One training step of a tiny model, eager, then compiled if the sweep compiles; the
+        seconds the compiled one took go in meta.
 
-        The compiler's one-time start-up (its imports, the compile workers) is then paid here,
-        not charged to whichever cell happens to compile first.
+        The process's one-time costs (the compiler's imports and workers, the first trace and
+        compile, the first eager step's set-up) are then paid here, not charged to whichever
+        cell comes first. Its sizes are not the sweep's: no cell finds its graphs in
+        Inductor's cache because of it.
         """
-        t0 = time.perf_counter()
-        x = torch.ones(8, device=self.device, requires_grad=True)
-        torch.compile(lambda t: (2 * t).sin())(x).sum().backward()
-        synchronize(self.device)  # its graph is dropped with the first depth's Dynamo reset
-        return time.perf_counter() - t0
+        tc = self.config.train
+        tiny = dataclasses.replace(
+            self.config.model,
+            attention="naive",
+            n_layer=1,
+            n_embd=16,
+            n_head=2,
+            block_size=16,
+            vocab_size=64,
+        )
+        ids = torch.randint(64, (2, 17)).to(self.device)
+        batch = [(ids[:, :-1], ids[:, 1:])]
+        try:
+            for compile in [False, True] if compiled else [False]:
+                model, optimizer = build_model(
+                    tiny, tc, self.device, onednn=self.onednn, compile=compile
+                )
+                t0 = time.perf_counter()  # not `timed`: that times cells
+                train_step(model, optimizer, batch, tc.grad_clip, self.amp_dtype)
+                synchronize(self.device)
+                seconds = time.perf_counter() - t0
+        except Exception as e:  # not KeyboardInterrupt; the cells will say what fails there
+            tqdm.write(
+                f"warning: the start-up warm-up failed ({_one_line(e)}); the first cell's "
+                "first step may carry the process's one-time costs",
+                file=sys.stderr,
+            )
+            return
+        self.meta["startup"] = "tiny model"  # sweeps before it: a tiny compiled function
+        if compiled:  # its graphs go with the first depth's Dynamo reset
+            self.meta["compiler_startup_s"] = seconds
 
     def _model_flops(self, n_layer: int) -> tuple[int, int]:
         """FLOPs of one step at this depth, counted on an eager `naive` model, and the part of
@@ -471,17 +501,28 @@ class Sweep:
             # Every depth compiles its own graphs: identical blocks would otherwise reuse the
             # last depth's, and its compile time would read ~0.
             torch._dynamo.reset()
+        first_pinned = None  # the depth's first compiled cell of a pinned variant
         for cell in cells:
             bar.set_postfix_str(f"warm-up {cell.name}")
             with self._guard(cell):
                 self._build(cell)
                 if cell.step is None:
                     continue
+                # A full collection now (up to 0.2 s with the compiler's objects about), not
+                # one that lands in this first step because of what earlier cells left.
+                gc.collect()
                 before = _compile_counters()
                 cell.first_step_s = timed(cell.step, self.device)  # includes compilation
                 cache = _compile_cache(before, _compile_counters())
                 if cell.compiled:
                     cell.compile_cache = cache
+                    if VARIANTS[cell.variant].backend is not None:
+                        # Pinned variants' blocks break at the same call, so a later one runs
+                        # the graphs compiled for the first (and compiles only what its
+                        # attention's strides change): its first step does not time its own.
+                        if first_pinned is not None:
+                            cell.compile_cache = "shared"
+                        first_pinned = first_pinned or cell
                 else:
                     cell.first_step_compiled = cache != "none"
                 for _ in range(self.args.warmup - 1):
@@ -492,6 +533,7 @@ class Sweep:
             # would otherwise fault fresh pages in during the timed steps (at the profile
             # shape, up to 1,500 a step in naive at n_layer=8, where memory was kept).
             reserve_heap(HEAP_RESERVE)
+        gc.collect()  # what the warm-ups left, collected before the timed steps, not in them
         orders = balanced_orders(len(cells))
         for r in range(self.args.steps):
             bar.set_postfix_str(f"L{cells[0].n_layer} round {r + 1}/{self.args.steps}")
@@ -616,9 +658,10 @@ class Sweep:
             fields["first_step_ms"] = cell.first_step_s * 1e3
         if cell.compiled and cell.first_step_s is not None:
             fields["eager_excess_s"] = cell.eager_excess_s
-            fields["compile_s"] = compile_seconds(
-                cell.first_step_s, stats["median"] / 1e3, cell.eager_excess_s
-            )
+            if cell.compile_cache not in ("none", "shared"):  # else it compiled not its own
+                fields["compile_s"] = compile_seconds(
+                    cell.first_step_s, stats["median"] / 1e3, cell.eager_excess_s
+                )
         return fields
 
     def _profile(self, cell: Cell) -> dict[str, Any]:

@@ -363,6 +363,7 @@ def test_every_depth_traces_its_own_graphs(tmp_path: Path, monkeypatch: pytest.M
         assert row["compile_cache"] in ("cold", "cached"), row["n_layer"]
     # The compiler's start-up is paid apart, so it is not charged to the first compiled cell.
     assert results["meta"]["compiler_startup_s"] > 0
+    assert results["meta"]["startup"] == "tiny model"  # a training step, not a toy function
     assert "one-time start-up" in (tmp_path / "sweep" / "report.md").read_text()
 
 
@@ -382,6 +383,15 @@ def test_compiled_sdpa_measures_the_same_steps_beside_pinned_variants(tmp_path: 
     for pinned in ("sdpa-math", "sdpa-flash"):  # one command for both: they share a sweep well
         assert rows[pinned]["status"] == "unsupported"
         assert "--variants naive,sdpa-math,sdpa-flash --compile on" in rows[pinned]["reason"]
+    # Run so, each pinned cell runs its own backend; the second runs the first one's graphs,
+    # so its first step times no compile of its own, and none is given.
+    rc, apart = sweep(tmp_path, "--variants", "sdpa-math,sdpa-flash", *args, name="apart")
+    assert rc == 0
+    math, flash = apart["rows"]
+    assert (math["status"], math["backend"]) == ("ok", "MATH") and math["compile_s"] is not None
+    assert (flash["status"], flash["backend"]) == ("ok", "FLASH_ATTENTION")
+    assert flash["compile_cache"] == "shared" and flash["compile_s"] is None
+    assert "| – (shared) |" in (tmp_path / "apart" / "report.md").read_text()
 
 
 @pytest.mark.filterwarnings("error:clamping frac")  # tqdm's word for a bar past its total
