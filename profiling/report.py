@@ -753,7 +753,9 @@ def _startup_text(meta: dict[str, Any]) -> str:
         )
         return (
             " The process's one-time start-up was paid before the first cell, on a training "
-            f"step of a tiny model, {how}, so no cell's first step includes it. A full garbage "
+            f"step of a tiny model, {how}, so the first cell's first step does not carry "
+            "it (what is particular to a shape still falls to the first cell of that shape). "
+            "A full garbage "
             "collection runs before each cell's first step and before the timed rounds, so "
             "none lands in them by chance."
         )
