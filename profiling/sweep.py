@@ -444,9 +444,9 @@ class Sweep:
         ids = torch.randint(64, (2, 17)).to(self.device)
         batch = [(ids[:, :-1], ids[:, 1:])]
         try:
-            for compile in [False, True] if compiled else [False]:
+            for compiling in [False, True] if compiled else [False]:
                 model, optimizer = build_model(
-                    tiny, tc, self.device, onednn=self.onednn, compile=compile
+                    tiny, tc, self.device, onednn=self.onednn, compile=compiling
                 )
                 t0 = time.perf_counter()  # not `timed`: that times cells
                 train_step(model, optimizer, batch, tc.grad_clip, self.amp_dtype)
