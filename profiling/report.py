@@ -436,7 +436,7 @@ def _cell_table(rows: list[dict[str, Any]]) -> list[str]:
                     _fmt(r["tokens_per_s"], ",.0f"),
                     _fmt(r["mfu"] * 100 if r["mfu"] else None) + "%" * bool(r["mfu"]),
                     _fmt(r["peak_mem_bytes"] / MiB if r["peak_mem_bytes"] else None),
-                    _fmt(r["compile_s"]) + _COMPILE_MARKS.get(r.get("compile_cache"), ""),
+                    _fmt(r["compile_s"]) + _compile_mark(r),
                     r["backend"] or "–",
                     regions(r["ops_per_step"]),
                     regions(r["kernels_per_step"]),
@@ -722,21 +722,33 @@ def _round_order_text(meta: dict[str, Any]) -> str:
     return "each round starting one later (A B C, B C A, C A B, …)"
 
 
-# After a compiled cell's compile time: what its first step compiled, where that qualifies it.
-_COMPILE_MARKS = {"cached": " (cached)", "shared": " (shared)", "none": " (reused)"}
+def _compile_mark(row: dict[str, Any]) -> str:
+    """After a compiled cell's compile time: what its first step compiled, where that
+    qualifies the number (or its absence)."""
+    cache = row.get("compile_cache")
+    if cache == "none" and row.get("compile_s") is not None:  # sweeps before it gave one
+        return ""
+    return {
+        "cached": " (cached)",
+        "shared": " (shared)",
+        "partly shared": " (partly shared)",
+        "none": " (reused)",
+    }.get(cache, "")
 
 
 def _reused_text(rows: list[dict[str, Any]]) -> str:
     """What `(shared)` and `(reused)` say, where a cell has one: no compile time of its own."""
-    caches = {r.get("compile_cache") for r in rows}
+    marks = {_compile_mark(r) for r in rows}
     text = ""
-    if "shared" in caches:
+    if " (shared)" in marks or " (partly shared)" in marks:
         text += (
-            " `(shared)`: a pinned variant's compiled cell after the first of its depth, whose "
-            "blocks break at the same call and so run the graphs compiled for that first one: "
-            "its first step does not time a compile of its own, and none is given."
+            " `(shared)` and `(partly shared)`: a pinned variant's compiled cell after the "
+            "first of its depth. Their blocks break at the same call, so it runs graphs "
+            "compiled for that first one: all of them (its first step compiled nothing, and "
+            "no compile time is given) or all but those its attention's output strides change "
+            "(the time given is that of the rest)."
         )
-    if "none" in caches:
+    if " (reused)" in marks:
         text += " `(reused)`: the cell's first step compiled nothing; no compile time is given."
     return text
 

@@ -170,16 +170,23 @@ def allocator_counts(stats: dict[str, int]) -> tuple[int, int]:
 def _compile_counters() -> dict[str, int]:
     from torch._dynamo.utils import counters
 
-    return {k: counters["inductor"][k] for k in ("fxgraph_cache_hit", "fxgraph_cache_miss")}
+    inductor = ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass")
+    return {k: counters["inductor"][k] for k in inductor} | {
+        "graphs": counters["stats"]["unique_graphs"]  # traced by Dynamo
+    }
 
 
 def _compile_cache(before: dict[str, int], after: dict[str, int]) -> str:
-    """'cold' if Inductor compiled any graph of the step, 'cached' if its on-disk cache held
-    them all (the compile time is then mostly Dynamo's tracing), 'none' if nothing compiled.
-    (The sweep adds 'shared': see _time.)"""
-    hits = after["fxgraph_cache_hit"] - before["fxgraph_cache_hit"]
-    misses = after["fxgraph_cache_miss"] - before["fxgraph_cache_miss"]
-    return "cold" if misses else "cached" if hits else "none"
+    """'cached' if Inductor's on-disk cache held every graph the step compiled (the compile
+    time is then mostly Dynamo's tracing), 'cold' if it compiled any itself (a cache miss, a
+    graph the cache passes by, or the cache off), 'none' if the step compiled nothing. (The
+    sweep adds 'shared' and 'partly shared': see _time.)"""
+    new = {k: after[k] - before[k] for k in after}
+    if new["fxgraph_cache_miss"] or new["fxgraph_cache_bypass"]:
+        return "cold"
+    if new["fxgraph_cache_hit"]:
+        return "cached"
+    return "cold" if new["graphs"] else "none"
 
 
 def _one_line(error: BaseException) -> str:
@@ -431,12 +438,12 @@ class Sweep:
         cell comes first. Its sizes are not the sweep's: no cell finds its graphs in
         Inductor's cache because of it.
         """
-        tc = self.config.train
+        tc, mc = self.config.train, self.config.model
         tiny = dataclasses.replace(
-            self.config.model,
+            mc,
             attention="naive",
             n_layer=1,
-            n_embd=16,
+            n_embd=16 if mc.n_embd != 16 else 24,  # a width the cells' blocks do not have
             n_head=2,
             block_size=16,
             vocab_size=64,
@@ -518,10 +525,10 @@ class Sweep:
                     cell.compile_cache = cache
                     if VARIANTS[cell.variant].backend is not None:
                         # Pinned variants' blocks break at the same call, so a later one runs
-                        # the graphs compiled for the first (and compiles only what its
-                        # attention's strides change): its first step does not time its own.
+                        # graphs compiled for the first, all of them or all but those its
+                        # attention's output strides change: its first step times that rest.
                         if first_pinned is not None:
-                            cell.compile_cache = "shared"
+                            cell.compile_cache = "shared" if cache == "none" else "partly shared"
                         first_pinned = first_pinned or cell
                 else:
                     cell.first_step_compiled = cache != "none"
@@ -658,7 +665,7 @@ class Sweep:
             fields["first_step_ms"] = cell.first_step_s * 1e3
         if cell.compiled and cell.first_step_s is not None:
             fields["eager_excess_s"] = cell.eager_excess_s
-            if cell.compile_cache not in ("none", "shared"):  # else it compiled not its own
+            if cell.compile_cache not in ("none", "shared"):  # else it compiled nothing
                 fields["compile_s"] = compile_seconds(
                     cell.first_step_s, stats["median"] / 1e3, cell.eager_excess_s
                 )

@@ -383,15 +383,39 @@ def test_compiled_sdpa_measures_the_same_steps_beside_pinned_variants(tmp_path: 
     for pinned in ("sdpa-math", "sdpa-flash"):  # one command for both: they share a sweep well
         assert rows[pinned]["status"] == "unsupported"
         assert "--variants naive,sdpa-math,sdpa-flash --compile on" in rows[pinned]["reason"]
-    # Run so, each pinned cell runs its own backend; the second runs the first one's graphs,
-    # so its first step times no compile of its own, and none is given.
+    # Run so, each pinned cell runs its own backend; the second runs graphs compiled for the
+    # first, all but those its attention's output strides change (flash's differ from math's).
     rc, apart = sweep(tmp_path, "--variants", "sdpa-math,sdpa-flash", *args, name="apart")
     assert rc == 0
     math, flash = apart["rows"]
     assert (math["status"], math["backend"]) == ("ok", "MATH") and math["compile_s"] is not None
     assert (flash["status"], flash["backend"]) == ("ok", "FLASH_ATTENTION")
-    assert flash["compile_cache"] == "shared" and flash["compile_s"] is None
-    assert "| – (shared) |" in (tmp_path / "apart" / "report.md").read_text()
+    assert flash["compile_cache"] == "partly shared" and flash["compile_s"] is not None
+    assert " (partly shared) |" in (tmp_path / "apart" / "report.md").read_text()
+
+
+def test_what_a_compiled_first_step_compiled() -> None:
+    """From the compiler's counters: Inductor's cache served it, Inductor compiled (a miss, a
+    graph the cache passes by, or the cache off: graphs traced, no lookups), or nothing."""
+    from profiling.sweep import _compile_cache
+
+    zero = {"fxgraph_cache_hit": 0, "fxgraph_cache_miss": 0, "fxgraph_cache_bypass": 0}
+    zero["graphs"] = 0
+    step = lambda **new: _compile_cache(zero, zero | new)
+    assert step(fxgraph_cache_hit=2, graphs=1) == "cached"
+    assert step(fxgraph_cache_hit=1, fxgraph_cache_miss=1, graphs=1) == "cold"
+    assert step(fxgraph_cache_bypass=1, graphs=1) == "cold"
+    assert step(graphs=1) == "cold"  # TORCHINDUCTOR_FX_GRAPH_CACHE=0
+    assert step() == "none"
+
+
+def test_a_first_step_that_compiled_nothing_reads_reused_only_without_a_time() -> None:
+    """Sweeps before 'none' meant no compile time gave one all the same: no mark there."""
+    from profiling.report import _compile_mark
+
+    assert _compile_mark({"compile_cache": "none", "compile_s": None}) == " (reused)"
+    assert _compile_mark({"compile_cache": "none", "compile_s": 1.59}) == ""
+    assert _compile_mark({"compile_cache": "cached", "compile_s": 0.4}) == " (cached)"
 
 
 @pytest.mark.filterwarnings("error:clamping frac")  # tqdm's word for a bar past its total
