@@ -112,7 +112,7 @@ class Cell:
     first_step_compiled: bool = False
     status: str = "ok"
     reason: str | None = None
-    done: float = 0.0  # how much of its one unit on the progress bar the cell has filled
+    done: int = 0  # of its warm-up, timed and profiled steps, how many the progress bar shows
 
     @property
     def name(self) -> str:
@@ -390,15 +390,16 @@ class Sweep:
         )
         try:
             # The bar closes on Ctrl-C too, so the message after it starts on a line of its own.
-            # A depth's cells finish together, after their interleaved rounds: the bar moves
-            # by each step instead, a cell's unit shared out over its warm-up, timed and
-            # profiled steps, so its rate and time left do not wait for the depth's end.
+            # A depth's cells finish together, after their interleaved rounds: the bar counts
+            # steps instead (shown in cells), so its rate and time left do not wait for the
+            # depth's end.
             bar = tqdm(
-                total=total,
+                total=total * self._steps_per_cell(),
+                unit_scale=1 / self._steps_per_cell(),
                 desc="cells",
                 unit="cell",
                 dynamic_ncols=True,
-                bar_format="{l_bar}{bar}| {n:.1f}/{total_fmt} "
+                bar_format="{l_bar}{bar}| {n:.1f}/{total:.0f} "
                 "[{elapsed}<{remaining}, {rate_fmt}{postfix}]",
             )
             with no_silent_eager, bar:
@@ -409,8 +410,6 @@ class Sweep:
                     for cell in cells:
                         self._profile_and_record(cell, flops)
                         self._advance(bar, cell, None)  # the rest: a failed cell's, all of it
-                    bar.n = round(bar.n)  # whole cells now: no float drift left behind
-                    bar.refresh()
                     synchronize(self.device)
                     if self.device.type == "cuda":
                         torch.cuda.empty_cache()
@@ -575,15 +574,15 @@ class Sweep:
                     f"--layers {cell.n_layer} --compile {'on' if cell.compiled else 'off'})"
                 )
 
+    def _steps_per_cell(self) -> int:
+        """A cell's warm-up, timed and profiled (wait, warmup, active) steps."""
+        return self.args.warmup + self.args.steps + 2 + self.args.profile_steps
+
     def _advance(self, bar: tqdm, cell: Cell, steps: int | None) -> None:
-        """Move the bar by `steps` of the cell's warm-up, timed and profiled steps (None: to
-        the end of its unit)."""
-        per_cell = self.args.warmup + self.args.steps + 2 + self.args.profile_steps
-        # The rest held back by a hair: float sums could otherwise overshoot the total
-        # (tqdm warns); the depth's end rounds the bar to whole cells.
-        share = 1 - cell.done - 1e-9 if steps is None else steps / per_cell
-        cell.done += share
-        bar.update(share)
+        """Move the bar by `steps` of the cell's steps (None: the ones it has yet to show)."""
+        steps = self._steps_per_cell() - cell.done if steps is None else steps
+        cell.done += steps
+        bar.update(steps)
 
     def _allocator(self) -> tuple[int, int] | None:
         """allocator_counts on CUDA; None elsewhere, where there is no caching allocator."""

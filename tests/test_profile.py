@@ -426,17 +426,17 @@ def test_the_progress_bar_moves_with_the_steps_and_ends_whole(
     still at 0 then, never goes back, and ends at the number of cells, a failed one included."""
     import profiling.sweep
 
-    seen: list[float] = []
+    seen: list[float] = []  # in cells, as the bar shows them
 
     class Recorded(profiling.sweep.tqdm):
         def update(self, n: float = 1) -> bool | None:
             out = super().update(n)
-            seen.append(self.n)
+            seen.append(self.n * self.unit_scale)
             return out
 
         def refresh(self, *args: object, **kwargs: object) -> None:
             super().refresh(*args, **kwargs)
-            seen.append(self.n)
+            seen.append(self.n * self.unit_scale)
 
     monkeypatch.setattr(profiling.sweep, "tqdm", Recorded)
     rc, _ = sweep(tmp_path, "--variants", "naive,sdpa-efficient", "--layers", "1,2", "--no-traces")
