@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from config import ConfigError, load_config
-from model import VARIANTS, unavailable_reason
+from model import VARIANTS, available_variants, unavailable_reason
 from profiling.report import diff_text
 from profiling.results import write_results
 from profiling.sweep import COMPILE_MODES, Sweep
@@ -239,9 +239,9 @@ def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
                     f"--variants: none can run on {device} ({str(dtype).removeprefix('torch.')}): "
                     + "; ".join(f"{v}: {reason}" for v, reason in why.items())
                 )
-        else:  # every variant that can run here
-            why = {v: probe(v) for v in VARIANTS}
-            variants = [v for v, reason in why.items() if reason is None]
+        else:
+            variants = available_variants(device, dtype, mc.head_size, mc.dropout)
+            why = dict.fromkeys(variants)  # each can run: its probe said so
         sweep = Sweep(config, args)  # the last check of the input; nothing is written before
         sweep.unavailable.update(why)  # the probe runs each variant (flex compiles): not twice
         if args.compile is None and sweep.compile_mode == "on":

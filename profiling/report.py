@@ -737,7 +737,7 @@ def _compile_mark(row: dict[str, Any]) -> str:
 
 
 def _reused_text(rows: list[dict[str, Any]]) -> str:
-    """What `(shared)` and `(reused)` say, where a cell has one: no compile time of its own."""
+    """What `(shared)`, `(partly shared)` and `(reused)` say, where a cell has one."""
     marks = {_compile_mark(r) for r in rows}
     text = ""
     if " (shared)" in marks or " (partly shared)" in marks:

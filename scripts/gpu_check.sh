@@ -37,8 +37,7 @@ echo "== $(date -u +%FT%TZ) gpu_check on $(hostname)"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$OUT/gpu.csv"
 "$PY" -c "import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)" \
   || { echo "error: $PY is older than Python 3.11 (tomllib is needed)"; exit 1; }
-"$PY" -c "import torch, sys; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'python', sys.version.split()[0]); sys.exit(0 if torch.cuda.is_available() else 1)" \
-  || { echo "error: $PY has no torch with CUDA here"; exit 1; }
+"$PY" -c "import torch, sys; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'python', sys.version.split()[0])"
 
 missing=$("$PY" - <<'PY'
 import importlib.util

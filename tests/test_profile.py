@@ -1589,13 +1589,15 @@ def test_each_variant_is_probed_once_per_sweep(
     import profiling.sweep
 
     probed: list[str] = []
+    real = attention.unavailable_reason
 
     def counted(name: str, *args: object, **kwargs: object) -> str | None:
         probed.append(name)
-        return attention.unavailable_reason(name, *args, **kwargs)
+        return real(name, *args, **kwargs)
 
-    monkeypatch.setattr(profiling.sweep, "unavailable_reason", counted)
-    monkeypatch.setattr(profile_train, "unavailable_reason", counted)
+    # Every name it is called by: the sweep's, main's, and available_variants' own.
+    for module in (profiling.sweep, profile_train, attention):
+        monkeypatch.setattr(module, "unavailable_reason", counted)
     rc, results = sweep(tmp_path, *chosen, "--layers", "1,2", "--no-traces")
     ran = sorted({r["variant"] for r in results["rows"]})
     assert rc == 0 and [r["status"] for r in results["rows"]] == ["ok"] * 2 * len(ran)
