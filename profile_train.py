@@ -223,7 +223,6 @@ def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
             os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         dtype = autocast_dtype(config.train.dtype, device) or torch.float32
         mc = config.model
-        probe = lambda v: unavailable_reason(v, device, dtype, mc.head_size, mc.dropout)
         if args.variants is not None:
             variants = _csv_list(args.variants, str, "--variants")
             if not variants:
@@ -233,7 +232,9 @@ def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
                 raise ConfigError(
                     f"--variants: unknown {', '.join(unknown)}; valid: {', '.join(VARIANTS)}"
                 )
-            why = {v: probe(v) for v in variants}
+            why = {
+                v: unavailable_reason(v, device, dtype, mc.head_size, mc.dropout) for v in variants
+            }
             if all(why.values()):  # some that cannot run are recorded as such; none, refused
                 raise ConfigError(
                     f"--variants: none can run on {device} ({str(dtype).removeprefix('torch.')}): "
