@@ -172,46 +172,48 @@ def savings(
     return out
 
 
-def op_slopes(
-    rows: list[dict[str, Any]], name: str, kind: str = "ops_per_step"
-) -> dict[tuple[str, str], float]:
-    """For one label: (region, op) -> slope of its per-step count against n_layer."""
+def _op_series(
+    rows: list[dict[str, Any]], name: str, kind: str
+) -> tuple[set[int], dict[tuple[str, str], dict[int, float]]]:
+    """For one label: its measured depths, and (region, op) -> {n_layer: count per step}."""
     series: dict[tuple[str, str], dict[int, float]] = defaultdict(dict)
-    layers = set()
+    depths = set()
     for row in ok_rows(rows):
         if label(row["variant"], row["compile"]) != name or not row.get(kind):
             continue
-        layers.add(row["n_layer"])
+        depths.add(row["n_layer"])
         for region, counts in row[kind].items():
             for op, count in counts.items():
                 series[(region, op)][row["n_layer"]] = count
-    xs = sorted(layers)
-    out = {}
-    for key, by_layer in series.items():
-        fit = fit_line(xs, [by_layer.get(x, 0.0) for x in xs])
-        if fit is not None:
-            out[key] = fit["slope"]
-    return out
+    return depths, series
 
 
 def op_diff(
     rows: list[dict[str, Any]], a: str, b: str, kind: str = "ops_per_step", threshold: float = 0.25
 ) -> list[dict[str, Any]]:
     """Ops whose per-layer per-step count differs between labels a and b (a minus b), by region,
-    largest first.
+    largest first: the slope of the difference over the depths both measured (a cell that
+    failed at one depth leaves that depth out of both). Where the difference is not a straight
+    line in n_layer, the entry has `linear: False` and per_layer is its least-squares slope.
 
-    With a single depth measured, each entry also has `one_depth`, that n_layer: its
+    With a single depth in common, each entry also has `one_depth`, that n_layer: its
     per_layer is the whole step's difference divided by n_layer, so ops outside the layers
-    (embeddings, the loss, the optimizer) count in it too.
+    (embeddings, the loss, the optimizer) count in it too. No depth in common: no entries.
     """
-    sa, sb = op_slopes(rows, a, kind), op_slopes(rows, b, kind)
-    if not sa or not sb:  # a side measured at one depth only: compare counts at a shared depth
+    (depths_a, sa), (depths_b, sb) = _op_series(rows, a, kind), _op_series(rows, b, kind)
+    common = sorted(depths_a & depths_b)
+    if len(common) < 2:
         return _single_depth_diff(rows, a, b, kind, threshold)
     diffs = []
-    for key in set(sa) | set(sb):
-        delta = sa.get(key, 0.0) - sb.get(key, 0.0)
-        if abs(delta) >= threshold:
-            diffs.append({"region": key[0], "name": key[1], "per_layer": round(delta, 2)})
+    for key in sa.keys() | sb.keys():
+        delta = [sa.get(key, {}).get(n, 0.0) - sb.get(key, {}).get(n, 0.0) for n in common]
+        fit = fit_line(common, delta)
+        if abs(fit["slope"]) < threshold:
+            continue
+        entry = {"region": key[0], "name": key[1], "per_layer": round(fit["slope"], 2)}
+        if fit["r2"] < 1:  # fit_line reads an exact line's rounding as none
+            entry["linear"] = False
+        diffs.append(entry)
     return _by_region_and_size(diffs)
 
 
@@ -351,7 +353,10 @@ def _amount(d: dict[str, Any], region: bool = True) -> str:
     n = abs(d["per_layer"])
     amount = f"{n:g}" if n != int(n) else str(int(n))
     more = "more" if d["per_layer"] > 0 else "fewer"
-    return f"{amount} {d['name']} {more}" + (f" ({d['region']})" if region else "")
+    where = [d["region"]] if region else []
+    if d.get("linear") is False:
+        where.append("on average: not the same at every depth")
+    return f"{amount} {d['name']} {more}" + (f" ({', '.join(where)})" if where else "")
 
 
 # CUDA kernel names, as the profiler records them, are demangled C++ signatures: PyTorch's

@@ -180,7 +180,12 @@ def _fewer_depths(
     depths the variant and its naive have in common."""
     notes = [
         f"`{name}` against {reference_of[name]} at L{','.join(map(str, s['depths']))} only, "
-        "the depths both measured."
+        "the depths both measured"
+        + (
+            f": a 95% interval is ± {_t95(len(s['depths']) - 2):.1f} se."
+            if len(s["depths"]) > 2
+            else "."
+        )
         for name, s in saved.items()
         if s["depths"] != layers
     ]
@@ -198,13 +203,22 @@ def _t95(dof: int) -> float:
 
 
 def _interval_text(rows: list[dict[str, Any]]) -> str:
-    """How wide a 95% interval is, in standard errors, at this sweep's number of depths."""
-    n = len({r["n_layer"] for r in rows if r["status"] == "ok" and r.get("step_ms")})
+    """How wide a 95% interval is, in standard errors, at this sweep's number of depths, and
+    whether some fits have fewer."""
+    ok = [r for r in rows if r["status"] == "ok" and r.get("step_ms")]
+    n = len({r["n_layer"] for r in ok})
     if n == 1:
         return "one depth, as here, fits no line"
     if n == 2:
-        return "none with 2 depths, as here: a line through two points leaves no residual"
-    return f"{n - 2} with {n} depths, as here: a 95% interval is ± {_t95(n - 2):.1f} se"
+        text = "none with 2 depths, as here: a line through two points leaves no residual"
+    else:
+        text = f"{n - 2} with {n} depths, as here: a 95% interval is ± {_t95(n - 2):.1f} se"
+    per_label: dict[str, set[int]] = defaultdict(set)
+    for r in ok:
+        per_label[label(r["variant"], r["compile"])].add(r["n_layer"])
+    if any(len(depths) < n for depths in per_label.values()):
+        text += "; fewer for a variant that failed at some depth, and for its saving"
+    return text
 
 
 def _not_run(rows: list[dict[str, Any]], bold: bool = False) -> list[str]:
@@ -272,6 +286,15 @@ def _busy_warning(meta: dict[str, Any]) -> list[str]:
     ]
 
 
+def _op_depths(rows: list[dict[str, Any]], name: str) -> set[int]:
+    """The depths at which label name has op counts."""
+    return {
+        r["n_layer"]
+        for r in ok_rows(rows)
+        if r.get("ops_per_step") and label(r["variant"], r["compile"]) == name
+    }
+
+
 def findings(rows: list[dict[str, Any]]) -> list[str]:
     """The op and kernel differences of every variant against naive (a compiled variant's
     against compiled naive), in words."""
@@ -281,6 +304,9 @@ def findings(rows: list[dict[str, Any]]) -> list[str]:
     for name in measured:
         base = reference_of[name]
         if name == base or base not in measured:
+            continue
+        if not _op_depths(rows, name) & _op_depths(rows, base):
+            lines.append(f"- {name} vs {base}: not measured at a common n_layer, so no diff.")
             continue
         lines.append("- " + describe_diff(name, base, op_diff(rows, name, base)))
         kernels = op_diff(rows, name, base, kind="kernels_per_step")
@@ -364,16 +390,13 @@ def diff_text(rows: list[dict[str, Any]], a: str, b: str) -> str:
 
     Raises ValueError naming the valid labels if either was not measured.
     """
-    measured = [r for r in ok_rows(rows) if r.get("ops_per_step")]
-    depths = {name: set() for name in labels(measured)}
-    for r in measured:
-        depths[label(r["variant"], r["compile"])].add(r["n_layer"])
+    measured = labels([r for r in ok_rows(rows) if r.get("ops_per_step")])
     for name in (a, b):
-        if name not in depths:
+        if name not in measured:
             raise ValueError(
-                f"--diff: no measured cell is labelled {name!r}; measured: {', '.join(depths)}"
+                f"--diff: no measured cell is labelled {name!r}; measured: {', '.join(measured)}"
             )
-    if not depths[a] & depths[b]:
+    if not _op_depths(rows, a) & _op_depths(rows, b):
         return f"{a} vs {b}: not measured at a common n_layer, so no per-layer diff."
     parts = [describe_diff(a, b, op_diff(rows, a, b), full=True)]
     kernels = op_diff(rows, a, b, kind="kernels_per_step")

@@ -1374,6 +1374,45 @@ def test_op_diff_when_one_variant_has_a_single_depth() -> None:
     assert "one depth measured (n_layer=2)" in full
 
 
+def test_op_diff_fits_both_labels_over_the_depths_both_measured() -> None:
+    """A cell that failed leaves its depth out of both sides: counts that are the same at every
+    shared depth differ by nothing, however they grow with depth (the foreach optimizer's
+    kernels do not grow linearly). A difference that is not a straight line in n_layer says
+    so; labels with no depth in common get no per-layer diff."""
+    from profiling.analysis import describe_diff
+    from profiling.report import diff_text, findings
+
+    def row(variant: str, n: int, status: str = "ok") -> dict:
+        chunks = {1: 3, 2: 3, 4: 4, 8: 7}[n]  # the same for both, not linear in n
+        r = _ops_row(variant, n, {"aten::clone": n}, None)
+        r["ops_per_step"]["optimizer"] = {"aten::_foreach_add_": chunks}
+        return {**r, "status": status}
+
+    rows = [row("naive", 1), row("naive", 2), row("naive", 8, "oom")]
+    rows += [row("sdpa", n) for n in (1, 2, 8)]
+    assert op_diff(rows, "sdpa", "naive") == []
+
+    curved = [row("naive", n) for n in (1, 2, 4)] + [row("sdpa", n) for n in (1, 2, 4)]
+    for r in curved:
+        if r["variant"] == "sdpa":
+            r["ops_per_step"]["forward"]["aten::clone"] = r["n_layer"] ** 2
+    (diff,) = op_diff(curved, "sdpa", "naive")
+    assert diff["name"] == "aten::clone" and diff["linear"] is False
+    assert "(forward, on average: not the same at every depth)" in describe_diff(
+        "sdpa", "naive", [diff]
+    )
+    for r in curved:
+        if r["variant"] == "sdpa":
+            r["ops_per_step"]["forward"]["aten::clone"] = 2 * r["n_layer"]
+    assert op_diff(curved, "sdpa", "naive") == [
+        {"region": "forward", "name": "aten::clone", "per_layer": 1.0}
+    ]
+
+    apart = [row("naive", 1), row("naive", 2), row("sdpa", 4), row("sdpa", 8)]
+    assert findings(apart) == ["- sdpa vs naive: not measured at a common n_layer, so no diff."]
+    assert "not measured at a common n_layer" in diff_text(apart, "sdpa", "naive")
+
+
 def test_diff_names_every_op_that_differs() -> None:
     """The report names a dozen, each region's largest in turn, and points to --diff; --diff
     shows them all, by region, views included, instead of the same cut list."""
@@ -1828,10 +1867,15 @@ def test_report_details_follow_the_cells_that_measured() -> None:
     all_oom_at_8 = [oom(r) if r["n_layer"] == 8 else r for r in rows]
     assert _interval_text(all_oom_at_8).startswith("1 with 3 depths")
     sdpa_oom_at_8 = [oom(r) if r["n_layer"] == 8 and r["variant"] == "sdpa" else r for r in rows]
-    assert _interval_text(sdpa_oom_at_8).startswith("2 with 4 depths")
+    assert "failed at some" not in _interval_text(all_oom_at_8)
+    # The sweep's 4 depths give 2 degrees of freedom; sdpa's fit and saving have 1.
+    interval = _interval_text(sdpa_oom_at_8)
+    assert interval.startswith("2 with 4 depths")
+    assert interval.endswith("fewer for a variant that failed at some depth, and for its saving")
     notes = _fewer_depths(savings(sdpa_oom_at_8), [1, 2, 4, 8], baselines(sdpa_oom_at_8))
     assert notes[-1].endswith(
-        "`sdpa+compile` against naive+compile at L1,2,4 only, the depths both measured."
+        "`sdpa+compile` against naive+compile at L1,2,4 only, the depths both measured: "
+        "a 95% interval is ± 12.7 se."
     )
 
 
