@@ -193,20 +193,30 @@ def _spelling(value: Any, expected: Any) -> str:
     return ""
 
 
-def _build(cls: type, values: dict[str, Any], section: str) -> Any:
+def _build(
+    cls: type, values: dict[str, Any], section: str, in_file: str = "", overridden: set[str] = ()
+) -> Any:
+    """One section's dataclass. in_file ('path: ') heads an error in a value the file gave;
+    one given by `overridden`'s --section.key override is named as such."""
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in values.items():
+        where = "" if key in overridden else in_file
         if key not in known:
             raise ConfigError(
-                f"unknown key {section}.{key!s}; valid keys in [{section}]: {', '.join(sorted(known))}"
+                f"{where}unknown key {section}.{key!s}; valid keys in [{section}]: "
+                f"{', '.join(sorted(known))}"
             )
-        kwargs[key] = _check_type(f"{section}.{key}", value, hints[key])
+        try:
+            kwargs[key] = _check_type(f"{section}.{key}", value, hints[key])
+        except ConfigError as e:
+            raise ConfigError(where + str(e)) from None
     try:
         return cls(**kwargs)
-    except ValueError as e:  # a dataclass's own validation, e.g. GPTConfig
-        raise ConfigError(str(e)) from None
+    except ValueError as e:  # a dataclass's own validation, e.g. GPTConfig: fields together
+        given = f" (with {', '.join(f'--{section}.{k}' for k in sorted(overridden))})"
+        raise ConfigError(in_file + str(e) + (given if in_file and overridden else "")) from None
 
 
 def parse_override(arg: str) -> tuple[str, str, Any]:
@@ -261,11 +271,17 @@ def _table(tables: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
-    return build_config(read_toml(path) if path is not None else {}, overrides)
+    """A config file's Config, overrides on top; an error in the file's values names it."""
+    if path is None:
+        return build_config({}, overrides)
+    return build_config(read_toml(path), overrides, source=str(path))
 
 
-def build_config(raw: dict[str, Any], overrides: list[str] = ()) -> Config:
-    """A Config from TOML-like tables (a file's, a checkpoint's record) and overrides on top."""
+def build_config(
+    raw: dict[str, Any], overrides: list[str] = (), source: str | None = None
+) -> Config:
+    """A Config from TOML-like tables (a file's, a checkpoint's record) and overrides on top.
+    An error names where the value came from: its override, or `source` (the file)."""
     raw = {
         section: dict(values) if isinstance(values, dict) else values
         for section, values in raw.items()
@@ -279,8 +295,13 @@ def build_config(raw: dict[str, Any], overrides: list[str] = ()) -> Config:
         if not isinstance(values, dict):
             raise ConfigError(f"{section}: expected a [{section}] table, got {values!r}")
 
+    in_file = source + ": " if source else ""
     for section, values in raw.items():  # the file's own, before overrides go into them
-        check_section(section, values)
+        try:
+            check_section(section, values)
+        except ConfigError as e:
+            raise ConfigError(in_file + str(e)) from None
+    overridden: dict[str, set[str]] = {}
     for arg in overrides:
         section, key, value = parse_override(arg)
         field_types = typing.get_type_hints(hints[section]) if section in sections else {}
@@ -290,10 +311,12 @@ def build_config(raw: dict[str, Any], overrides: list[str] = ()) -> Config:
         if isinstance(value, str) and not _is_utf8(value):
             raise ConfigError(f"--{section}.{key}: not valid UTF-8 text")
         raw.setdefault(section, {})[key] = value
+        overridden.setdefault(section, set()).add(key)
     built = {}
     for section, values in raw.items():
         check_section(section, values)
-        built[section] = _build(hints[section], values, section)
+        ours = overridden.get(section, set())
+        built[section] = _build(hints[section], values, section, in_file, ours)
     return Config(**built)
 
 

@@ -206,7 +206,14 @@ def run_config(out: Path, config_file: Path | None, overrides: list[str], resume
         )
     config = load_config(saved, overrides)
     if config_file is not None and int(os.environ.get("RANK", 0)) == 0:
-        differ = config_diff(config, load_config(config_file, overrides))
+        try:  # --config is read only to say how it differs: its errors do not stop the run
+            differ = config_diff(config, load_config(config_file, overrides))
+        except ConfigError as e:
+            print(
+                f"resuming with {saved}, the run's own config, not compared with --config ({e})",
+                file=sys.stderr,
+            )
+            differ = []
         if differ:
             fields = ", ".join(
                 f"{name} = {ours!r} (there {theirs!r})" for name, ours, theirs in differ

@@ -237,6 +237,30 @@ def test_bad_config_raises_config_error_naming_the_key(
         assert part in str(info.value)
 
 
+def test_an_error_names_the_file_or_the_override_its_value_came_from(tmp_path: Path) -> None:
+    """Resuming reads two files (the run's config.toml, --config) besides the overrides: an
+    error says which one to fix."""
+    path = write(tmp_path, '[train]\nlr = "fast"\n')
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(path))}: train.lr: expected float"):
+        load_config(path)
+    assert load_config(path, ["--train.lr=0.1"]).train.lr == 0.1  # the override replaces it
+    path = write(tmp_path, "[train]\nlr = 0.01\n[optim]\n")
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(path))}: unknown section \\[optim\\]"):
+        load_config(path)
+    path = write(tmp_path, "[train]\nlr = 0.01\nmax_step = 5\n")
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(path))}: unknown key train.max_step;"):
+        load_config(path)
+    path = write(tmp_path, "[train]\nlr = 0.01\n")
+    with pytest.raises(ConfigError, match=r"^train\.lr: expected float") as info:
+        load_config(path, ["--train.lr=fast"])
+    assert str(path) not in str(info.value)
+    # Fields checked together: the file, and the overrides that went into them.
+    path = write(tmp_path, "[model]\nn_head = 5\n")
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(path))}: .*n_head") as info:
+        load_config(path, ["--model.n_embd=96"])
+    assert str(info.value).endswith("(with --model.n_embd)")
+
+
 @pytest.mark.parametrize(
     "case",
     [

@@ -955,6 +955,16 @@ def test_resume_with_config_keeps_the_runs_own_settings_and_names_those_that_dif
     assert load_ckpt(out)["step"] == 9
     assert load_config(out / "config.toml").train.lr == 0.01
 
+    # --config is only compared: an error in it is said, and the run resumes all the same.
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[train]\nmax_step = 5\n")
+    capsys.readouterr()
+    argv = ["--config", str(broken), f"--data.root={data_root}", "--out", str(out)]
+    assert train.main([*argv, "--resume", "--train.max_steps=10"]) == 0
+    err = capsys.readouterr().err
+    assert f"not compared with --config ({broken}: unknown key train.max_step;" in err
+    assert load_ckpt(out)["step"] == 10
+
 
 def test_resume_does_not_keep_the_loaded_checkpoint_in_memory(
     base_run: Path, data_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
