@@ -231,15 +231,17 @@ def restore_rng(
     device: torch.device,
     rank: int,
     world_size: int,
-) -> None:
-    """This rank's saved RNG state; with another number of ranks than saved, a fresh seed."""
+) -> int:
+    """This rank's saved RNG state; with another number of ranks than saved, a fresh seed.
+    Returns the number of ranks that saved them."""
     if isinstance(states, dict):  # checkpoints before per-rank states: rank 0's only
         states = [states]
     if len(states) != world_size:
         # Dropout masks then differ from an uninterrupted run (and so does the data order,
         # unless batch_size x ranks is the same as before).
         torch.manual_seed(seed + rank + world_size * step)
-        return
+        return len(states)
     torch.set_rng_state(states[rank]["torch"])
     if device.type == "cuda" and "cuda" in states[rank]:
         torch.cuda.set_rng_state(states[rank]["cuda"], device)
+    return len(states)

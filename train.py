@@ -375,7 +375,22 @@ def _train(
                 print(f"{out_dir} is complete (step {step} of train.max_steps={tc.max_steps})")
             return RunEnd(out_dir, step, 0, None)
         with restoring(ckpt_path, "rng"):
-            restore_rng(ckpt["rng"], tc.seed, step, device, rank, world_size)
+            ranks_before = restore_rng(ckpt["rng"], tc.seed, step, device, rank, world_size)
+        if master and ranks_before != world_size:
+            rows = tc.batch_size * world_size  # one micro-batch, all processes together
+            rows_before = ckpt["config"]["train"]["batch_size"] * ranks_before
+            batches_note = (
+                "the micro-batches are the ones it would have drawn"
+                if rows == rows_before
+                else f"a micro-batch takes {rows} rows over all processes where it took "
+                f"{rows_before}, so the data differs from there on"
+            )
+            print(
+                f"resuming on {world_size} process(es); the run trained on {ranks_before} so "
+                f"far: dropout is reseeded and {batches_note}, so the run will not match one "
+                "that never stopped",
+                file=sys.stderr,
+            )
     resumed = ckpt is not None
     del ckpt  # its copy of the weights and optimizer state: host memory the run no longer needs
     model = wrap_ddp(raw_model, device) if world_size > 1 else raw_model

@@ -1731,6 +1731,25 @@ def test_evaluate_is_the_mean_loss_over_its_fixed_windows(tmp_path: Path) -> Non
     assert model.training
 
 
+def test_resuming_on_another_number_of_processes_says_what_changes(
+    base_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run two ranks saved (one RNG state each), resumed by one process: its dropout is
+    reseeded and, with batch_size unchanged, each micro-batch takes half the rows. Said, as a
+    changed attention variant or linear path is."""
+    out = copy_run(base_run, tmp_path / "ranks")
+    ckpt = load_ckpt(out)
+    ckpt["rng"] = [ckpt["rng"][0], ckpt["rng"][0]]
+    torch.save(ckpt, out / checkpoint.CHECKPOINT)
+    batch = ckpt["config"]["train"]["batch_size"]
+    capsys.readouterr()
+    assert train.main(["--out", str(out), "--resume", f"--train.max_steps={STEPS + 1}"]) == 0
+    err = capsys.readouterr().err
+    assert "resuming on 1 process(es); the run trained on 2 so far: dropout is reseeded" in err
+    assert f"a micro-batch takes {batch} rows over all processes where it took {2 * batch}" in err
+    assert load_ckpt(out)["step"] == STEPS + 1
+
+
 def test_restore_rng_takes_this_ranks_state() -> None:
     states = []
     for seed in (1, 2):
