@@ -25,7 +25,7 @@ import torch
 from tokenizers import Tokenizer
 
 from checkpoint import CHECKPOINT, CheckpointError, load_checkpoint, model_config_diff, restoring
-from config import Config, ConfigError, load_config
+from config import Config, ConfigError, build_config, load_config
 from data.prepare import EOT, file_sha256
 from model import GPT, VARIANTS, VariantUnavailable, check_variant
 from runtime import autocast, autocast_dtype, pick_device, set_fp32_matmul_precision
@@ -47,20 +47,29 @@ def load_run(
         raise SampleError(f"--run {run_dir} is a file; give the run directory ({run_dir.parent})")
     if not run_dir.is_dir():
         raise SampleError(f"run directory {run_dir} does not exist")
-    for name in ("config.toml", "tokenizer.json"):
-        if not (run_dir / name).is_file():
-            raise SampleError(
-                f"{run_dir} has no {name}; is it a run directory written by train.py?"
-            )
-    config = load_config(run_dir / "config.toml")
     tokenizer_path = run_dir / "tokenizer.json"
+    if not tokenizer_path.is_file():
+        raise SampleError(
+            f"{run_dir} has no tokenizer.json; is it a run directory written by train.py?"
+        )
     ckpt_path = run_dir / CHECKPOINT
     ckpt = load_checkpoint(ckpt_path, needs=("model",))  # the rest is resuming's
+    config_path = run_dir / "config.toml"
+    recorded = ckpt.get("config")
+    if not config_path.is_file():  # as resuming does: the config the checkpoint records
+        if not isinstance(recorded, dict):
+            raise SampleError(f"{run_dir} has no config.toml, and {ckpt_path} records no config")
+        try:
+            config = build_config(recorded)
+        except ConfigError as e:
+            raise ConfigError(f"in the config {ckpt_path} records: {e}") from None
+    else:
+        config = load_config(config_path)
     # The weights may fit a config.toml edited after training (n_head, say) and still compute
     # another function: the checkpoint's own config, if it has one, decides.
     diff = model_config_diff(ckpt, asdict(config.model), now="in config.toml")
     if diff:
-        raise CheckpointError(f"{run_dir / 'config.toml'} does not match {ckpt_path}: {diff}")
+        raise CheckpointError(f"{config_path} does not match {ckpt_path}: {diff}")
     # Another tokenizer.json would decode the same ids into other text, without an error.
     trained_with = ckpt.get("tokenizer_sha256")
     if trained_with is not None and file_sha256(tokenizer_path) != trained_with:

@@ -1330,6 +1330,15 @@ def test_sample_starts_with_the_prompt_and_is_seeded(
     assert sample_text(capsys, base_run, "--seed", "1") != text
 
 
+def test_sample_a_run_without_config_toml_uses_the_config_its_checkpoint_records(
+    base_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As resuming does: the same text as with config.toml."""
+    out = copy_run(base_run, tmp_path / "no-config")
+    (out / "config.toml").unlink()
+    assert sample_text(capsys, out, "--seed", "0") == sample_text(capsys, base_run, "--seed", "0")
+
+
 def test_sample_greedy_ignores_the_seed(base_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
     greedy = sample_text(capsys, base_run, "--temperature", "0", "--seed", "0")
     assert greedy.startswith("def ")
