@@ -202,9 +202,17 @@ class SignalScope:
         raise NotImplementedError
 
 
+class StopNow(KeyboardInterrupt):
+    """A second stop signal: stop at once, without saving; the exit status is 128 + signum."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
 class StopSignal(SignalScope):
     """While active, SIGINT/SIGTERM set a flag; the loop finishes its step, saves and exits.
-    A second signal does not wait: it raises KeyboardInterrupt (no save)."""
+    A second signal does not wait: it raises StopNow, a KeyboardInterrupt (no save)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -213,7 +221,7 @@ class StopSignal(SignalScope):
     def _handle(self, signum: int, frame: Any) -> None:
         if self.received is not None:  # a second signal: the step may hang; stop now
             self.__exit__()
-            raise KeyboardInterrupt
+            raise StopNow(signum)
         self.received = signal.Signals(signum).name
 
 

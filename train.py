@@ -668,12 +668,12 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:  # a second SIGTERM too (StopNow): its own status
         print(
             "interrupted: stopped without saving; the last checkpoint, if any, is as it was",
             file=sys.stderr,
         )
-        return 130
+        return 128 + getattr(e, "signum", signal.SIGINT)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

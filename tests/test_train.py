@@ -1303,6 +1303,26 @@ def test_ctrl_c_saves_and_exits_130_unless_it_came_on_the_last_step(
     assert ("--- sample" in captured.out) == (saved_at == 4), "a sample only at the run's end"
 
 
+def test_a_second_sigterm_stops_at_once_with_sigterms_status(
+    data_root: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The first asks for a save after the step; the second does not wait for it."""
+
+    def twice() -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    misbehave_at(monkeypatch, 2, before=twice)
+    out = tmp_path / "run"
+    overrides = ["--train.max_steps=4", "--train.eval_interval=0"]
+    assert run(data_root, out, *overrides) == 128 + signal.SIGTERM
+    assert "interrupted: stopped without saving" in capsys.readouterr().err
+    assert not (out / checkpoint.CHECKPOINT).exists()
+
+
 def test_train_restores_the_signal_handlers(data_root: Path, tmp_path: Path) -> None:
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     overrides = ["--train.max_steps=1", "--train.eval_interval=0", "--train.eval_batches=1"]
