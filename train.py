@@ -325,7 +325,16 @@ def _train(
     set_fp32_matmul_precision(tc.dtype, device)
     grad_accum = tc.micro_batches(world_size)
     amp_dtype = autocast_dtype(tc.dtype, device)
-    meta = load_meta(config.data.root, config.data.name, config.model.vocab_size)
+    try:
+        meta = load_meta(config.data.root, config.data.name, config.model.vocab_size)
+    except DataError as e:
+        if not resume:
+            raise
+        # The hint's stdlib command makes a corpus: not necessarily the one the run knows.
+        raise DataError(
+            f"{e}; to resume {out_dir}, prepare the corpus from the source and with the "
+            f"settings the run trained on: its tokenizer must be {out_dir / 'tokenizer.json'}"
+        ) from None
     check_vocab(meta, config.model.vocab_size, config.data.name)
     data_dir = Path(config.data.root) / config.data.name
     check_attention(config, device, amp_dtype)

@@ -1078,6 +1078,23 @@ def test_missing_corpus_hints_at_prepare(
     # The hint prepares a corpus this model can read, where this run looks for it.
     assert "--vocab-size 512" in err and f"--out-root {data_root}" in err
     assert not (tmp_path / "run").exists()
+    assert "to resume" not in err
+
+
+def test_resume_without_its_corpus_says_the_tokenizer_must_be_the_runs(
+    base_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The stdlib command the hint gives makes a corpus, not necessarily the one the run
+    trained on (another source, another vocabulary)."""
+    out = copy_run(base_run, tmp_path / "moved")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    gone = f"--data.root={tmp_path / 'elsewhere'}"
+    assert train.main(["--out", str(out), "--resume", gone]) == 2
+    err = error_of(capsys.readouterr().err)
+    assert "no prepared corpus" in err
+    assert f"to resume {out}, prepare the corpus from the source and with the settings" in err
+    assert f"its tokenizer must be {out / 'tokenizer.json'}" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
 @pytest.fixture(scope="module")
