@@ -375,6 +375,11 @@ def _train(
             raw_model.load_state_dict(ckpt["model"])
         with restoring(ckpt_path, "optimizer"):
             optimizer.load_state_dict(ckpt["optimizer"])
+            # A checkpoint follows a step, which gave every parameter AdamW's moments: fewer
+            # would restart them silently (load_state_dict accepts any subset).
+            held, params = len(optimizer.state), len(list(raw_model.parameters()))
+            if held != params:
+                raise ValueError(f"it holds AdamW state for {held} of {params} parameters")
         apply_optimizer_settings(optimizer, tc)
         with restoring(ckpt_path, "data"):
             batches["train"].load_state_dict(ckpt["data"])

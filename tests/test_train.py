@@ -443,7 +443,16 @@ def test_sample_takes_a_config_toml_whose_attention_differs_from_the_checkpoints
 
 @pytest.mark.parametrize(
     "damage",
-    ["model", "optimizer", "data", "rng", "step", "tokenizer_sha256", "config.model"],
+    [
+        "model",
+        "optimizer",
+        "optimizer.state",
+        "data",
+        "rng",
+        "step",
+        "tokenizer_sha256",
+        "config.model",
+    ],
 )
 def test_checkpoint_with_our_keys_but_other_contents_is_an_error(
     base_run: Path, data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: str
@@ -457,6 +466,8 @@ def test_checkpoint_with_our_keys_but_other_contents_is_an_error(
         ckpt["config"]["model"] = None
     elif damage == "tokenizer_sha256":
         ckpt["tokenizer_sha256"] = None
+    elif damage == "optimizer.state":  # loads, but would restart AdamW's moments
+        ckpt["optimizer"]["state"] = {}
     else:
         ckpt[damage] = {}
     torch.save(ckpt, out / checkpoint.CHECKPOINT)
