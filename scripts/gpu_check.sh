@@ -5,7 +5,8 @@
 #   2. profile_train.py over all eight variants at GPT-2-small width, n_layer 1, 4, 12, bf16;
 #      then naive, sdpa and flex compiled and not, at n_layer 1 and 12 (each depth compiles
 #      anew, and the first pays every cold compile before any cell is recorded);
-#   3. the report, results.json, plots and traces, in OUT_DIR.
+#   3. the report, results.json, plots and traces, in OUT_DIR, and all of it in
+#      OUT_DIR/gpu_check.tar.gz.
 # Uses whatever python3 has torch (PYTHON=... to choose); needs no network, no prepared corpus
 # and no `datasets`. If the machine's python lacks tqdm/pytest/matplotlib, point WHEELS at a
 # folder of wheels (make gpu-wheels GPU_PY=<its version>) and they are installed from there,
@@ -67,18 +68,37 @@ tests_rc=${PIPESTATUS[0]}
 # Traces for one depth only (they are large on a GPU): 2 if swept, else the first depth.
 case ",$LAYERS," in *,2,*) TRACE_LAYERS=2 ;; *) TRACE_LAYERS=${LAYERS%%,*} ;; esac
 
+# A sweep's status, except where the time limit stopped a sweep that had finished: its process
+# may hang on exit shutting down Inductor's compile workers (pytorch/pytorch#162199) after the
+# last results were written. Finished: results.json has the end's peak reading, written last.
+sweep_status() {  # DIR RC
+  if [ "$2" -eq 124 ] || [ "$2" -eq 137 ]; then
+    if "$PY" -c 'import json, sys; sys.exit("peak_flops_end" not in json.load(open(sys.argv[1]))["meta"])' \
+      "$1/results.json" 2>/dev/null; then
+      echo "gpu_check: $1 finished; the time limit stopped its process on the way out" >&2
+      echo 0
+      return
+    fi
+  fi
+  echo "$2"
+}
+
 echo "== 2. sweep: eight variants x n_layer $LAYERS, eager"
 # The limits leave room over what an H200 took on 2026-11-30: ~115 s for this sweep; the compiled
 # one wrote its report within 90 s but was still shutting down (Inductor's compile workers) at 90.
 timeout -k 10 180 "$PY" profile_train.py --config configs/profile-gpu.toml --out "$OUT/eager" \
   --variants naive,inplace,sdpa,sdpa-math,sdpa-flash,sdpa-efficient,sdpa-cudnn,flex \
   --layers "$LAYERS" --steps "$STEPS" --compile off --trace-layers "$TRACE_LAYERS"
-eager_rc=$?
+eager_rc=$(sweep_status "$OUT/eager" $?)
 
 echo "== 3. sweep: naive, sdpa, flex compiled and not, n_layer $COMPILED_LAYERS"
 timeout -k 10 150 "$PY" profile_train.py --config configs/profile-gpu.toml --out "$OUT/compiled" \
   --variants naive,sdpa,flex --layers "$COMPILED_LAYERS" --steps "$STEPS" --compile both --no-traces
-compiled_rc=$?
+compiled_rc=$(sweep_status "$OUT/compiled" $?)
 
 echo "== $(date -u +%FT%TZ) done: tests rc=$tests_rc, eager sweep rc=$eager_rc, compiled sweep rc=$compiled_rc"
+# Everything in one file too, to carry off the machine (made aside, then moved in).
+packed=$(mktemp)
+tar czf "$packed" -C "$OUT" . && mv "$packed" "$OUT/gpu_check.tar.gz" \
+  && echo "gpu_check: all of it in $OUT/gpu_check.tar.gz"
 [ "$tests_rc" -eq 0 ] && [ "$eager_rc" -eq 0 ] && [ "$compiled_rc" -eq 0 ]
