@@ -458,6 +458,8 @@ def merge_by_kernel_label(
         key = (d["region"], key_of(d["name"]))
         if key in merged:
             merged[key]["per_layer"] = round(merged[key]["per_layer"] + d["per_layer"], 2)
+            if d.get("linear") is False:  # a part not a line: the sum is said to be an average
+                merged[key]["linear"] = False
         else:
             merged[key] = {**d, "name": key[1]}
     return _by_region_and_size([d for d in merged.values() if abs(d["per_layer"]) >= threshold])
