@@ -1408,6 +1408,13 @@ def test_op_diff_fits_both_labels_over_the_depths_both_measured() -> None:
         {"region": "forward", "name": "aten::clone", "per_layer": 1.0}
     ]
 
+    # Kernels merged under one label: the sum is marked if any part is.
+    from profiling.analysis import merge_by_kernel_label
+
+    parts = [{"region": "forward", "name": "a", "per_layer": 1.0}, {**diff, "name": "b"}]
+    (merged,) = merge_by_kernel_label(parts, key_of=lambda name: "k")
+    assert merged["linear"] is False
+
     apart = [row("naive", 1), row("naive", 2), row("sdpa", 4), row("sdpa", 8)]
     assert findings(apart) == ["- sdpa vs naive: not measured at a common n_layer, so no diff."]
     assert "not measured at a common n_layer" in diff_text(apart, "sdpa", "naive")
