@@ -17,12 +17,18 @@ def write_results(
 ) -> None:
     """results.json (atomically), results.csv, summary.txt, report.md and, with `plots`, the
     PNGs, which take most of the time (a sweep draws them once, at its end)."""
+    results = write_json(out, meta, rows)
+    _write_csv(out / "results.csv", rows)
+    write_report(out, results, plots)
+
+
+def write_json(out: Path, meta: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """results.json alone, atomically; returns what it holds."""
     results = {"meta": meta, "rows": rows, "fits": fits_by_label(rows)}
     tmp = out / "results.json.tmp"
     tmp.write_text(json.dumps(results, indent=1))
     os.replace(tmp, out / "results.json")
-    _write_csv(out / "results.csv", rows)
-    write_report(out, results, plots)
+    return results
 
 
 def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:

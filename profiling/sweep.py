@@ -46,7 +46,7 @@ from profiling.measure import (
     timed,
     verify_backend,
 )
-from profiling.results import write_results
+from profiling.results import write_json, write_results
 from runtime import (
     OtherLoad,
     autocast_dtype,
@@ -427,6 +427,9 @@ class Sweep:
         for row in self.rows:
             row["mfu"] = self._mfu(row)
         self._write(plots=True)
+        # Once every file is written: a results.json with finished_at is a whole sweep's.
+        self.meta["finished_at"] = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+        write_json(self.out, self.meta, self.rows)
 
     def _warm_up(self, compiled: bool) -> None:
         """One training step of a tiny model, eager, then compiled if the sweep compiles; the

@@ -32,7 +32,9 @@ if [ -d "$OUT" ] && [ -n "$(ls -A "$OUT")" ]; then
   mv "$OUT" "$earlier" && echo "gpu_check: the earlier run in $OUT is now in $earlier"
 fi
 mkdir -p "$OUT"
+exec 3>&1 4>&2  # the terminal, for the end, after the log is closed
 exec > >(tee "$OUT/gpu_check.log") 2>&1
+log_pid=$!
 
 echo "== $(date -u +%FT%TZ) gpu_check on $(hostname)"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$OUT/gpu.csv"
@@ -69,11 +71,11 @@ tests_rc=${PIPESTATUS[0]}
 case ",$LAYERS," in *,2,*) TRACE_LAYERS=2 ;; *) TRACE_LAYERS=${LAYERS%%,*} ;; esac
 
 # A sweep's status, except where the time limit stopped a sweep that had finished: its process
-# may hang on exit shutting down Inductor's compile workers (pytorch/pytorch#162199) after the
-# last results were written. Finished: results.json has the end's peak reading, written last.
+# may hang on exit shutting down Inductor's compile workers (pytorch/pytorch#162199) after
+# every file was written. Finished: results.json has finished_at, written after all the rest.
 sweep_status() {  # DIR RC
   if [ "$2" -eq 124 ] || [ "$2" -eq 137 ]; then
-    if "$PY" -c 'import json, sys; sys.exit("peak_flops_end" not in json.load(open(sys.argv[1]))["meta"])' \
+    if "$PY" -c 'import json, sys; sys.exit("finished_at" not in json.load(open(sys.argv[1]))["meta"])' \
       "$1/results.json" 2>/dev/null; then
       echo "gpu_check: $1 finished; the time limit stopped its process on the way out" >&2
       echo 0
@@ -97,8 +99,12 @@ timeout -k 10 150 "$PY" profile_train.py --config configs/profile-gpu.toml --out
 compiled_rc=$(sweep_status "$OUT/compiled" $?)
 
 echo "== $(date -u +%FT%TZ) done: tests rc=$tests_rc, eager sweep rc=$eager_rc, compiled sweep rc=$compiled_rc"
-# Everything in one file too, to carry off the machine (made aside, then moved in).
-packed=$(mktemp)
-tar czf "$packed" -C "$OUT" . && mv "$packed" "$OUT/gpu_check.tar.gz" \
-  && echo "gpu_check: all of it in $OUT/gpu_check.tar.gz"
+# Everything in one file too, to carry off the machine: the log closed first, so it is whole;
+# the archive made beside the folder, then moved in.
+exec 1>&3 2>&4 3>&- 4>&-
+wait "$log_pid" 2>/dev/null
+packed=$(mktemp "$OUT.tar.gz.XXXXXX") && chmod 644 "$packed" \
+  && tar czf "$packed" -C "$OUT" . && mv "$packed" "$OUT/gpu_check.tar.gz" \
+  && echo "gpu_check: all of it in $OUT/gpu_check.tar.gz" \
+  || { rm -f "${packed:-}"; echo "gpu_check: could not pack $OUT into one archive" >&2; }
 [ "$tests_rc" -eq 0 ] && [ "$eager_rc" -eq 0 ] && [ "$compiled_rc" -eq 0 ]

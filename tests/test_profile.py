@@ -110,6 +110,7 @@ def test_results_json_contract(naive_vs_inplace: dict) -> None:
         "config",
         "peak_flops",
         "started_at",
+        "finished_at",  # written last, after the report and plots
     ):
         assert key in meta, key
     assert meta["peak_flops"] > 1e8
@@ -568,6 +569,7 @@ def test_ctrl_c_during_the_closing_peak_reading_still_draws_the_plots(
     monkeypatch.setattr(profiling.sweep, "matmul_peaks", peaks_then_interrupt)
     rc, results = sweep(tmp_path, "--variants", "naive", "--layers", "1")
     assert rc == 130 and len(results["rows"]) == 1
+    assert "finished_at" not in results["meta"]  # what gpu_check.sh tells a whole sweep by
     for name in ("step_time_vs_layers.png", "memory_vs_layers.png"):
         assert (tmp_path / "sweep" / name).is_file(), name
 
