@@ -194,10 +194,16 @@ def _spelling(value: Any, expected: Any) -> str:
 
 
 def _build(
-    cls: type, values: dict[str, Any], section: str, in_file: str = "", overridden: set[str] = ()
+    cls: type,
+    values: dict[str, Any],
+    section: str,
+    in_file: str = "",
+    overridden: set[str] = (),
+    file_values: dict[str, Any] | None = None,
 ) -> Any:
-    """One section's dataclass. in_file ('path: ') heads an error in a value the file gave;
-    one given by `overridden`'s --section.key override is named as such."""
+    """One section's dataclass from `values`: file_values (the file's own) with the keys in
+    `overridden` set by --section.key overrides. in_file ('path: ') heads an error that the
+    file's values cause; one that a single override causes names that override."""
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
@@ -214,9 +220,17 @@ def _build(
             raise ConfigError(where + str(e)) from None
     try:
         return cls(**kwargs)
-    except ValueError as e:  # a dataclass's own validation, e.g. GPTConfig: fields together
-        given = f" (with {', '.join(f'--{section}.{k}' for k in sorted(overridden))})"
-        raise ConfigError(in_file + str(e) + (given if in_file and overridden else "")) from None
+    except ValueError as e:  # a dataclass's own validation, of fields alone or together
+        if not in_file:
+            raise ConfigError(str(e)) from None
+        if not overridden:
+            raise ConfigError(in_file + str(e)) from None
+        try:  # the file's values alone: where they are fine, the overrides are at fault
+            _build(cls, file_values or {}, section)
+        except ConfigError:
+            given = ", ".join(f"--{section}.{k}" for k in sorted(overridden))
+            raise ConfigError(f"{in_file}{e} (with {given})") from None
+        raise ConfigError(str(e)) from None
 
 
 def parse_override(arg: str) -> tuple[str, str, Any]:
@@ -301,6 +315,7 @@ def build_config(
             check_section(section, values)
         except ConfigError as e:
             raise ConfigError(in_file + str(e)) from None
+    file_raw = {section: dict(values) for section, values in raw.items()}
     overridden: dict[str, set[str]] = {}
     for arg in overrides:
         section, key, value = parse_override(arg)
@@ -315,8 +330,8 @@ def build_config(
     built = {}
     for section, values in raw.items():
         check_section(section, values)
-        ours = overridden.get(section, set())
-        built[section] = _build(hints[section], values, section, in_file, ours)
+        ours, theirs = overridden.get(section, set()), file_raw.get(section, {})
+        built[section] = _build(hints[section], values, section, in_file, ours, theirs)
     return Config(**built)
 
 

@@ -194,10 +194,7 @@ def run_config(out: Path, config_file: Path | None, overrides: list[str], resume
                 f"{saved} is missing; resuming with the config {out / CHECKPOINT} records",
                 file=sys.stderr,
             )
-        try:
-            return build_config(recorded, overrides)
-        except ConfigError as e:
-            raise ConfigError(f"in the config {out / CHECKPOINT} records: {e}") from None
+        return build_config(recorded, overrides, source=f"the config {out / CHECKPOINT} records")
     missing = missing_fields(read_toml(saved), recorded or {})
     if missing:
         raise ConfigError(

@@ -59,10 +59,7 @@ def load_run(
     if not config_path.is_file():  # as resuming does: the config the checkpoint records
         if not isinstance(recorded, dict):
             raise SampleError(f"{run_dir} has no config.toml, and {ckpt_path} records no config")
-        try:
-            config = build_config(recorded)
-        except ConfigError as e:
-            raise ConfigError(f"in the config {ckpt_path} records: {e}") from None
+        config = build_config(recorded, source=f"the config {ckpt_path} records")
     else:
         config = load_config(config_path)
     # The weights may fit a config.toml edited after training (n_head, say) and still compute

@@ -254,11 +254,17 @@ def test_an_error_names_the_file_or_the_override_its_value_came_from(tmp_path: P
     with pytest.raises(ConfigError, match=r"^train\.lr: expected float") as info:
         load_config(path, ["--train.lr=fast"])
     assert str(path) not in str(info.value)
-    # Fields checked together: the file, and the overrides that went into them.
+    # A section's own checks: the file, with the overrides that went in, where the file's
+    # values alone fail them; the override alone where they pass.
     path = write(tmp_path, "[model]\nn_head = 5\n")
     with pytest.raises(ConfigError, match=f"^{re.escape(str(path))}: .*n_head") as info:
         load_config(path, ["--model.n_embd=96"])
     assert str(info.value).endswith("(with --model.n_embd)")
+    path = write(tmp_path, "[model]\nn_layer = 2\n")
+    with pytest.raises(ConfigError, match=r"^train\.batch_size=0: must be >= 1$"):
+        load_config(path, ["--train.batch_size=0"])
+    with pytest.raises(ConfigError, match=r"^model\.n_embd=90 is not divisible by n_head=4"):
+        load_config(write(tmp_path, "[model]\nn_head = 4\n"), ["--model.n_embd=90"])
 
 
 @pytest.mark.parametrize(
