@@ -328,12 +328,14 @@ def _train(
     try:
         meta = load_meta(config.data.root, config.data.name, config.model.vocab_size)
     except DataError as e:
-        if not resume:
+        tokenizer = out_dir / "tokenizer.json"
+        if not (resume and tokenizer.is_file()):
             raise
         # The hint's stdlib command makes a corpus: not necessarily the one the run knows.
         raise DataError(
-            f"{e}; to resume {out_dir}, prepare the corpus from the source and with the "
-            f"settings the run trained on: its tokenizer must be {out_dir / 'tokenizer.json'}"
+            f"{e}; to resume {out_dir}, give --data.root=FOLDER where that corpus is now, or "
+            "prepare it again from the source and with the settings the run trained on: its "
+            f"tokenizer must be {tokenizer}"
         ) from None
     check_vocab(meta, config.model.vocab_size, config.data.name)
     data_dir = Path(config.data.root) / config.data.name

@@ -1103,9 +1103,12 @@ def test_resume_without_its_corpus_says_the_tokenizer_must_be_the_runs(
     assert train.main(["--out", str(out), "--resume", gone]) == 2
     err = error_of(capsys.readouterr().err)
     assert "no prepared corpus" in err
-    assert f"to resume {out}, prepare the corpus from the source and with the settings" in err
+    assert f"to resume {out}, give --data.root=FOLDER where that corpus is now, or" in err
     assert f"its tokenizer must be {out / 'tokenizer.json'}" in err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    # No run there: nothing said about one.
+    assert train.main(["--out", str(tmp_path / "none"), "--resume", gone]) == 2
+    assert "to resume" not in error_of(capsys.readouterr().err)
 
 
 @pytest.fixture(scope="module")
