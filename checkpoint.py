@@ -231,17 +231,19 @@ def restore_rng(
     device: torch.device,
     rank: int,
     world_size: int,
-) -> int:
+) -> int | None:
     """This rank's saved RNG state; with another number of ranks than saved, a fresh seed.
-    Returns the number of ranks that saved them."""
-    if isinstance(states, dict):  # checkpoints before per-rank states: rank 0's only
+    Returns the number of ranks that saved them (None: a checkpoint from before per-rank
+    states, which kept rank 0's only, whatever the number)."""
+    saved = None if isinstance(states, dict) else len(states)
+    if isinstance(states, dict):
         states = [states]
     if len(states) != world_size:
         # Dropout masks then differ from an uninterrupted run (and so does the data order,
         # unless batch_size x ranks is the same as before).
         torch.manual_seed(seed + rank + world_size * step)
-        return len(states)
+        return saved
     torch.set_rng_state(states[rank]["torch"])
     if device.type == "cuda" and "cuda" in states[rank]:
         torch.cuda.set_rng_state(states[rank]["cuda"], device)
-    return len(states)
+    return saved

@@ -379,9 +379,11 @@ def _train(
             optimizer.load_state_dict(ckpt["optimizer"])
             # A checkpoint follows a step, which gave every parameter AdamW's moments: fewer
             # would restart them silently (load_state_dict accepts any subset).
-            held, params = len(optimizer.state), len(list(raw_model.parameters()))
+            moments = {"step", "exp_avg", "exp_avg_sq"}
+            held = sum(moments <= state.keys() for state in optimizer.state.values())
+            params = len(list(raw_model.parameters()))
             if held != params:
-                raise ValueError(f"it holds AdamW state for {held} of {params} parameters")
+                raise ValueError(f"it holds AdamW's moments for {held} of {params} parameters")
         apply_optimizer_settings(optimizer, tc)
         with restoring(ckpt_path, "data"):
             batches["train"].load_state_dict(ckpt["data"])
@@ -392,9 +394,10 @@ def _train(
             return RunEnd(out_dir, step, 0, None)
         with restoring(ckpt_path, "rng"):
             ranks_before = restore_rng(ckpt["rng"], tc.seed, step, device, rank, world_size)
-        if master and ranks_before != world_size:
+        if master and ranks_before not in (None, world_size):
             rows = tc.batch_size * world_size  # one micro-batch, all processes together
-            rows_before = ckpt["config"]["train"]["batch_size"] * ranks_before
+            with restoring(ckpt_path, "config"):
+                rows_before = int(ckpt["config"]["train"]["batch_size"]) * ranks_before
             batches_note = (
                 "the micro-batches are the ones it would have drawn"
                 if rows == rows_before
