@@ -173,10 +173,11 @@ def savings(
 
 
 def _op_series(
-    rows: list[dict[str, Any]], name: str, kind: str
+    rows: list[dict[str, Any]], name: str, kind: str, key_of: Callable[[str], str]
 ) -> tuple[set[int], dict[tuple[str, str], dict[int, float]]]:
-    """For one label: its measured depths, and (region, op) -> {n_layer: count per step}."""
-    series: dict[tuple[str, str], dict[int, float]] = defaultdict(dict)
+    """For one label: its measured depths, and (region, key_of(op)) -> {n_layer: count per
+    step}, the counts of ops that share a key summed."""
+    series: dict[tuple[str, str], dict[int, float]] = defaultdict(lambda: defaultdict(float))
     depths = set()
     for row in ok_rows(rows):
         if label(row["variant"], row["compile"]) != name or not row.get(kind):
@@ -184,26 +185,33 @@ def _op_series(
         depths.add(row["n_layer"])
         for region, counts in row[kind].items():
             for op, count in counts.items():
-                series[(region, op)][row["n_layer"]] = count
+                series[(region, key_of(op))][row["n_layer"]] += count
     return depths, series
 
 
 def op_diff(
-    rows: list[dict[str, Any]], a: str, b: str, kind: str = "ops_per_step", threshold: float = 0.25
+    rows: list[dict[str, Any]],
+    a: str,
+    b: str,
+    kind: str = "ops_per_step",
+    threshold: float = 0.25,
+    key_of: Callable[[str], str] = lambda name: name,
 ) -> list[dict[str, Any]]:
     """Ops whose per-layer per-step count differs between labels a and b (a minus b), by region,
     largest first: the slope of the difference over the depths both measured (a cell that
     failed at one depth leaves that depth out of both). Where the difference is not a straight
     line in n_layer, the entry has `linear: False` and per_layer is its least-squares slope.
+    key_of names what counts as one op: kernels go by `kernel_label` in prose, so launches of
+    one operation through different launchers count together, before the threshold.
 
     With a single depth in common, each entry also has `one_depth`, that n_layer: its
     per_layer is the whole step's difference divided by n_layer, so ops outside the layers
     (embeddings, the loss, the optimizer) count in it too. No depth in common: no entries.
     """
-    (depths_a, sa), (depths_b, sb) = _op_series(rows, a, kind), _op_series(rows, b, kind)
+    (depths_a, sa), (depths_b, sb) = (_op_series(rows, x, kind, key_of) for x in (a, b))
     common = sorted(depths_a & depths_b)
     if len(common) < 2:
-        return _single_depth_diff(rows, a, b, kind, threshold)
+        return _single_depth_diff(rows, a, b, kind, threshold, key_of)
     diffs = []
     for key in sa.keys() | sb.keys():
         delta = [sa.get(key, {}).get(n, 0.0) - sb.get(key, {}).get(n, 0.0) for n in common]
@@ -224,7 +232,12 @@ def _by_region_and_size(diffs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _single_depth_diff(
-    rows: list[dict[str, Any]], a: str, b: str, kind: str, threshold: float
+    rows: list[dict[str, Any]],
+    a: str,
+    b: str,
+    kind: str,
+    threshold: float,
+    key_of: Callable[[str], str],
 ) -> list[dict[str, Any]]:
     """Count differences divided by n_layer, at the deepest depth both labels reached."""
     by = {
@@ -237,9 +250,11 @@ def _single_depth_diff(
     ra, rb = by[(a, n_layer)], by[(b, n_layer)]
     diffs = []
     for region in REGIONS:
-        ca, cb = ra[kind].get(region, {}), rb[kind].get(region, {})
-        for op in set(ca) | set(cb):
-            delta = (ca.get(op, 0.0) - cb.get(op, 0.0)) / n_layer
+        delta_of: dict[str, float] = defaultdict(float)
+        for sign, counts in ((1, ra[kind].get(region, {})), (-1, rb[kind].get(region, {}))):
+            for op, count in counts.items():
+                delta_of[key_of(op)] += sign * count / n_layer
+        for op, delta in delta_of.items():
             if abs(delta) >= threshold:
                 diffs.append(
                     {
@@ -304,17 +319,13 @@ def describe_diff(
     Ops that do work are named, the SHOWN first; views and allocations are summed at the end.
     full: every op that differs, views included, by region, one a line, no cap (for --diff).
     """
-    if unit == "kernel" and full:  # every full name, but one kernel renumbered is none
-        diffs = merge_by_kernel_label(diffs, threshold=0.005, key_of=unnumbered)
-    elif unit == "kernel":
-        diffs = merge_by_kernel_label(diffs)
     if not diffs:
         return f"{a} vs {b}: the same {unit} counts per layer."
     head = f"{a} vs {b}, per layer per step"
     if "one_depth" in diffs[0]:
         n = diffs[0]["one_depth"]
         head = (
-            f"{a} vs {b}, one depth measured (n_layer={n}): the whole step's difference divided "
+            f"{a} vs {b}, one depth in common (n_layer={n}): the whole step's difference divided "
             f"by {n}, ops outside the layers included"
         )
     if full:
@@ -444,25 +455,6 @@ def _kernel_dtype(args: str) -> str | None:
         if types != ["int"]:  # {lambda(int)#1}: the launcher's own index lambda
             return next((t for t in types if t != "bool"), types[0])
     return None
-
-
-def merge_by_kernel_label(
-    diffs: list[dict[str, Any]],
-    threshold: float = 0.25,
-    key_of: Callable[[str], str] = kernel_label,
-) -> list[dict[str, Any]]:
-    """Kernel diffs summed by (region, kernel_label): launches of one operation through
-    different launchers (vectorized or not, say) count together; a sum under threshold drops."""
-    merged: dict[tuple[str, str], dict[str, Any]] = {}
-    for d in diffs:
-        key = (d["region"], key_of(d["name"]))
-        if key in merged:
-            merged[key]["per_layer"] = round(merged[key]["per_layer"] + d["per_layer"], 2)
-            if d.get("linear") is False:  # a part not a line: the sum is said to be an average
-                merged[key]["linear"] = False
-        else:
-            merged[key] = {**d, "name": key[1]}
-    return _by_region_and_size([d for d in merged.values() if abs(d["per_layer"]) >= threshold])
 
 
 # Categories of "where the time goes". Each op's self time and each kernel's time counts under

@@ -21,6 +21,7 @@ from profiling.analysis import (
     op_diff,
     savings,
     time_split,
+    unnumbered,
 )
 from profiling.measure import ONE_CALL
 from profiling.plots import MiB, plot_results
@@ -216,8 +217,8 @@ def _interval_text(rows: list[dict[str, Any]]) -> str:
     per_label: dict[str, set[int]] = defaultdict(set)
     for r in ok:
         per_label[label(r["variant"], r["compile"])].add(r["n_layer"])
-    if any(len(depths) < n for depths in per_label.values()):
-        text += "; fewer for a variant that failed at some depth, and for its saving"
+    if n > 2 and any(len(depths) < n for depths in per_label.values()):
+        text += "; fewer for a fit or saving that lacks a depth, as a failed cell leaves it"
     return text
 
 
@@ -309,7 +310,7 @@ def findings(rows: list[dict[str, Any]]) -> list[str]:
             lines.append(f"- {name} vs {base}: not measured at a common n_layer, so no diff.")
             continue
         lines.append("- " + describe_diff(name, base, op_diff(rows, name, base)))
-        kernels = op_diff(rows, name, base, kind="kernels_per_step")
+        kernels = op_diff(rows, name, base, kind="kernels_per_step", key_of=kernel_label)
         if kernels:
             lines.append("  - CUDA kernels: " + describe_diff(name, base, kernels, unit="kernel"))
     return lines
@@ -399,7 +400,8 @@ def diff_text(rows: list[dict[str, Any]], a: str, b: str) -> str:
     if not _op_depths(rows, a) & _op_depths(rows, b):
         return f"{a} vs {b}: not measured at a common n_layer, so no per-layer diff."
     parts = [describe_diff(a, b, op_diff(rows, a, b), full=True)]
-    kernels = op_diff(rows, a, b, kind="kernels_per_step")
+    # Every full name, but one kernel renumbered is none.
+    kernels = op_diff(rows, a, b, kind="kernels_per_step", threshold=0.005, key_of=unnumbered)
     if kernels:
         parts.append(describe_diff(a, b, kernels, unit="kernel", full=True))
     return "\n".join(parts)

@@ -1370,10 +1370,10 @@ def test_op_diff_when_one_variant_has_a_single_depth() -> None:
         {"region": "forward", "name": "aten::add", "per_layer": -1.0, "one_depth": 2},
     ]
     text = describe_diff("sdpa", "naive", diffs)
-    assert "one depth measured (n_layer=2): the whole step's difference divided by 2" in text
+    assert "one depth in common (n_layer=2): the whole step's difference divided by 2" in text
     assert "per layer per step" not in text
     full = describe_diff("sdpa", "naive", diffs, full=True)
-    assert "one depth measured (n_layer=2)" in full
+    assert "one depth in common (n_layer=2)" in full
 
 
 def test_op_diff_fits_both_labels_over_the_depths_both_measured() -> None:
@@ -1410,12 +1410,15 @@ def test_op_diff_fits_both_labels_over_the_depths_both_measured() -> None:
         {"region": "forward", "name": "aten::clone", "per_layer": 1.0}
     ]
 
-    # Kernels merged under one label: the sum is marked if any part is.
-    from profiling.analysis import merge_by_kernel_label
-
-    parts = [{"region": "forward", "name": "a", "per_layer": 1.0}, {**diff, "name": "b"}]
-    (merged,) = merge_by_kernel_label(parts, key_of=lambda name: "k")
-    assert merged["linear"] is False
+    # Ops counted as one (kernels by their label) are summed before the fit: parts whose
+    # split moves with depth, summing to a straight line, make a straight line.
+    for r in curved:
+        n, sdpa = r["n_layer"], r["variant"] == "sdpa"
+        x, y = (n * n, 3 * n - n * n) if sdpa else (0, n)  # x + y: 3n against n
+        r["ops_per_step"]["forward"] = {"aten::x": x, "aten::y": y}
+    assert op_diff(curved, "sdpa", "naive", key_of=lambda name: "xy") == [
+        {"region": "forward", "name": "xy", "per_layer": 2.0}
+    ]
 
     apart = [row("naive", 1), row("naive", 2), row("sdpa", 4), row("sdpa", 8)]
     assert findings(apart) == ["- sdpa vs naive: not measured at a common n_layer, so no diff."]
@@ -1463,26 +1466,35 @@ def test_kernel_labels_name_the_operation_and_its_dtype() -> None:
 def test_renumbered_triton_kernels_are_no_difference() -> None:
     """Inductor numbers a graph's Triton kernels in order, so one fused kernel is `_13` in one
     variant's graph and `_8` in another's: the kernel diff counts them as the same kernel."""
-    from profiling.analysis import describe_diff, merge_by_kernel_label
+    from profiling.report import diff_text, findings
 
-    def diff(name: str, per_layer: float) -> dict:
-        return {"region": "forward", "name": name, "per_layer": per_layer}
+    def rows_with(kernels_of: dict[str, dict[str, int]]) -> list[dict]:
+        rows = []
+        for variant, kernels in kernels_of.items():
+            for n in (1, 2):
+                row = _ops_row(variant, n, {"aten::mm": n})
+                row["kernels_per_step"] = {
+                    "forward": {k: c * n for k, c in kernels.items()},
+                    "backward": {},
+                    "optimizer": {},
+                }
+                rows.append(row)
+        return rows
 
-    merged = merge_by_kernel_label(
-        [
-            diff("triton_poi_fused_gelu_view_13", -2.0),
-            diff("triton_poi_fused_gelu_view_8", 2.0),
-            diff("triton_per_fused__softmax_masked_fill_5", -1.0),
-        ]
+    renumbered = rows_with(
+        {
+            "naive": {"triton_poi_fused_gelu_view_8": 2},
+            "sdpa": {
+                "triton_poi_fused_gelu_view_13": 2,
+                "triton_per_fused__softmax_masked_fill_5": 1,
+            },
+        }
     )
-    assert merged == [diff("triton_per_fused__softmax_masked_fill", -1.0)]
-    renumbered = [
-        diff("triton_poi_fused_gelu_view_13", -2.0),
-        diff("triton_poi_fused_gelu_view_8", 2.0),
-    ]
-    for full in (False, True):
-        text = describe_diff("a", "b", renumbered, unit="kernel", full=full)
-        assert text == "a vs b: the same kernel counts per layer."
+    assert (
+        "CUDA kernels: sdpa vs naive, per layer per step: 1 triton_per_fused__softmax_masked_fill "
+        "more (forward)."
+    ) in findings(renumbered)[1]
+    assert "triton_poi_fused_gelu_view" not in diff_text(renumbered, "sdpa", "naive")
 
 
 def _copy_kernel(vec: int, dtype: str = "c10::BFloat16") -> str:
@@ -1498,7 +1510,7 @@ def _copy_kernel(vec: int, dtype: str = "c10::BFloat16") -> str:
 def test_kernel_findings_merge_launchers_of_one_operation() -> None:
     """One operation launched through two launchers (vectorized or not) is one label in the
     findings: counts add, a net zero drops out; --diff keeps every full name."""
-    from profiling.analysis import describe_diff
+    from profiling.analysis import describe_diff, kernel_label
     from profiling.report import diff_text
 
     fill = "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, "
@@ -1511,7 +1523,8 @@ def test_kernel_findings_merge_launchers_of_one_operation() -> None:
             row = _ops_row(variant, n, {"aten::mm": n})
             row["kernels_per_step"] = {"forward": kernels, "backward": {}, "optimizer": {}}
             rows.append(row)
-    text = describe_diff("a", "b", op_diff(rows, "a", "b", kind="kernels_per_step"), unit="kernel")
+    kernels = op_diff(rows, "a", "b", kind="kernels_per_step", key_of=kernel_label)
+    text = describe_diff("a", "b", kernels, unit="kernel")
     assert "2 direct_copy_kernel_cuda<BFloat16> fewer (forward)" in text
     assert "1 FillFunctor<float> fewer (forward)" in text and "1 nvjet_x more (forward)" in text
     assert "elementwise_kernel<128" not in text
@@ -1880,7 +1893,9 @@ def test_report_details_follow_the_cells_that_measured() -> None:
     # The sweep's 4 depths give 2 degrees of freedom; sdpa's fit and saving have 1.
     interval = _interval_text(sdpa_oom_at_8)
     assert interval.startswith("2 with 4 depths")
-    assert interval.endswith("fewer for a variant that failed at some depth, and for its saving")
+    assert interval.endswith(
+        "fewer for a fit or saving that lacks a depth, as a failed cell leaves it"
+    )
     notes = _fewer_depths(savings(sdpa_oom_at_8), [1, 2, 4, 8], baselines(sdpa_oom_at_8))
     assert notes[-1].endswith(
         "`sdpa+compile` against naive+compile at L1,2,4 only, the depths both measured: "
