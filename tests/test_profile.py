@@ -1995,3 +1995,29 @@ def test_a_gpu_check_without_cuda_says_so_and_touches_nothing(tmp_path: Path) ->
     ]
     assert [p.name for p in tmp_path.iterdir()] == ["gc"]
     assert (out / "gpu_check.log").read_text() == "the earlier run's log"
+
+
+def test_a_gpu_check_counts_a_sweep_stopped_on_its_way_out_only_if_it_finished(
+    tmp_path: Path,
+) -> None:
+    """Inductor's compile workers can hold a finished sweep's process past its time limit:
+    gpu_check.sh counts it as done where results.json says it finished (meta.finished_at,
+    written after every other file), and as stopped otherwise."""
+    script = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    function = script[script.index("sweep_status() {") :]
+    function = function[: function.index("\n}\n") + 3]
+    for name, meta in (("finished", {"finished_at": "2026-11-30T22:00:00+00:00"}), ("cut", {})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps({"meta": meta, "rows": []}))
+    calls = [(d, rc) for d in ("finished", "cut", "missing") for rc in (0, 1, 124, 137)]
+    body = "".join(f'echo "$(sweep_status {tmp_path / d} {rc} 2>/dev/null)"\n' for d, rc in calls)
+    done = subprocess.run(
+        ["bash", "-c", function + body],
+        env={**os.environ, "PY": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    got = dict(zip(calls, map(int, done.stdout.split()), strict=True))
+    assert got == {(d, rc): 0 if d == "finished" and rc in (124, 137) else rc for d, rc in calls}
