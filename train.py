@@ -380,10 +380,10 @@ def _train(
             # A checkpoint follows a step, which gave every parameter AdamW's moments: fewer
             # would restart them silently (load_state_dict accepts any subset).
             moments = {"step", "exp_avg", "exp_avg_sq"}
-            held = sum(moments <= state.keys() for state in optimizer.state.values())
+            have = sum(moments <= state.keys() for state in optimizer.state.values())
             params = len(list(raw_model.parameters()))
-            if held != params:
-                raise ValueError(f"it holds AdamW's moments for {held} of {params} parameters")
+            if have != params:
+                raise ValueError(f"it holds AdamW's moments for {have} of {params} parameters")
         apply_optimizer_settings(optimizer, tc)
         with restoring(ckpt_path, "data"):
             batches["train"].load_state_dict(ckpt["data"])
