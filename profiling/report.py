@@ -110,20 +110,24 @@ def _total(counts: dict[str, dict[str, float]] | None, region: str | None = None
 
 
 def headline_table(results: dict[str, Any]) -> list[str]:
-    """One line per variant: step time by depth, per-layer cost, and savings against naive."""
+    """One line per variant: step time by depth, per-layer cost, and savings against naive:
+    the fitted one per layer, and the one measured at the deepest depth."""
     rows, fits = results["rows"], results["fits"]
     layers = sorted({r["n_layer"] for r in rows})
     saved = savings(rows)
+    reference_of = baselines(rows)
     by = {(label(r["variant"], r["compile"]), r["n_layer"]): r for r in rows}
+    kernels = any(r.get("kernels_per_step") for r in rows)  # CUDA: the post counted kernels
     head = (
         ["variant"]
         + [f"ms @L{n}" for n in layers]
         + [
             "ms/layer (±se)",
             "saving/layer vs naive",
-            f"saving @L{PROJECT_AT[-1]}",
+            f"saving @L{layers[-1]}, measured",
             f"MFU @L{layers[-1]}",
             "ops/layer",
+            *(["kernels/layer"] if kernels else []),
             f"peak MiB @L{layers[-1]}",
         ]
     )
@@ -144,14 +148,15 @@ def headline_table(results: dict[str, Any]) -> list[str]:
         )
         s = saved.get(name)
         cells.append(_pm(s["per_layer"], s["per_layer_se"], "+.2f", " ms") if s else "–")
-        cells.append(_projected_percent(s["projected"][str(PROJECT_AT[-1])]) if s else "–")
+        cells.append(_measured_saving(by, name, reference_of[name], layers))
         last = by.get((name, layers[-1]))
         cells.append(
             _fmt(last["mfu"] * 100 if last and last["mfu"] else None, ".1f")
             + ("%" if last and last["mfu"] else "")
         )
-        ops_fit = fits.get(name, {}).get("ops_per_step.total")
-        cells.append(_fmt(ops_fit["slope"] if ops_fit else None, ".0f"))
+        for kind in ["ops_per_step"] + ["kernels_per_step"] * kernels:
+            count_fit = fits.get(name, {}).get(f"{kind}.total")
+            cells.append(_fmt(count_fit["slope"] if count_fit else None, ".0f"))
         measured = last and last["status"] == "ok" and last["peak_mem_bytes"]
         cells.append(_fmt(last["peak_mem_bytes"] / MiB if measured else None))
         lines.append("| " + " | ".join(cells) + " |")
@@ -172,6 +177,23 @@ def headline_table(results: dict[str, Any]) -> list[str]:
             "certain. Rerun to check.",
         ]
     return lines
+
+
+def _measured_saving(
+    by: dict[tuple[str, int], dict[str, Any]], name: str, reference: str, layers: list[int]
+) -> str:
+    """The reference's median step less this label's, in ms and % of the reference's, at the
+    deepest depth both measured (named where it is not the sweep's deepest)."""
+    if name == reference:
+        return "–"
+    for n in reversed(layers):
+        ours, theirs = by.get((name, n)), by.get((reference, n))
+        if ours and theirs and ours["step_ms"] and theirs["step_ms"]:
+            ref = theirs["step_ms"]["median"]
+            saving = ref - ours["step_ms"]["median"]
+            where = "" if n == layers[-1] else f" @L{n}"
+            return f"{saving:+.1f} ms ({100 * saving / ref:+.0f}%){where}"
+    return "–"
 
 
 def _fewer_depths(
