@@ -144,20 +144,20 @@ def _read_local(
             skipped["empty_documents"] += 1
             continue
         bad = _invalid_utf8(raw)
-        if bad is not None:
+        if bad is not None and skip_bad:  # skipped: takes none of the --max-bytes budget
+            skipped["non_utf8_files"].append(name)
+            continue
+        if not _fits(max_bytes, total, len(raw), first=not kept, what=str(path)):
+            skipped["over_max_bytes"] = len(paths) - index
+            break
+        if bad is not None:  # a file the budget left out is neither an error nor counted
             offset, count = bad
-            if skip_bad:
-                skipped["non_utf8_files"].append(name)
-                continue
             if not replace_bad:
                 raise PrepareError(
                     f"{path} is not UTF-8 (first bad byte at offset {offset}); "
                     "fix the file or pass --encoding-errors replace"
                 )
             replaced += count
-        if not _fits(max_bytes, total, len(raw), first=not kept, what=str(path)):
-            skipped["over_max_bytes"] = len(paths) - index
-            break
         total += len(raw)
         kept.append(path)
         names.append(name)

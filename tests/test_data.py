@@ -305,6 +305,22 @@ def test_non_utf8_file_fails_by_default_and_replace_counts(tmp_path: Path) -> No
     documents = _decode_split(out, "train") + _decode_split(out, "val")
     assert "abcde\ufffd\ufffdz \ufffd!\n" in documents
 
+    # A bad file --max-bytes leaves out is neither an error nor counted as replaced.
+    capped = _write(tmp_path / "capped", {"a.txt": "first doc\n", "b.txt": "second doc\n"})
+    (capped / "c.txt").write_bytes(b"abcde\xff\xff\n")
+    for errors in ("strict", "replace"):
+        out = prepare(
+            f"capped-{errors}",
+            files=[str(capped / "*.txt")],
+            encoding_errors=errors,
+            max_bytes=25,
+            vocab_size=300,
+            out_root=tmp_path,
+        )
+        meta = _meta(out)
+        assert meta["skipped"]["over_max_bytes"] == 1
+        assert meta["replaced_invalid_utf8_bytes"] == 0
+
 
 @pytest.mark.parametrize(
     ("change", "message"),
