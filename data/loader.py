@@ -6,6 +6,7 @@ Imports only numpy and torch, so it runs where `datasets` and `tokenizers` are a
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,40 @@ def prepare_command(corpus: Path, vocab_size: int | None = None) -> str:
 
 
 def _redo(corpus: Path) -> str:
-    return f"prepare the corpus again from its source, e.g. {prepare_command(corpus)}"
+    """How to make the corpus in folder `corpus` again: from the source and settings its
+    meta.json records, where it can be read (a --files or --hub corpus rebuilt from the
+    stdlib would be another corpus), else an example."""
+    try:
+        meta = json.loads((corpus / "meta.json").read_text())
+        command = _rebuild_command(corpus, meta["source"], meta["settings"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return f"prepare the corpus again from its source, e.g. {prepare_command(corpus)}"
+    return f"prepare the corpus again from its source: {command}"
+
+
+def _rebuild_command(corpus: Path, source: dict[str, Any], settings: dict[str, Any]) -> str:
+    """The data/prepare.py command line that made this corpus."""
+    kind = settings["kind"]
+    if kind == "stdlib":
+        args = ["--stdlib"]
+    elif kind == "files":
+        args = ["--files", *(shlex.quote(p) for p in source["patterns"])]
+    else:
+        args = ["--hub", shlex.quote(settings["hub"])]
+        if settings["hub_config"] is not None:
+            args += ["--hub-config", shlex.quote(settings["hub_config"])]
+        args += ["--split", shlex.quote(settings["split"])]
+        args += ["--text-column", shlex.quote(settings["text_column"])]
+    args += ["--vocab-size", str(settings["vocab_size"])]
+    args += ["--val-fraction", str(settings["val_fraction"]), "--seed", str(settings["seed"])]
+    if settings["max_bytes"] is not None:
+        args += ["--max-bytes", str(settings["max_bytes"])]
+    if settings.get("encoding_errors", "strict") != "strict":
+        args += ["--encoding-errors", settings["encoding_errors"]]
+    out_root = (
+        [] if corpus.parent == Path("data") else ["--out-root", shlex.quote(str(corpus.parent))]
+    )
+    return " ".join(["python data/prepare.py --name", shlex.quote(corpus.name), *args, *out_root])
 
 
 def token_file_problem(path: Path, expected_tokens: int | None = None) -> str | None:
