@@ -231,6 +231,8 @@ def _check_arguments(
     text_column: str,
 ) -> str:
     """Validate the name and source; return the source kind."""
+    if isinstance(files, str):  # a string is a sequence too: of one-character "paths"
+        raise PrepareError(f"files={files!r}: give a list of paths or globs, e.g. [{files!r}]")
     if not _NAME_RE.fullmatch(name):
         raise PrepareError(
             f"--name {name!r} must be a plain folder name (letters, digits, '.', '_', '-')"
@@ -337,6 +339,26 @@ def _write_tokens(tokenizer: Tokenizer, documents: "Dataset", path: Path, split:
     return {"documents": len(documents), "bytes": n_bytes, "tokens": n_tokens}
 
 
+def _remove_stale_temporaries(out_dir: Path) -> None:
+    """The temporary files of an earlier run that was killed (SIGKILL, out of memory) before it
+    could remove them: a whole corpus's size each time. Those of a process still running stay."""
+    for final in OUTPUT_FILES:
+        for path in out_dir.glob(f".{final}.*.tmp"):
+            pid = path.name.removeprefix(f".{final}.").removesuffix(".tmp")
+            if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+                path.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 def _write_outputs(
     out_dir: Path,
     tokenizer: Tokenizer,
@@ -348,6 +370,7 @@ def _write_outputs(
     duplicates: int,
 ) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temporaries(out_dir)
     temporary = {final: out_dir / f".{final}.{os.getpid()}.tmp" for final in OUTPUT_FILES}
     try:
         tokenizer.save(str(temporary["tokenizer.json"]))
@@ -384,7 +407,8 @@ def _write_outputs(
 
 def _say_what_is_replaced(out_dir: Path, settings: dict[str, Any], content_sha256: str) -> None:
     """A corpus prepared there before with other settings or inputs is about to be replaced:
-    say so, and what differs, since runs trained on it can no longer resume or sample."""
+    say so, and what differs, since runs trained on it can no longer resume or sample where
+    the tokenizer changes (not all settings change it: --max-bytes past the corpus's size)."""
     try:
         meta = json.loads((out_dir / "meta.json").read_text())
         if meta["content_sha256"] == content_sha256:
@@ -399,7 +423,7 @@ def _say_what_is_replaced(out_dir: Path, settings: dict[str, Any], content_sha25
     ]
     print(
         f"replacing the corpus in {out_dir} ({', '.join(differ) or 'its source text changed'}): "
-        "runs trained on the one there now cannot resume or sample (their tokenizer differs)",
+        "runs trained on the one there now cannot resume or sample if its tokenizer changes",
         file=sys.stderr,
     )
 

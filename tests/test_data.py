@@ -157,6 +157,21 @@ def test_interrupted_rebuild_keeps_previous_outputs(
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before, "no temp files left"
 
 
+def test_a_killed_runs_temporary_files_go_with_the_next_build(corpus: Path, tmp_path: Path) -> None:
+    """SIGKILL leaves no chance to clean up: the next build removes what a dead process left,
+    never what a live one is writing."""
+    out = prepare("tiny", files=[str(corpus / "*.txt")], vocab_size=VOCAB, out_root=tmp_path)
+    # No pid reaches 999999999 (Linux stops at 2**22); the parent process is alive.
+    gone, live = out / ".train.bin.999999999.tmp", out / f".val.bin.{os.getppid()}.tmp"
+    gone.write_bytes(b"half a corpus")
+    live.write_bytes(b"another run's")
+    (corpus / "fjord.txt").write_text("changed, so it rebuilds\n")
+    prepare("tiny", files=[str(corpus / "*.txt")], vocab_size=VOCAB, out_root=tmp_path)
+    assert not gone.exists() and live.exists()
+    with pytest.raises(PrepareError, match=r"give a list of paths or globs, e\.g\. \["):
+        prepare("tiny", files=str(corpus / "*.txt"), vocab_size=VOCAB, out_root=tmp_path)
+
+
 def test_file_names_with_glob_characters_are_literal(tmp_path: Path) -> None:
     folder = _write(tmp_path / "corpus", {"a[1].txt": "first doc\n", "b*.txt": "second doc\n"})
     out = prepare(
