@@ -1,7 +1,7 @@
 """metrics.jsonl, a training run's log: one JSON object per line, each with its "step".
 
 A line for every `train.log_interval`-th step (and the last) and one per evaluation; train.py
-writes them on rank 0 only. See the README for the fields.
+writes them on rank 0 only. docs/training.md lists the fields.
 """
 
 from __future__ import annotations
