@@ -287,6 +287,73 @@ def token_batches(
     }
 
 
+def _say_what_resuming_changes(ckpt: dict[str, Any], config: Config, linear: str | None) -> None:
+    """A resume through another attention variant or nn.Linear path computes the same
+    function, rounded differently: said, as the run will not match an uninterrupted one.
+    (Checkpoints from before the path was recorded have no "linear".)"""
+    trained_with = ckpt["config"]["model"].get("attention")
+    if trained_with not in (None, config.model.attention):
+        print(
+            f"resuming with attention {config.model.attention}; the run trained with "
+            f"{trained_with} so far (attention holds no weights; the same function, rounded "
+            "differently, so the run will not match one that never stopped to the last bit)",
+            file=sys.stderr,
+        )
+    linear_before = ckpt.get("written_by", {}).get("linear")
+    if linear is not None and linear_before not in (None, linear):
+        print(
+            f"resuming with nn.Linear through {LINEAR_PATHS[linear]} (train.cpu_linear="
+            f"{config.train.cpu_linear}); the run trained through "
+            f"{LINEAR_PATHS.get(linear_before)} so far: the same function, rounded "
+            "differently, so the run will not match one that never stopped to the last bit",
+            file=sys.stderr,
+        )
+
+
+def _restore(
+    ckpt: dict[str, Any],
+    ckpt_path: Path,
+    model: GPT,
+    optimizer: torch.optim.AdamW,
+    train_batches: TokenBatches,
+    tc: TrainConfig,
+) -> int:
+    """The checkpoint's weights, optimizer state (with the settings given now on top) and data
+    position; returns its step. A bad entry is an error naming it."""
+    with restoring(ckpt_path, "model"):
+        model.load_state_dict(ckpt["model"])
+    with restoring(ckpt_path, "optimizer"):
+        optimizer.load_state_dict(ckpt["optimizer"])
+        # A checkpoint follows a step, which gave every parameter AdamW's moments: fewer
+        # would restart them silently (load_state_dict accepts any subset).
+        moments = {"step", "exp_avg", "exp_avg_sq"}
+        have = sum(moments <= state.keys() for state in optimizer.state.values())
+        params = len(list(model.parameters()))
+        if have != params:
+            raise ValueError(f"it holds AdamW's moments for {have} of {params} parameters")
+    apply_optimizer_settings(optimizer, tc)
+    with restoring(ckpt_path, "data"):
+        train_batches.load_state_dict(ckpt["data"])
+    return ckpt["step"]
+
+
+def _say_the_ranks_changed(ranks_before: int, batch_before: int, ranks: int, batch: int) -> None:
+    """A resume on another number of processes reseeds dropout, and the micro-batches change
+    unless batch_size x processes does not."""
+    rows, rows_before = batch * ranks, batch_before * ranks_before  # one micro-batch, all ranks
+    batches_note = (
+        "the micro-batches are the ones it would have drawn"
+        if rows == rows_before
+        else f"a micro-batch takes {rows} rows over all processes where it took {rows_before}, "
+        "so the data differs from there on"
+    )
+    print(
+        f"resuming on {ranks} process(es); the run trained on {ranks_before} so far: dropout "
+        f"is reseeded and {batches_note}, so the run will not match one that never stopped",
+        file=sys.stderr,
+    )
+
+
 def train(
     config: Config,
     out_dir: Path,
@@ -343,26 +410,11 @@ def _train(
     onednn = linear_path(config, device, amp_dtype)
 
     ckpt_path, ckpt = open_run(out_dir, config, meta["tokenizer_sha256"], resume)
-    trained_with = ckpt["config"]["model"].get("attention") if ckpt is not None else None
-    if master and trained_with not in (None, config.model.attention):
-        print(
-            f"resuming with attention {config.model.attention}; the run trained with "
-            f"{trained_with} so far (attention holds no weights; the same function, rounded "
-            "differently, so the run will not match one that never stopped to the last bit)",
-            file=sys.stderr,
-        )
     # On CPU, which nn.Linear ran: train.cpu_linear=auto picks by CPU, so a run resumed on
-    # another machine can change it (checkpoints before this was recorded have no "linear").
+    # another machine can change it.
     linear = ("onednn" if onednn else "torch") if device.type == "cpu" else None
-    linear_before = ckpt.get("written_by", {}).get("linear") if ckpt is not None else None
-    if master and linear is not None and linear_before not in (None, linear):
-        print(
-            f"resuming with nn.Linear through {LINEAR_PATHS[linear]} (train.cpu_linear="
-            f"{tc.cpu_linear}); the run trained through {LINEAR_PATHS.get(linear_before)} so "
-            "far: the same function, rounded differently, so the run will not match one that "
-            "never stopped to the last bit",
-            file=sys.stderr,
-        )
+    if master and ckpt is not None:
+        _say_what_resuming_changes(ckpt, config, linear)
 
     # Before the model: a corpus too small for the batch is told in a second, not after a
     # model of block_size (and its memory) is built.
@@ -373,21 +425,7 @@ def _train(
     raw_model, optimizer = build_model(config.model, tc, device, onednn=onednn, compile=tc.compile)
     step = 0
     if ckpt is not None:
-        with restoring(ckpt_path, "model"):
-            raw_model.load_state_dict(ckpt["model"])
-        with restoring(ckpt_path, "optimizer"):
-            optimizer.load_state_dict(ckpt["optimizer"])
-            # A checkpoint follows a step, which gave every parameter AdamW's moments: fewer
-            # would restart them silently (load_state_dict accepts any subset).
-            moments = {"step", "exp_avg", "exp_avg_sq"}
-            have = sum(moments <= state.keys() for state in optimizer.state.values())
-            params = len(list(raw_model.parameters()))
-            if have != params:
-                raise ValueError(f"it holds AdamW's moments for {have} of {params} parameters")
-        apply_optimizer_settings(optimizer, tc)
-        with restoring(ckpt_path, "data"):
-            batches["train"].load_state_dict(ckpt["data"])
-        step = ckpt["step"]
+        step = _restore(ckpt, ckpt_path, raw_model, optimizer, batches["train"], tc)
         if step >= tc.max_steps:
             if master:
                 print(f"{out_dir} is complete (step {step} of train.max_steps={tc.max_steps})")
@@ -395,21 +433,9 @@ def _train(
         with restoring(ckpt_path, "rng"):
             ranks_before = restore_rng(ckpt["rng"], tc.seed, step, device, rank, world_size)
         if master and ranks_before not in (None, world_size):
-            rows = tc.batch_size * world_size  # one micro-batch, all processes together
             with restoring(ckpt_path, "config"):
-                rows_before = int(ckpt["config"]["train"]["batch_size"]) * ranks_before
-            batches_note = (
-                "the micro-batches are the ones it would have drawn"
-                if rows == rows_before
-                else f"a micro-batch takes {rows} rows over all processes where it took "
-                f"{rows_before}, so the data differs from there on"
-            )
-            print(
-                f"resuming on {world_size} process(es); the run trained on {ranks_before} so "
-                f"far: dropout is reseeded and {batches_note}, so the run will not match one "
-                "that never stopped",
-                file=sys.stderr,
-            )
+                batch_before = int(ckpt["config"]["train"]["batch_size"])
+            _say_the_ranks_changed(ranks_before, batch_before, world_size, tc.batch_size)
     resumed = ckpt is not None
     del ckpt  # its copy of the weights and optimizer state: host memory the run no longer needs
     model = wrap_ddp(raw_model, device) if world_size > 1 else raw_model
