@@ -155,6 +155,7 @@ def prepare(
     content_sha256 = sha256_text(json.dumps(settings, sort_keys=True) + "\n" + corpus.digest)
     if _is_complete(out_dir, content_sha256):
         print(f"reusing {out_dir}: inputs and settings unchanged ({content_sha256[:12]})")
+        _record_source(out_dir, corpus.source)
         return out_dir
     _say_what_is_replaced(out_dir, settings, content_sha256)
 
@@ -440,6 +441,14 @@ def _is_complete(out_dir: Path, content_sha256: str) -> bool:
         return file_sha256(out_dir / "tokenizer.json") == meta["tokenizer_sha256"]
     except (OSError, ValueError, KeyError, TypeError):  # missing or malformed: rebuild
         return False
+
+
+def _record_source(out_dir: Path, source: dict[str, Any]) -> None:
+    """The same documents read from elsewhere (a folder copied or moved) are reused; meta.json
+    then says where they are now, which a rebuild command is made from."""
+    meta = json.loads((out_dir / "meta.json").read_text())
+    if meta["source"] != source:
+        _write_json_atomic(out_dir / "meta.json", {**meta, "source": source})
 
 
 def _write_json_atomic(path: Path, obj: Any) -> None:

@@ -3,6 +3,7 @@
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -103,6 +104,15 @@ def test_rerun_reuses_and_changes_rebuild(
     prepare("tiny", files=files, vocab_size=VOCAB, out_root=tmp_path)
     assert "reusing" in capsys.readouterr().out
     assert _mtimes(out) == before
+
+    # The same documents from a copied folder: reused, and meta.json says where they are now.
+    copied = Path(shutil.copytree(corpus, tmp_path / "copied"))
+    prepare("tiny", files=[str(copied / "*.txt")], vocab_size=VOCAB, out_root=tmp_path)
+    assert "reusing" in capsys.readouterr().out
+    assert _meta(out)["source"]["patterns"] == [str(copied / "*.txt")]
+    assert {k: v for k, v in _meta(out).items() if k != "source"} == {
+        k: v for k, v in first.items() if k != "source"
+    }
 
     (corpus / "fjord.txt").write_text(_document("fjord") + "one more line\n")
     prepare("tiny", files=files, vocab_size=VOCAB, out_root=tmp_path)
