@@ -202,8 +202,9 @@ def _build(
     file_values: dict[str, Any] | None = None,
 ) -> Any:
     """One section's dataclass from `values`: file_values (the file's own) with the keys in
-    `overridden` set by --section.key overrides. in_file ('path: ') heads an error that the
-    file's values cause; one that a single override causes names that override."""
+    `overridden` set by --section.key overrides. An error in one value names where it came
+    from: in_file ('path: ') or its override. One of the section's own checks names the
+    overrides that went in, and the file too where the file's values fail alone as well."""
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
@@ -225,12 +226,12 @@ def _build(
             raise ConfigError(str(e)) from None
         if not overridden:
             raise ConfigError(in_file + str(e)) from None
-        try:  # the file's values alone: where they are fine, the overrides are at fault
+        given = ", ".join(f"--{section}.{k}" for k in sorted(overridden))
+        try:  # the file's values alone: where they fail too, the file is named as well
             _build(cls, file_values or {}, section)
         except ConfigError:
-            given = ", ".join(f"--{section}.{k}" for k in sorted(overridden))
             raise ConfigError(f"{in_file}{e} (with {given})") from None
-        raise ConfigError(str(e)) from None
+        raise ConfigError(f"{e} (with {given})") from None
 
 
 def parse_override(arg: str) -> tuple[str, str, Any]:

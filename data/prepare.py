@@ -342,7 +342,8 @@ def _write_tokens(tokenizer: Tokenizer, documents: "Dataset", path: Path, split:
 
 def _remove_stale_temporaries(out_dir: Path) -> None:
     """The temporary files of an earlier run that was killed (SIGKILL, out of memory) before it
-    could remove them: a whole corpus's size each time. Those of a process still running stay."""
+    could remove them: a whole corpus's size each time. Those of a process still running on
+    this machine stay (a writer on another host sharing the folder would look dead here)."""
     for final in OUTPUT_FILES:
         for path in out_dir.glob(f".{final}.*.tmp"):
             pid = path.name.removeprefix(f".{final}.").removesuffix(".tmp")
@@ -353,7 +354,7 @@ def _remove_stale_temporaries(out_dir: Path) -> None:
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # OverflowError: no pid is that large
         return False
     except PermissionError:  # another user's process
         return True
@@ -445,16 +446,28 @@ def _is_complete(out_dir: Path, content_sha256: str) -> bool:
 
 def _record_source(out_dir: Path, source: dict[str, Any]) -> None:
     """The same documents read from elsewhere (a folder copied or moved) are reused; meta.json
-    then says where they are now, which a rebuild command is made from."""
+    then says where they are now, which a rebuild command is made from. A note: where it
+    cannot be written (a read-only folder), the corpus is still reused, with a warning."""
     meta = json.loads((out_dir / "meta.json").read_text())
-    if meta["source"] != source:
+    if meta.get("source") == source:
+        return
+    try:
         _write_json_atomic(out_dir / "meta.json", {**meta, "source": source})
+    except OSError as e:
+        print(
+            f"warning: could not record the documents' new place in {out_dir / 'meta.json'} "
+            f"({e.strerror}); the corpus is reused as it is",
+            file=sys.stderr,
+        )
 
 
 def _write_json_atomic(path: Path, obj: Any) -> None:
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(temporary, path)
+    try:
+        temporary.write_text(json.dumps(obj, indent=2) + "\n")
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
 
 
 def file_sha256(path: Path) -> str:

@@ -16,6 +16,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-gpu-check}
+OUT=${OUT%/}  # gpu-check/ as tab completion gives it: the archive and the move-aside go beside it
 PY=${PYTHON:-python3}
 LAYERS=${LAYERS:-1,4,12}
 COMPILED_LAYERS=${COMPILED_LAYERS:-1,12}

@@ -261,10 +261,18 @@ def test_an_error_names_the_file_or_the_override_its_value_came_from(tmp_path: P
         load_config(path, ["--model.n_embd=96"])
     assert str(info.value).endswith("(with --model.n_embd)")
     path = write(tmp_path, "[model]\nn_layer = 2\n")
-    with pytest.raises(ConfigError, match=r"^train\.batch_size=0: must be >= 1$"):
+    with pytest.raises(ConfigError, match=r"^train\.batch_size=0: must be >= 1 \(with --train\."):
         load_config(path, ["--train.batch_size=0"])
-    with pytest.raises(ConfigError, match=r"^model\.n_embd=90 is not divisible by n_head=4"):
+    with pytest.raises(
+        ConfigError, match=r"^model\.n_embd=90 is not divisible by n_head=4"
+    ) as info:
         load_config(write(tmp_path, "[model]\nn_head = 4\n"), ["--model.n_embd=90"])
+    assert str(info.value).endswith("(with --model.n_embd)")
+    # The file's values fail alone too: both are named.
+    path = write(tmp_path, "[model]\nn_head = 5\n")
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(path))}: ") as info:
+        load_config(path, ["--model.n_layer=0"])
+    assert str(info.value).endswith("(with --model.n_layer)")
 
 
 @pytest.mark.parametrize(

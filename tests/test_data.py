@@ -113,6 +113,12 @@ def test_rerun_reuses_and_changes_rebuild(
     assert {k: v for k, v in _meta(out).items() if k != "source"} == {
         k: v for k, v in first.items() if k != "source"
     }
+    meta = _meta(out)  # one with no source at all (written by hand, say) gets it
+    del meta["source"]
+    (out / "meta.json").write_text(json.dumps(meta))
+    prepare("tiny", files=files, vocab_size=VOCAB, out_root=tmp_path)
+    assert _meta(out)["source"]["patterns"] == files
+    capsys.readouterr()
 
     (corpus / "fjord.txt").write_text(_document("fjord") + "one more line\n")
     prepare("tiny", files=files, vocab_size=VOCAB, out_root=tmp_path)

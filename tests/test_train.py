@@ -1002,7 +1002,7 @@ def test_resume_does_not_keep_the_loaded_checkpoint_in_memory(
 
 
 def test_resume_reads_a_checkpoint_with_the_older_single_rng_state(
-    base_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    base_run: Path, tmp_path: Path
 ) -> None:
     out = copy_run(base_run, tmp_path / "old")
     ckpt = load_ckpt(out)
@@ -1010,7 +1010,6 @@ def test_resume_reads_a_checkpoint_with_the_older_single_rng_state(
     torch.save(ckpt, out / checkpoint.CHECKPOINT)
     assert train.main(["--out", str(out), "--resume", f"--train.max_steps={STEPS + 1}"]) == 0
     assert load_ckpt(out)["step"] == STEPS + 1
-    assert "process(es)" not in capsys.readouterr().err  # its number of ranks is unknown
 
 
 def test_without_config_the_run_goes_to_runs_builtin(
