@@ -412,11 +412,11 @@ def test_what_a_compiled_first_step_compiled() -> None:
 
 def test_a_first_step_that_compiled_nothing_reads_reused_only_without_a_time() -> None:
     """Sweeps before 'none' meant no compile time gave one all the same: no mark there."""
-    from profiling.report import _compile_mark
+    from profiling.method import compile_mark
 
-    assert _compile_mark({"compile_cache": "none", "compile_s": None}) == " (reused)"
-    assert _compile_mark({"compile_cache": "none", "compile_s": 1.59}) == ""
-    assert _compile_mark({"compile_cache": "cached", "compile_s": 0.4}) == " (cached)"
+    assert compile_mark({"compile_cache": "none", "compile_s": None}) == " (reused)"
+    assert compile_mark({"compile_cache": "none", "compile_s": 1.59}) == ""
+    assert compile_mark({"compile_cache": "cached", "compile_s": 0.4}) == " (cached)"
 
 
 @pytest.mark.filterwarnings("error:clamping frac")  # tqdm's word for a bar past its total
@@ -793,7 +793,7 @@ def test_a_projection_through_a_line_below_zero_is_not_a_saving() -> None:
 
 def test_causal_mfu_is_called_a_convention() -> None:
     """The causal-half MFU is a counting convention, not the work a causal kernel does."""
-    from profiling.report import _causal_note
+    from profiling.method import causal_note
 
     row = {
         "variant": "sdpa",
@@ -804,7 +804,7 @@ def test_causal_mfu_is_called_a_convention() -> None:
         "flops_per_step": 100,
         "attention_flops_per_step": 20,
     }
-    note = _causal_note([row])
+    note = causal_note([row])
     assert "would read 40.5% MFU instead of 45.0%" in note
     assert "convention" in note and "block sizes" in note and "about half" not in note
 
@@ -1720,7 +1720,7 @@ def test_cuda_allocator_counts_see_memory_reserved_and_released() -> None:
 
 
 def test_device_memory_line_names_the_cell_with_most_allocator_calls() -> None:
-    from profiling.report import _device_memory_lines
+    from profiling.method import device_memory_lines
 
     def row(variant: str, calls: float | None, retries: int | None) -> dict:
         return {
@@ -1731,43 +1731,43 @@ def test_device_memory_line_names_the_cell_with_most_allocator_calls() -> None:
             "alloc_retries": retries,
         }
 
-    [line] = _device_memory_lines([row("naive", 0.0, 0), row("sdpa", 2.5, 3), row("flex", 0.0, 0)])
+    [line] = device_memory_lines([row("naive", 0.0, 0), row("sdpa", 2.5, 3), row("flex", 0.0, 0)])
     assert "per timed step: median 0, at most 2.5 over the cells (sdpa L12)." in line
     assert "over all the timed steps: 3 in sdpa L12." in line
-    [line] = _device_memory_lines([row("naive", 0.0, 0), row("sdpa", 1 / 32, 0)])
+    [line] = device_memory_lines([row("naive", 0.0, 0), row("sdpa", 1 / 32, 0)])
     assert "at most 0.031 over the cells (sdpa L12)." in line  # not "0.0"
     assert "retried" not in line and "failed" not in line
-    [line] = _device_memory_lines(
+    [line] = device_memory_lines(
         [row("naive", 0.0, 0), {**row("sdpa", None, None), "status": "oom"}]
     )
     assert "at most 0 over the cells." in line and "A cell that failed freed the cache" in line
     # CPU sweeps, and CUDA sweeps written before the calls were counted: no line.
-    assert _device_memory_lines([row("naive", None, None)]) == []
-    assert _device_memory_lines([{"variant": "naive", "compile": False, "n_layer": 1}]) == []
+    assert device_memory_lines([row("naive", None, None)]) == []
+    assert device_memory_lines([{"variant": "naive", "compile": False, "n_layer": 1}]) == []
 
 
 def test_host_memory_line_names_the_cell_with_most_page_faults() -> None:
-    from profiling.report import _host_memory_lines
+    from profiling.method import host_memory_lines
 
     rows = [
         {"variant": v, "compile": False, "n_layer": 4, "page_faults_per_step": f}
         for v, f in (("naive", 871.0), ("inplace", 0.4), ("sdpa", 0.3))
     ]
-    [line] = _host_memory_lines({"device": "cpu", "host_memory": "keep"}, rows)
+    [line] = host_memory_lines({"device": "cpu", "host_memory": "keep"}, rows)
     assert "median 0.4, at most 871 over the cells (naive L4)" in line and "bursts" in line
-    [line] = _host_memory_lines({"device": "cpu", "host_memory": "release"}, rows)
+    [line] = host_memory_lines({"device": "cpu", "host_memory": "release"}, rows)
     assert "bursts" not in line
     none = [{**r, "page_faults_per_step": 0.0} for r in rows]
-    [line] = _host_memory_lines({"device": "cpu", "host_memory": "keep"}, none)
+    [line] = host_memory_lines({"device": "cpu", "host_memory": "keep"}, none)
     assert "at most 0 over the cells." in line  # no cell named for a maximum of zero
     few = [{**r, "page_faults_per_step": f} for r, f in zip(rows, (0.0, 0.3, 0.0), strict=True)]
     assert (
         "median 0, at most 0.3 over the cells (inplace L4)"
-        in _host_memory_lines({"device": "cpu", "host_memory": "keep"}, few)[0]
+        in host_memory_lines({"device": "cpu", "host_memory": "keep"}, few)[0]
     )
     assert "grown by" not in line
     reserved = {"device": "cpu", "host_memory": "keep", "heap_reserve_bytes": 256 << 20}
-    assert "the heap was grown by 256 MiB" in _host_memory_lines(reserved, rows)[0]
+    assert "the heap was grown by 256 MiB" in host_memory_lines(reserved, rows)[0]
 
 
 def test_headline_marks_cells_timed_on_a_busy_machine() -> None:
