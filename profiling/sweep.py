@@ -15,9 +15,7 @@ import gc
 import itertools
 import os
 import platform
-import resource
 import shlex
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -33,6 +31,18 @@ from cpu_linear import cpu_field, wants_onednn
 from data.loader import TokenBatches, check_vocab, load_meta
 from model import VARIANTS, unavailable_reason
 from profiling.analysis import label
+from profiling.cells import (
+    Cell,
+    allocator_counts,
+    balanced_orders,
+    compile_cache,
+    compile_counters,
+    compile_seconds,
+    eager_first_step_excess,
+    minor_faults,
+    one_line,
+    out_of_memory,
+)
 from profiling.measure import (
     ONE_CALL,
     TRACE_WARN_BYTES,
@@ -59,139 +69,6 @@ from train import build_model, train_step
 
 BATCH_POOL = 4  # distinct batches cycled through, drawn before timing so no I/O is timed
 HEAP_RESERVE = 256 << 20  # CPU, memory kept: heap faulted in before each depth's timed steps
-
-
-def out_of_memory(e: BaseException) -> bool:
-    """CUDA's allocator raises OutOfMemoryError; the CPU's a RuntimeError that says so."""
-    return isinstance(e, torch.OutOfMemoryError | MemoryError) or (
-        isinstance(e, RuntimeError) and "can't allocate memory" in str(e)
-    )
-
-
-def balanced_orders(n: int) -> list[list[int]]:
-    """Orders of n cells for successive rounds: a Williams design, the balanced Latin square.
-
-    Over the rows every cell takes every position equally often and, within a round, directly
-    follows every other equally often: n rows for even n, 2n for odd (the rows and their
-    reverses). Rounds run back to back, cycling through the rows, so they are chained so that
-    no round starts with the cell the one before it ended with. Two cells simply alternate.
-    Rotating one order instead (A B C, B C A, C A B) puts A after C in two rounds of three.
-    """
-    if n <= 2:
-        return [list(range(n))]
-    # 0, 1, n-1, 2, n-2, ...: its successive differences are all distinct mod n.
-    first = [0] + [(k + 1) // 2 if k % 2 else n - k // 2 for k in range(1, n)]
-    rows = [[(c + shift) % n for c in first] for shift in range(n)]
-    if n % 2 == 0:  # row s ends with s + n/2 and row s + 1 starts with s + 1
-        return rows
-    # Row s runs s ... s + (n+1)/2 and its reverse the other way: reversed rows n-2, n-3, ...,
-    # 0, n-1 after the rows never meet a round that begins where the last ended.
-    return rows + [rows[s][::-1] for s in [*range(n - 2, -1, -1), n - 1]]
-
-
-@dataclasses.dataclass
-class Cell:
-    variant: str
-    n_layer: int
-    compiled: bool
-    step: Callable[[], object] | None = None
-    model: torch.nn.Module | None = None
-    optimizer: torch.optim.Optimizer | None = None
-    times: list[float] = dataclasses.field(default_factory=list)
-    page_faults: int = 0  # minor page faults of this process during the timed steps
-    # CUDA (None elsewhere): the caching allocator's calls to allocate and free device memory
-    # during the timed steps, and its retries then (see allocator_counts)
-    device_allocs: int | None = None
-    alloc_retries: int | None = None
-    first_step_s: float | None = None
-    # Compiled cells: the first-step excess over the median step of the eager cell of the same
-    # variant and depth, the part of the compiled cell's excess that is not compilation.
-    eager_excess_s: float | None = None
-    compile_cache: str | None = None  # compiled cells: what Inductor's cache held (see below)
-    # Eager cells: their first step compiled something all the same (flex compiles its kernel)
-    first_step_compiled: bool = False
-    status: str = "ok"
-    reason: str | None = None
-    done: int = 0  # of its warm-up, timed and profiled steps, how many the progress bar shows
-
-    @property
-    def name(self) -> str:
-        return f"{label(self.variant, self.compiled)} L{self.n_layer}"
-
-    def fail(self, status: str, error: BaseException | str) -> None:
-        self.status = status
-        self.reason = error if isinstance(error, str) else _one_line(error)
-        self.step = self.model = self.optimizer = None
-
-
-def eager_first_step_excess(cells: list[Cell]) -> dict[str, float]:
-    """By variant, what its eager cell's first step took beyond its median step: what any first
-    step pays (AdamW's state, the allocator's and oneDNN's set-up), which a compiled cell's
-    excess holds too. Not where that first step compiled something itself (eager flex compiles
-    its kernel): its excess is compilation too, and taking it off would hide it."""
-    return {
-        cell.variant: cell.first_step_s - statistics.median(cell.times)
-        for cell in cells
-        if not cell.compiled
-        and not cell.first_step_compiled
-        and cell.status == "ok"
-        and cell.first_step_s is not None
-        and cell.times
-    }
-
-
-def compile_seconds(
-    first_step_s: float, median_s: float, eager_excess_s: float | None
-) -> float | None:
-    """A compiled cell's compile time: its first step less its median step, less its eager
-    twin's excess where there is one. None where the twin's excess is the larger: each is a
-    single first step, and the compile time (mostly tracing, from a warm cache) is within
-    their noise: not 0."""
-    net = first_step_s - median_s - (eager_excess_s or 0.0)
-    return net if net > 0 else None
-
-
-def _minor_faults() -> int:
-    """Minor page faults of this process so far: pages the OS had to map in and zero."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
-def allocator_counts(stats: dict[str, int]) -> tuple[int, int]:
-    """From torch.cuda.memory_stats(): the caching allocator's calls to allocate and free device
-    memory so far (cudaMalloc and cudaFree, or cuMemMap and cuMemUnmap with expandable
-    segments), and its retries: allocations the device refused, retried after the cache was
-    freed. A settled allocator makes none. cudaFree waits until the device has finished its
-    queued work, so a step that frees device memory can leave the GPU idle; whether that is
-    where a step's time with no kernel running goes is for a GPU run to show."""
-    calls = stats.get("num_device_alloc", 0) + stats.get("num_device_free", 0)
-    return calls, stats.get("num_alloc_retries", 0)
-
-
-def _compile_counters() -> dict[str, int]:
-    from torch._dynamo.utils import counters
-
-    inductor = ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass")
-    return {k: counters["inductor"][k] for k in inductor} | {
-        "graphs": counters["stats"]["unique_graphs"]  # traced by Dynamo
-    }
-
-
-def _compile_cache(before: dict[str, int], after: dict[str, int]) -> str:
-    """'cached' if Inductor's on-disk cache held every graph the step compiled (the compile
-    time is then mostly Dynamo's tracing), 'cold' if it compiled any itself (a cache miss, a
-    graph the cache passes by, or the cache off), 'none' if the step compiled nothing. (The
-    sweep adds 'shared' and 'partly shared': see _time.)"""
-    new = {k: after[k] - before[k] for k in after}
-    if new["fxgraph_cache_miss"] or new["fxgraph_cache_bypass"]:
-        return "cold"
-    if new["fxgraph_cache_hit"]:
-        return "cached"
-    return "cold" if new["graphs"] else "none"
-
-
-def _one_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
 # --compile: which of eager (False) and compiled (True) cells a sweep measures
@@ -463,7 +340,7 @@ class Sweep:
                 seconds = time.perf_counter() - t0
         except Exception as e:  # not KeyboardInterrupt; the cells will say what fails there
             tqdm.write(
-                f"warning: the start-up warm-up failed ({_one_line(e)}); the first cell's "
+                f"warning: the start-up warm-up failed ({one_line(e)}); the first cell's "
                 "first step may carry the process's one-time costs",
                 file=sys.stderr,
             )
@@ -499,7 +376,7 @@ class Sweep:
             by_op = count_flops(lambda: train_step(model, optimizer, [(x, x)] * tc.grad_accum))
         except Exception as e:  # not KeyboardInterrupt: Ctrl-C stops the sweep
             tqdm.write(
-                f"warning: no FLOP count at n_layer={n_layer} ({_one_line(e)}); no MFU there",
+                f"warning: no FLOP count at n_layer={n_layer} ({one_line(e)}); no MFU there",
                 file=sys.stderr,
             )
             return 0, 0
@@ -520,9 +397,9 @@ class Sweep:
                 # A full collection now (up to 0.2 s with the compiler's objects about), not
                 # one that lands in this first step because of what earlier cells left.
                 gc.collect()
-                before = _compile_counters()
+                before = compile_counters()
                 cell.first_step_s = timed(cell.step, self.device)  # includes compilation
-                cache = _compile_cache(before, _compile_counters())
+                cache = compile_cache(before, compile_counters())
                 if cell.compiled:
                     cell.compile_cache = cache
                     if VARIANTS[cell.variant].backend is not None:
@@ -554,9 +431,9 @@ class Sweep:
                     continue
                 with self._guard(cell):
                     before = self._allocator()  # read outside the page faults' window
-                    faults = _minor_faults()
+                    faults = minor_faults()
                     cell.times.append(timed(cell.step, self.device))
-                    cell.page_faults += _minor_faults() - faults
+                    cell.page_faults += minor_faults() - faults
                     after = self._allocator()
                     if before is not None and after is not None:
                         cell.device_allocs = (cell.device_allocs or 0) + after[0] - before[0]

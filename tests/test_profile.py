@@ -30,9 +30,10 @@ from config import load_config
 from cpu_linear import onednn_unavailable_reason
 from model import attention
 from profiling.analysis import fit_line, fits_by_label, op_diff, savings
+from profiling.cells import Cell
 from profiling.measure import count_flops, parse_events, verify_backend
 from profiling.report import headline_table
-from profiling.sweep import Cell, Sweep
+from profiling.sweep import Sweep
 from runtime import OtherLoad
 
 TINY = [
@@ -195,7 +196,7 @@ def test_backend_mismatch_fails_the_cell(tmp_path: Path, monkeypatch: pytest.Mon
 def test_round_orders_are_balanced(n: int) -> None:
     """Every cell takes every position, and within a round directly follows every other,
     equally often; rounds run back to back, and no cell ever runs twice in a row."""
-    from profiling.sweep import balanced_orders
+    from profiling.cells import balanced_orders
 
     rows = balanced_orders(n)
     assert all(sorted(row) == list(range(n)) for row in rows)
@@ -328,7 +329,7 @@ def test_compile_time_keeps_an_eager_first_steps_own_compile() -> None:
     """Eager flex compiles its kernel in its first step: that excess is compilation, so the
     compiled twin's is not netted by it. A twin whose single first step ran longer than the
     compiled cell's excess leaves no compile time to tell (None), not 0."""
-    from profiling.sweep import Cell, compile_seconds, eager_first_step_excess
+    from profiling.cells import Cell, compile_seconds, eager_first_step_excess
 
     def cell(variant: str, compiled: bool, first: float, **kw: object) -> Cell:
         return Cell(variant, 1, compiled, times=[0.1, 0.1, 0.1], first_step_s=first, **kw)
@@ -398,11 +399,11 @@ def test_compiled_sdpa_measures_the_same_steps_beside_pinned_variants(tmp_path: 
 def test_what_a_compiled_first_step_compiled() -> None:
     """From the compiler's counters: Inductor's cache served it, Inductor compiled (a miss, a
     graph the cache passes by, or the cache off: graphs traced, no lookups), or nothing."""
-    from profiling.sweep import _compile_cache
+    from profiling.cells import compile_cache
 
     zero = {"fxgraph_cache_hit": 0, "fxgraph_cache_miss": 0, "fxgraph_cache_bypass": 0}
     zero["graphs"] = 0
-    step = lambda **new: _compile_cache(zero, zero | new)
+    step = lambda **new: compile_cache(zero, zero | new)
     assert step(fxgraph_cache_hit=2, graphs=1) == "cached"
     assert step(fxgraph_cache_hit=1, fxgraph_cache_miss=1, graphs=1) == "cold"
     assert step(fxgraph_cache_bypass=1, graphs=1) == "cold"
@@ -1675,7 +1676,7 @@ def test_each_variant_is_probed_once_per_sweep(
 
 
 def test_allocator_counts_read_device_calls_and_retries() -> None:
-    from profiling.sweep import allocator_counts
+    from profiling.cells import allocator_counts
 
     stats = {"num_device_alloc": 5, "num_device_free": 2, "num_alloc_retries": 1}
     assert allocator_counts({**stats, "segment.all.allocated": 9}) == (7, 1)
@@ -1709,7 +1710,7 @@ def test_a_sweep_records_the_allocator_calls_of_the_timed_steps_only(
 def test_cuda_allocator_counts_see_memory_reserved_and_released() -> None:
     """The counters the sweep reads exist in this torch and move when the allocator goes to
     the device: one allocation the cache cannot serve, one release."""
-    from profiling.sweep import allocator_counts
+    from profiling.cells import allocator_counts
 
     torch.cuda.empty_cache()
     calls, _ = allocator_counts(torch.cuda.memory_stats())

@@ -1,0 +1,147 @@
+"""A sweep's cells (variant x n_layer x compile) and what is worked out from each one's steps:
+the order the cells run in, compile time, page faults, allocator calls and failures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import resource
+import statistics
+from collections.abc import Callable
+
+import torch
+
+from profiling.analysis import label
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """CUDA's allocator raises OutOfMemoryError; the CPU's a RuntimeError that says so."""
+    return isinstance(e, torch.OutOfMemoryError | MemoryError) or (
+        isinstance(e, RuntimeError) and "can't allocate memory" in str(e)
+    )
+
+
+def balanced_orders(n: int) -> list[list[int]]:
+    """Orders of n cells for successive rounds: a Williams design, the balanced Latin square.
+
+    Over the rows every cell takes every position equally often and, within a round, directly
+    follows every other equally often: n rows for even n, 2n for odd (the rows and their
+    reverses). Rounds run back to back, cycling through the rows, so they are chained so that
+    no round starts with the cell the one before it ended with. Two cells simply alternate.
+    Rotating one order instead (A B C, B C A, C A B) puts A after C in two rounds of three.
+    """
+    if n <= 2:
+        return [list(range(n))]
+    # 0, 1, n-1, 2, n-2, ...: its successive differences are all distinct mod n.
+    first = [0] + [(k + 1) // 2 if k % 2 else n - k // 2 for k in range(1, n)]
+    rows = [[(c + shift) % n for c in first] for shift in range(n)]
+    if n % 2 == 0:  # row s ends with s + n/2 and row s + 1 starts with s + 1
+        return rows
+    # Row s runs s ... s + (n+1)/2 and its reverse the other way: reversed rows n-2, n-3, ...,
+    # 0, n-1 after the rows never meet a round that begins where the last ended.
+    return rows + [rows[s][::-1] for s in [*range(n - 2, -1, -1), n - 1]]
+
+
+@dataclasses.dataclass
+class Cell:
+    variant: str
+    n_layer: int
+    compiled: bool
+    step: Callable[[], object] | None = None
+    model: torch.nn.Module | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    times: list[float] = dataclasses.field(default_factory=list)
+    page_faults: int = 0  # minor page faults of this process during the timed steps
+    # CUDA (None elsewhere): the caching allocator's calls to allocate and free device memory
+    # during the timed steps, and its retries then (see allocator_counts)
+    device_allocs: int | None = None
+    alloc_retries: int | None = None
+    first_step_s: float | None = None
+    # Compiled cells: the first-step excess over the median step of the eager cell of the same
+    # variant and depth, the part of the compiled cell's excess that is not compilation.
+    eager_excess_s: float | None = None
+    compile_cache: str | None = None  # compiled cells: what Inductor's cache held (see below)
+    # Eager cells: their first step compiled something all the same (flex compiles its kernel)
+    first_step_compiled: bool = False
+    status: str = "ok"
+    reason: str | None = None
+    done: int = 0  # of its warm-up, timed and profiled steps, how many the progress bar shows
+
+    @property
+    def name(self) -> str:
+        return f"{label(self.variant, self.compiled)} L{self.n_layer}"
+
+    def fail(self, status: str, error: BaseException | str) -> None:
+        self.status = status
+        self.reason = error if isinstance(error, str) else one_line(error)
+        self.step = self.model = self.optimizer = None
+
+
+def eager_first_step_excess(cells: list[Cell]) -> dict[str, float]:
+    """By variant, what its eager cell's first step took beyond its median step: what any first
+    step pays (AdamW's state, the allocator's and oneDNN's set-up), which a compiled cell's
+    excess holds too. Not where that first step compiled something itself (eager flex compiles
+    its kernel): its excess is compilation too, and taking it off would hide it."""
+    return {
+        cell.variant: cell.first_step_s - statistics.median(cell.times)
+        for cell in cells
+        if not cell.compiled
+        and not cell.first_step_compiled
+        and cell.status == "ok"
+        and cell.first_step_s is not None
+        and cell.times
+    }
+
+
+def compile_seconds(
+    first_step_s: float, median_s: float, eager_excess_s: float | None
+) -> float | None:
+    """A compiled cell's compile time: its first step less its median step, less its eager
+    twin's excess where there is one. None where the twin's excess is the larger: each is a
+    single first step, and the compile time (mostly tracing, from a warm cache) is within
+    their noise: not 0."""
+    net = first_step_s - median_s - (eager_excess_s or 0.0)
+    return net if net > 0 else None
+
+
+def minor_faults() -> int:
+    """Minor page faults of this process so far: pages the OS had to map in and zero."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def allocator_counts(stats: dict[str, int]) -> tuple[int, int]:
+    """From torch.cuda.memory_stats(): the caching allocator's calls to allocate and free device
+    memory so far (cudaMalloc and cudaFree, or cuMemMap and cuMemUnmap with expandable
+    segments), and its retries: allocations the device refused, retried after the cache was
+    freed. A settled allocator makes none. cudaFree waits until the device has finished its
+    queued work, so a step that frees device memory can leave the GPU idle; whether that is
+    where a step's time with no kernel running goes is for a GPU run to show."""
+    calls = stats.get("num_device_alloc", 0) + stats.get("num_device_free", 0)
+    return calls, stats.get("num_alloc_retries", 0)
+
+
+def compile_counters() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+
+    inductor = ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass")
+    return {k: counters["inductor"][k] for k in inductor} | {
+        "graphs": counters["stats"]["unique_graphs"]  # traced by Dynamo
+    }
+
+
+def compile_cache(before: dict[str, int], after: dict[str, int]) -> str:
+    """'cached' if Inductor's on-disk cache held every graph the step compiled (the compile
+    time is then mostly Dynamo's tracing), 'cold' if it compiled any itself (a cache miss, a
+    graph the cache passes by, or the cache off), 'none' if the step compiled nothing. (The
+    sweep adds 'shared' and 'partly shared': see _time.)"""
+    new = {k: after[k] - before[k] for k in after}
+    if new["fxgraph_cache_miss"] or new["fxgraph_cache_bypass"]:
+        return "cold"
+    if new["fxgraph_cache_hit"]:
+        return "cached"
+    return "cold" if new["graphs"] else "none"
+
+
+def one_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
