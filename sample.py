@@ -55,8 +55,8 @@ def load_run(
     ckpt_path = run_dir / CHECKPOINT
     ckpt = load_checkpoint(ckpt_path, needs=("model",))  # the rest is resuming's
     config_path = run_dir / "config.toml"
-    recorded = ckpt.get("config")
     if not config_path.is_file():  # as resuming does: the config the checkpoint records
+        recorded = ckpt.get("config")
         if not isinstance(recorded, dict):
             raise SampleError(f"{run_dir} has no config.toml, and {ckpt_path} records no config")
         config = build_config(recorded, source=f"the config {ckpt_path} records")

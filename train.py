@@ -291,12 +291,15 @@ def _say_what_resuming_changes(ckpt: dict[str, Any], config: Config, linear: str
     """A resume through another attention variant or nn.Linear path computes the same
     function, rounded differently: said, as the run will not match an uninterrupted one.
     (Checkpoints from before the path was recorded have no "linear".)"""
+    rounding = (
+        "the same function, rounded differently, so the run will not match one that never "
+        "stopped to the last bit"
+    )
     trained_with = ckpt["config"]["model"].get("attention")
     if trained_with not in (None, config.model.attention):
         print(
             f"resuming with attention {config.model.attention}; the run trained with "
-            f"{trained_with} so far (attention holds no weights; the same function, rounded "
-            "differently, so the run will not match one that never stopped to the last bit)",
+            f"{trained_with} so far (attention holds no weights; {rounding})",
             file=sys.stderr,
         )
     linear_before = ckpt.get("written_by", {}).get("linear")
@@ -304,8 +307,7 @@ def _say_what_resuming_changes(ckpt: dict[str, Any], config: Config, linear: str
         print(
             f"resuming with nn.Linear through {LINEAR_PATHS[linear]} (train.cpu_linear="
             f"{config.train.cpu_linear}); the run trained through "
-            f"{LINEAR_PATHS.get(linear_before)} so far: the same function, rounded "
-            "differently, so the run will not match one that never stopped to the last bit",
+            f"{LINEAR_PATHS.get(linear_before)} so far: {rounding}",
             file=sys.stderr,
         )
 

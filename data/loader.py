@@ -43,9 +43,15 @@ def load_meta(root: str | Path, name: str, vocab_size: int | None = None) -> dic
 
 def prepare_command(corpus: Path, vocab_size: int | None = None) -> str:
     """A command that makes the corpus folder `corpus` (from the stdlib, the offline source)."""
-    vocab = f" --vocab-size {vocab_size}" if vocab_size is not None else ""
-    out_root = "" if corpus.parent == Path("data") else f" --out-root {corpus.parent}"
-    return f"python data/prepare.py --name {corpus.name} --stdlib{vocab}{out_root}"
+    vocab = ["--vocab-size", str(vocab_size)] if vocab_size is not None else []
+    return _command(corpus, ["--stdlib", *vocab])
+
+
+def _command(corpus: Path, args: list[str]) -> str:
+    """data/prepare.py with `args`, writing the corpus folder `corpus`."""
+    out_root = [] if corpus.parent == Path("data") else ["--out-root", str(corpus.parent)]
+    words = ["--name", corpus.name, *args, *out_root]
+    return "python data/prepare.py " + " ".join(map(shlex.quote, words))
 
 
 def _redo(corpus: Path) -> str:
@@ -66,23 +72,19 @@ def _rebuild_command(corpus: Path, source: dict[str, Any], settings: dict[str, A
     if kind == "stdlib":
         args = ["--stdlib"]
     elif kind == "files":
-        args = ["--files", *(shlex.quote(p) for p in source["patterns"])]
+        args = ["--files", *source["patterns"]]
     else:
-        args = ["--hub", shlex.quote(settings["hub"])]
+        args = ["--hub", settings["hub"]]
         if settings["hub_config"] is not None:
-            args += ["--hub-config", shlex.quote(settings["hub_config"])]
-        args += ["--split", shlex.quote(settings["split"])]
-        args += ["--text-column", shlex.quote(settings["text_column"])]
+            args += ["--hub-config", settings["hub_config"]]
+        args += ["--split", settings["split"], "--text-column", settings["text_column"]]
     args += ["--vocab-size", str(settings["vocab_size"])]
     args += ["--val-fraction", str(settings["val_fraction"]), "--seed", str(settings["seed"])]
     if settings["max_bytes"] is not None:
         args += ["--max-bytes", str(settings["max_bytes"])]
     if settings.get("encoding_errors", "strict") != "strict":
         args += ["--encoding-errors", settings["encoding_errors"]]
-    out_root = (
-        [] if corpus.parent == Path("data") else ["--out-root", shlex.quote(str(corpus.parent))]
-    )
-    return " ".join(["python data/prepare.py --name", shlex.quote(corpus.name), *args, *out_root])
+    return _command(corpus, args)
 
 
 def token_file_problem(path: Path, expected_tokens: int | None = None) -> str | None:

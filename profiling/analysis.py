@@ -210,18 +210,20 @@ def op_diff(
     """
     (depths_a, sa), (depths_b, sb) = (_op_series(rows, x, kind, key_of) for x in (a, b))
     common = sorted(depths_a & depths_b)
-    if len(common) < 2:
-        return _single_depth_diff(rows, a, b, kind, threshold, key_of)
+    if not common:
+        return []
     diffs = []
     for key in sa.keys() | sb.keys():
         delta = [sa.get(key, {}).get(n, 0.0) - sb.get(key, {}).get(n, 0.0) for n in common]
-        fit = fit_line(common, delta)
-        if abs(fit["slope"]) < threshold:
-            continue
-        entry = {"region": key[0], "name": key[1], "per_layer": round(fit["slope"], 2)}
-        if fit["r2"] < 1:  # fit_line reads an exact line's rounding as none
-            entry["linear"] = False
-        diffs.append(entry)
+        if len(common) == 1:  # no line: the whole step's difference, per layer
+            per_layer, entry = delta[0] / common[0], {"one_depth": common[0]}
+        else:  # fit_line reads an exact line's rounding as none
+            fit = fit_line(common, delta)
+            per_layer, entry = fit["slope"], {} if fit["r2"] == 1 else {"linear": False}
+        if abs(per_layer) >= threshold:
+            diffs.append(
+                {"region": key[0], "name": key[1], "per_layer": round(per_layer, 2)} | entry
+            )
     return _by_region_and_size(diffs)
 
 
@@ -229,42 +231,6 @@ def _by_region_and_size(diffs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(
         diffs, key=lambda d: (REGIONS.index(d["region"]), -abs(d["per_layer"]), d["name"])
     )
-
-
-def _single_depth_diff(
-    rows: list[dict[str, Any]],
-    a: str,
-    b: str,
-    kind: str,
-    threshold: float,
-    key_of: Callable[[str], str],
-) -> list[dict[str, Any]]:
-    """Count differences divided by n_layer, at the deepest depth both labels reached."""
-    by = {
-        (label(r["variant"], r["compile"]), r["n_layer"]): r for r in ok_rows(rows) if r.get(kind)
-    }
-    shared = {n for (name, n) in by if name == a} & {n for (name, n) in by if name == b}
-    if not shared:
-        return []
-    n_layer = max(shared)
-    ra, rb = by[(a, n_layer)], by[(b, n_layer)]
-    diffs = []
-    for region in REGIONS:
-        delta_of: dict[str, float] = defaultdict(float)
-        for sign, counts in ((1, ra[kind].get(region, {})), (-1, rb[kind].get(region, {}))):
-            for op, count in counts.items():
-                delta_of[key_of(op)] += sign * count / n_layer
-        for op, delta in delta_of.items():
-            if abs(delta) >= threshold:
-                diffs.append(
-                    {
-                        "region": region,
-                        "name": op,
-                        "per_layer": round(delta, 2),
-                        "one_depth": n_layer,
-                    }
-                )
-    return _by_region_and_size(diffs)
 
 
 # Ops that only make views or allocate: counted, but summed in words rather than named.

@@ -387,7 +387,7 @@ class Sweep:
             # Every depth compiles its own graphs: identical blocks would otherwise reuse the
             # last depth's, and its compile time would read ~0.
             torch._dynamo.reset()
-        first_pinned = None  # the depth's first compiled cell of a pinned variant
+        pinned_built = False  # whether a compiled cell of a pinned variant came before
         for cell in cells:
             bar.set_postfix_str(f"warm-up {cell.name}")
             with self._guard(cell):
@@ -406,9 +406,9 @@ class Sweep:
                         # Pinned variants' blocks break at the same call, so a later one runs
                         # graphs compiled for the first, all of them or all but those its
                         # attention's output strides change: its first step times that rest.
-                        if first_pinned is not None:
+                        if pinned_built:
                             cell.compile_cache = "shared" if cache == "none" else "partly shared"
-                        first_pinned = first_pinned or cell
+                        pinned_built = True
                 else:
                     cell.first_step_compiled = cache != "none"
                 for _ in range(self.args.warmup - 1):
