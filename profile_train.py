@@ -3,6 +3,7 @@
     python profile_train.py --config configs/profile.toml [--variants a,b,...] [--layers 1,2,4,8]
         [--compile off|on|both] [--steps N] [--data synthetic|NAME] [--out DIR]
     python profile_train.py --report DIR [--diff A,B]     # re-render a report, or diff two variants
+    python profile_train.py --compare DIR DIR ...         # several sweeps' savings side by side
 
 For every cell of variants x n_layer x compile it measures, each in its own steps:
   1. step time without the profiler: warm-up excluded, device synchronised, variants of one
@@ -34,6 +35,7 @@ import torch
 
 from config import ConfigError, load_config
 from model import VARIANTS, available_variants, unavailable_reason
+from profiling.compare import comparable, compare_text
 from profiling.report import diff_text
 from profiling.results import write_results
 from profiling.sweep import COMPILE_MODES, Sweep
@@ -128,6 +130,13 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument(
         "--diff", metavar="A,B", help="with --report: print the op/kernel diff of A minus B"
     )
+    p.add_argument(
+        "--compare",
+        type=Path,
+        nargs="+",
+        metavar="DIR",
+        help="print the savings of several sweeps of one setup side by side, with their median",
+    )
     return p.parse_known_args(argv)
 
 
@@ -170,19 +179,17 @@ def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
     out_existed = default_out = False
     try:
         if args.report is not None:
-            defaults = vars(parse_args([])[0])
-            others = [
-                f"--{key.replace('_', '-')}"
-                for key, value in vars(args).items()
-                if key not in ("report", "diff") and value != defaults[key]
-            ]
-            if others or overrides:
-                raise ConfigError(
-                    f"--report re-renders the sweep in {args.report} as it was measured and takes "
-                    f"only --diff, not {' '.join(others + overrides)}; other settings need a new "
-                    f"sweep"
-                )
+            _alone(
+                args,
+                overrides,
+                "--report",
+                ("report", "diff"),
+                "re-renders a sweep as it was measured and takes only --diff",
+            )
             return _rerender(args)
+        if args.compare is not None:
+            _alone(args, overrides, "--compare", ("compare",), "reads finished sweeps")
+            return _compare(args.compare)
         config = load_config(args.config, overrides)
         default_out = args.out is None
         args.out = args.out or _default_out(args.config)
@@ -296,10 +303,27 @@ def _default_out(config_path: Path, now: dt.datetime | None = None) -> Path:
     return out
 
 
-def _rerender(args: argparse.Namespace) -> int:
-    path = args.report / "results.json"
+def _alone(
+    args: argparse.Namespace, overrides: list[str], flag: str, takes: tuple[str, ...], does: str
+) -> None:
+    """Refuses the options a mode that reads existing sweeps would ignore."""
+    defaults = vars(parse_args([])[0])
+    others = [
+        f"--{key.replace('_', '-')}"
+        for key, value in vars(args).items()
+        if key not in takes and value != defaults[key]
+    ]
+    if others or overrides:
+        raise ConfigError(
+            f"{flag} {does}, not {' '.join(others + overrides)}; other settings need a new sweep"
+        )
+
+
+def _load_results(folder: Path, flag: str) -> dict:
+    """A sweep's results.json, or an error naming the folder and what is wrong with it."""
+    path = folder / "results.json"
     if not path.is_file():
-        raise ConfigError(f"--report {args.report}: no results.json there")
+        raise ConfigError(f"{flag} {folder}: no results.json there")
     try:
         results = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -310,6 +334,35 @@ def _rerender(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"{path} has no rows: no cell was measured, so there is nothing to report"
         )
+    return results
+
+
+def _compare(folders: list[Path]) -> int:
+    if len(folders) < 2:
+        raise ConfigError("--compare: give two sweep folders or more")
+    sweeps = [(folder, _load_results(folder, "--compare")) for folder in folders]
+    seen: dict[tuple, Path] = {}
+    for folder, results in sweeps:
+        key = (results["meta"].get("started_at"), results["meta"].get("out"))
+        if key in seen:
+            raise ConfigError(f"--compare: {folder} and {seen[key]} hold the same sweep")
+        seen[key] = folder
+    try:
+        differ = comparable(sweeps)
+        text = None if differ else compare_text(sweeps)
+    except (KeyError, TypeError, AttributeError, ValueError) as e:  # parsed, but hand-edited
+        raise ConfigError(
+            f"--compare: a results.json is damaged ({type(e).__name__}: {e})"
+        ) from None
+    if differ:
+        raise ConfigError(f"--compare: {differ}")
+    print(text, end="")
+    return 0
+
+
+def _rerender(args: argparse.Namespace) -> int:
+    path = args.report / "results.json"
+    results = _load_results(args.report, "--report")
     if args.diff is not None:
         labels = _csv_list(args.diff, str, "--diff")
         if len(labels) != 2:

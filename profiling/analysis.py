@@ -172,6 +172,20 @@ def savings(
     return out
 
 
+def measured_saving(
+    rows: list[dict[str, Any]], name: str, reference: str
+) -> tuple[int, float, float] | None:
+    """(n_layer, the reference's median step less this label's, the reference's) at the
+    deepest depth both measured; None where they have none in common. No fit: what was timed."""
+    points = _points(rows)
+    ours, theirs = points[name]["step_ms"], points[reference]["step_ms"]
+    common = ours.keys() & theirs.keys()
+    if not common:
+        return None
+    n = max(common)
+    return n, theirs[n] - ours[n], theirs[n]
+
+
 def _op_series(
     rows: list[dict[str, Any]], name: str, kind: str, key_of: Callable[[str], str]
 ) -> tuple[set[int], dict[tuple[str, str], dict[int, float]]]:

@@ -16,6 +16,7 @@ from profiling.analysis import (
     kernel_label,
     label,
     labels,
+    measured_saving,
     ok_rows,
     op_diff,
     savings,
@@ -163,7 +164,7 @@ def headline_table(results: dict[str, Any]) -> list[str]:
         )
         s = saved.get(name)
         cells.append(_pm(s["per_layer"], s["per_layer_se"], "+.2f", " ms") if s else "–")
-        cells.append(_measured_saving(by, name, reference_of[name], layers))
+        cells.append(_measured_saving(rows, name, reference_of[name], layers[-1]))
         last = by.get((name, layers[-1]))
         cells.append(
             _fmt(last["mfu"] * 100 if last and last["mfu"] else None, ".1f")
@@ -194,21 +195,17 @@ def headline_table(results: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _measured_saving(
-    by: dict[tuple[str, int], dict[str, Any]], name: str, reference: str, layers: list[int]
-) -> str:
-    """The reference's median step less this label's, in ms and % of the reference's, at the
-    deepest depth both measured (named where it is not the sweep's deepest)."""
+def _measured_saving(rows: list[dict[str, Any]], name: str, reference: str, deepest: int) -> str:
+    """measured_saving's figure, in ms and % of the reference's step (the depth named where it
+    is not the sweep's deepest)."""
     if name == reference:
         return "–"
-    for n in reversed(layers):
-        ours, theirs = by.get((name, n)), by.get((reference, n))
-        if ours and theirs and ours["step_ms"] and theirs["step_ms"]:
-            ref = theirs["step_ms"]["median"]
-            saving = ref - ours["step_ms"]["median"]
-            where = "" if n == layers[-1] else f" @L{n}"
-            return f"{saving:+.1f} ms ({100 * saving / ref:+.0f}%){where}"
-    return "–"
+    found = measured_saving(rows, name, reference)
+    if found is None:
+        return "–"
+    n, saving, ref = found
+    where = "" if n == deepest else f" @L{n}"
+    return f"{saving:+.1f} ms ({100 * saving / ref:+.0f}%){where}"
 
 
 def _fewer_depths(

@@ -960,6 +960,50 @@ def test_report_rerender_and_diff(naive_vs_inplace: dict, capsys: pytest.Capture
     assert "only --diff, not --variants --model.n_embd=64" in err
 
 
+def test_compare_reads_the_savings_of_several_sweeps(
+    naive_vs_inplace: dict, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Four sweeps whose inplace saves 1, 2, 3 and 4 ms a layer: each column, then the median,
+    numpy's quartiles and the range across them; a setup that differs is refused by name."""
+    folders = []
+    for i, per_layer in enumerate([1.0, 4.0, 2.0, 3.0]):
+        results = copy.deepcopy(naive_vs_inplace)
+        results["meta"]["started_at"] = f"2026-11-30T1{i}:00:00+00:00"
+        for r in results["rows"]:
+            cost = {"naive": 10.0, "inplace": 10.0 - per_layer}.get(r["variant"], 9.0)
+            r["step_ms"]["median"] = 5.0 + cost * r["n_layer"] + (0.1 if r["n_layer"] == 2 else 0)
+        folders.append(tmp_path / f"s{i}")
+        folders[-1].mkdir()
+        (folders[-1] / "results.json").write_text(json.dumps(results))
+    assert profile_train.main(["--compare", *map(str, folders)]) == 0
+    printed = capsys.readouterr().out
+    fitted, measured = printed.split("## ")[1:]
+    inplace = next(line for line in fitted.splitlines() if line.startswith("| inplace |"))
+    cells = [c.strip() for c in inplace.strip("|").split("|")]
+    assert [c.split(" ± ")[0] for c in cells[1:5]] == ["+1.00", "+4.00", "+2.00", "+3.00"]
+    assert all(" ± " in c for c in cells[1:5])  # three depths: each fit has its error
+    assert cells[5:] == ["+2.50", "+1.75, +3.25", "+1.00 to +4.00"]
+    assert np.percentile([1, 2, 3, 4], [25, 75]).tolist() == [1.75, 3.25]
+    assert "n_layer=3, measured" in measured
+    assert "| inplace | +3.00 | +12.00 | +6.00 | +9.00 | +7.50 |" in measured
+    assert "| naive |" not in printed  # the reference saves nothing against itself
+    assert "2026-11-30 10:00 UTC" in printed
+
+    results["meta"]["config"]["model"]["n_embd"] *= 2
+    (folders[-1] / "results.json").write_text(json.dumps(results))
+    assert profile_train.main(["--compare", *map(str, folders)]) == 2
+    err = capsys.readouterr().err
+    assert "differ in model" in err and str(folders[-1]) in err
+    for refused in (
+        [str(folders[0])],  # one sweep has no spread
+        [str(folders[0]), str(folders[0])],  # the same sweep twice
+        [str(folders[0]), str(tmp_path)],  # no results.json
+        [str(folders[0]), str(folders[1]), "--steps", "5"],  # a setting for a new sweep
+    ):
+        assert profile_train.main(["--compare", *refused]) == 2, refused
+        assert "--compare" in capsys.readouterr().err
+
+
 def test_tf32_off_cuda_is_refused_before_anything_is_written(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

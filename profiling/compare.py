@@ -1,0 +1,130 @@
+"""Several sweeps of one setup side by side: each label's saving in each, and their median.
+
+One sweep's standard errors say how well its lines fit; they do not say what the machine does
+between sweeps (a shared host's slow periods last minutes, longer than a sweep). Rerunning the
+same sweep and reading the savings across the runs does.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import statistics
+from pathlib import Path
+from typing import Any
+
+from profiling.analysis import baselines, labels, measured_saving, savings
+
+# What must be the same for savings to be one quantity, from each sweep's results.json; the
+# sweep's own knobs (steps, warm-up, commit) may differ, and each sweep's is shown.
+SAME = {
+    "device": lambda r: r["meta"]["device_name"],
+    "threads": lambda r: r["meta"].get("torch_threads"),
+    "torch": lambda r: r["meta"]["torch_version"],
+    "dtype": lambda r: r["meta"]["dtype"],
+    "linears": lambda r: r["meta"].get("linear"),
+    "model": lambda r: {
+        k: v for k, v in r["meta"]["config"]["model"].items() if k not in ("n_layer", "attention")
+    },
+    "batch_size": lambda r: r["meta"]["config"]["train"]["batch_size"],
+    "n_layer": lambda r: _layers(r),
+}
+
+
+def comparable(sweeps: list[tuple[Path, dict[str, Any]]]) -> str | None:
+    """None if the sweeps measured the same setup at the same depths; otherwise what differs,
+    with each sweep's value."""
+    for what, of in SAME.items():
+        values = [of(results) for _, results in sweeps]
+        if any(v != values[0] for v in values):
+            shown = "; ".join(f"{path}: {v}" for (path, _), v in zip(sweeps, values, strict=True))
+            return f"the sweeps differ in {what} ({shown}): their savings are not one quantity"
+    return None
+
+
+def _layers(results: dict[str, Any]) -> list[int]:
+    return sorted({r["n_layer"] for r in results["rows"]})
+
+
+def compare_text(sweeps: list[tuple[Path, dict[str, Any]]]) -> str:
+    """Markdown: per label, the fitted per-layer saving (± se) and the saving measured at the
+    deepest depth in each sweep, then their median, quartiles (from four sweeps) and range."""
+    layers = _layers(sweeps[0][1])
+    names = list(dict.fromkeys(n for _, results in sweeps for n in labels(results["rows"])))
+    fitted = [savings(results["rows"]) for _, results in sweeps]
+    measured = [_measured(results["rows"], layers[-1]) for _, results in sweeps]
+    meta = sweeps[0][1]["meta"]
+    lines = [
+        f"# {len(sweeps)} sweeps of one setup",
+        "",
+        f"{meta['device_name']}, {meta.get('torch_threads', '?')} threads, torch "
+        f"{meta['torch_version']}, {meta['dtype']}, n_layer {','.join(map(str, layers))}.",
+        "",
+    ]
+    for i, (path, results) in enumerate(sweeps, 1):
+        m = results["meta"]
+        lines.append(f"{i}. `{path}`: {_started(m)}, commit {m.get('commit') or 'unknown'}")
+    head = [str(i) for i in range(1, len(sweeps) + 1)] + ["median", "quartiles", "range"]
+    for title, table, se in (
+        ("Saving per layer against naive, fitted (ms/layer ± se)", fitted, True),
+        (f"Saving at n_layer={layers[-1]}, measured (ms)", measured, False),
+    ):
+        lines += ["", f"## {title}", "", "| variant | " + " | ".join(head) + " |"]
+        lines.append("|" + "---|" * (len(head) + 1))
+        for name in names:
+            values = [_value(by_label.get(name)) for by_label in table]
+            if all(v is None for v in values):
+                continue
+            cells = [_cell(by_label.get(name), se) for by_label in table]
+            lines.append(f"| {name} | " + " | ".join(cells + _spread(values)) + " |")
+    lines += [
+        "",
+        "Each sweep's ± is its fit's standard error; the median, quartiles (from four sweeps; "
+        "numpy's default interpolation) and range are across the sweeps, and say what the "
+        "machine did between them. A label missing from a sweep, or failed in it, is left out "
+        "of that sweep's column (–).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _measured(rows: list[dict[str, Any]], deepest: int) -> dict[str, dict[str, Any]]:
+    """Each label's saving against its reference measured at the deepest depth, where both
+    measured there (in the shape of a fitted saving, with no error)."""
+    reference_of = baselines(rows)
+    out = {}
+    for name in labels(rows):
+        found = measured_saving(rows, name, reference_of[name])
+        if name != reference_of[name] and found is not None and found[0] == deepest:
+            out[name] = {"per_layer": found[1], "per_layer_se": None}
+    return out
+
+
+def _value(s: dict[str, Any] | None) -> float | None:
+    return None if s is None else s["per_layer"]
+
+
+def _cell(s: dict[str, Any] | None, se: bool) -> str:
+    if s is None:
+        return "–"
+    if se and s["per_layer_se"] is not None:
+        return f"{s['per_layer']:+.2f} ± {s['per_layer_se']:.2f}"
+    return f"{s['per_layer']:+.2f}"
+
+
+def _spread(values: list[float | None]) -> list[str]:
+    """Median, quartiles (four values or more) and range of the values present."""
+    got = sorted(v for v in values if v is not None)
+    if len(got) < 2:
+        return ["–"] * 3
+    quartiles = "–"
+    if len(got) >= 4:
+        q1, _, q3 = statistics.quantiles(got, n=4, method="inclusive")
+        quartiles = f"{q1:+.2f}, {q3:+.2f}"
+    return [f"{statistics.median(got):+.2f}", quartiles, f"{got[0]:+.2f} to {got[-1]:+.2f}"]
+
+
+def _started(meta: dict[str, Any]) -> str:
+    started = meta.get("started_at")
+    if not started:
+        return "start unknown"
+    at = dt.datetime.fromisoformat(started).astimezone(dt.UTC)
+    return at.strftime("started %Y-%m-%d %H:%M UTC")
