@@ -210,18 +210,34 @@ class StopNow(KeyboardInterrupt):
         self.signum = signum
 
 
+# torchrun forwards a signal it gets to its workers at once; a signal sent to the whole job
+# (scancel, `pkill -f train.py`, a systemd stop) reaches each worker twice, this far apart at most.
+FORWARDED_WITHIN_S = 2.0
+
+
 class StopSignal(SignalScope):
     """While active, SIGINT/SIGTERM set a flag; the loop finishes its step, saves and exits.
-    A second signal does not wait: it raises StopNow, a KeyboardInterrupt (no save)."""
+    A second signal does not wait: it raises StopNow, a KeyboardInterrupt (no save).
 
-    def __init__(self) -> None:
+    Under torchrun (`torchrun=True`), the same signal again within FORWARDED_WITHIN_S of the
+    first is torchrun forwarding the one the job got, not a second request: it is ignored.
+    """
+
+    def __init__(self, torchrun: bool = False) -> None:
         super().__init__()
         self.received: str | None = None
+        self._first: tuple[int, float] | None = None  # signum, when
+        self._torchrun = torchrun
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.received is not None:  # a second signal: the step may hang; stop now
-            self.__exit__()
+        now = time.monotonic()
+        if self._first is not None:
+            first, at = self._first
+            if self._torchrun and signum == first and now - at < FORWARDED_WITHIN_S:
+                return  # the job's signal, forwarded by torchrun
+            self.__exit__()  # a second signal: the step may hang; stop now
             raise StopNow(signum)
+        self._first = signum, now
         self.received = signal.Signals(signum).name
 
 

@@ -586,7 +586,10 @@ def _train(
                 file=sys.stderr,
             )
 
-    with StopSignal() as stop, bar:  # the bar closes on errors too, before the message
+    with (
+        StopSignal(torchrun="TORCHELASTIC_RUN_ID" in os.environ) as stop,
+        bar,
+    ):  # the bar closes on errors too, before the message
         model.train()
         to_means = torch.tensor([1 / world_size, 1.0, 1 / world_size], device=device)
         unread: Pending | None = None  # the step before, until it is read

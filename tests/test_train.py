@@ -30,6 +30,7 @@ import torch
 
 import checkpoint
 import rundir
+import runtime
 import sample
 import train
 from config import TrainConfig, load_config
@@ -1367,6 +1368,33 @@ def test_a_second_sigterm_stops_at_once_with_sigterms_status(
     assert not (out / checkpoint.CHECKPOINT).exists()
 
 
+@pytest.mark.parametrize("torchrun", [False, True])
+def test_a_signal_torchrun_forwards_is_not_a_second_one(
+    torchrun: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A signal sent to a whole torchrun job reaches each rank directly and again from
+    torchrun a moment later: under torchrun that repeat still saves; a later one, or another
+    signal, stops at once."""
+    clock = [100.0]
+    monkeypatch.setattr(runtime.time, "monotonic", lambda: clock[0])
+    with runtime.StopSignal(torchrun=torchrun) as stop:
+        stop._handle(signal.SIGTERM, None)
+        clock[0] += 0.1
+        if not torchrun:
+            with pytest.raises(runtime.StopNow):
+                stop._handle(signal.SIGTERM, None)
+            return
+        stop._handle(signal.SIGTERM, None)  # forwarded: the same request
+        assert stop.received == "SIGTERM"
+        with pytest.raises(runtime.StopNow):
+            stop._handle(signal.SIGINT, None)  # another signal is a second request
+    with runtime.StopSignal(torchrun=True) as stop:
+        stop._handle(signal.SIGTERM, None)
+        clock[0] += runtime.FORWARDED_WITHIN_S
+        with pytest.raises(runtime.StopNow):
+            stop._handle(signal.SIGTERM, None)  # too late to be torchrun's
+
+
 def test_train_restores_the_signal_handlers(data_root: Path, tmp_path: Path) -> None:
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     overrides = ["--train.max_steps=1", "--train.eval_interval=0", "--train.eval_batches=1"]
@@ -1632,9 +1660,14 @@ def rank_pids(launcher: int) -> dict[int, int]:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the ranks in /proc")
-def test_sigterm_to_one_rank_stops_both_after_rank_0_saved(data_root: Path, tmp_path: Path) -> None:
-    """Rank 1 alone is signalled (rank 0 is the one that saves): both ranks stop at the same
-    step, rank 0 saves, and both exit with SIGTERM's status, which torchrun reports."""
+@pytest.mark.parametrize("whole_job", [False, True])
+def test_sigterm_to_one_rank_stops_both_after_rank_0_saved(
+    whole_job: bool, data_root: Path, tmp_path: Path
+) -> None:
+    """Rank 1 alone is signalled (rank 0 is the one that saves), or every process of the job
+    is, as a scheduler stops a job (rank 0 then gets it twice: torchrun forwards its own): both
+    ranks stop at the same step, rank 0 saves, and both exit with SIGTERM's status, which
+    torchrun reports when it was not signalled itself."""
     out = tmp_path / "ddp"
     overrides = ["--train.max_steps=100000", "--train.eval_interval=0", "--train.eval_batches=1"]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
@@ -1654,7 +1687,9 @@ def test_sigterm_to_one_rank_stops_both_after_rank_0_saved(data_root: Path, tmp_
             assert proc.poll() is None, proc.communicate()[0][-6000:]
             assert time.monotonic() < deadline, "no step logged within 90 s"
             time.sleep(0.05)
-        os.kill(rank_pids(proc.pid)[1], signal.SIGTERM)
+        ranks = rank_pids(proc.pid)
+        for pid in [proc.pid, *ranks.values()] if whole_job else [ranks[1]]:
+            os.kill(pid, signal.SIGTERM)
         log = proc.communicate(timeout=90)[0]
     finally:
         if proc.poll() is None:
@@ -1662,7 +1697,9 @@ def test_sigterm_to_one_rank_stops_both_after_rank_0_saved(data_root: Path, tmp_
             proc.wait()
     assert proc.returncode != 0, "torchrun reports a stopped run as not finished"
     assert "stopped by SIGTERM" in log, log[-6000:]
-    assert log.count("exitcode  : 143") == 2, log[-6000:]  # torchrun's report, per rank
+    assert "interrupted: stopped without saving" not in log, log[-6000:]
+    if not whole_job:  # signalled itself, torchrun stops with its own error instead
+        assert log.count("exitcode  : 143") == 2, log[-6000:]  # torchrun's report, per rank
     stopped_at = load_ckpt(out)["step"]
     assert stopped_at >= 1
     assert train_lines(out)[-1]["step"] == stopped_at
