@@ -450,9 +450,21 @@ def _train(
         ranks_note += f", {grad_accum} micro-batches of {tc.batch_size} sequences" + (
             " per rank" * (world_size > 1)
         )
+
+    def write_config(text: bytes) -> None:
+        nonlocal config_text
+        write_atomically(saved, lambda f: f.write(text))
+        config_text = None
+
+    # config.toml is the config of the run's checkpoint: a new run's is written now; on
+    # resume, one with other settings replaces it only with the first checkpoint they make,
+    # so a resume that fails before (a NaN from a bad override) leaves the run as it was.
+    config_text: bytes | None = dump_toml(config).encode("utf-8")
+    if master and not resumed:
+        write_config(config_text)
+    elif saved.is_file() and saved.read_bytes() == config_text:
+        config_text = None  # resumed as it was
     if master:  # the directory was made and locked by lock_run_dir
-        text = dump_toml(config)
-        write_atomically(out_dir / "config.toml", lambda f: f.write(text.encode("utf-8")))
         start_metrics(out_dir / "metrics.jsonl", step if resumed else None)
         shutil.copyfile(data_dir / "tokenizer.json", out_dir / "tokenizer.json")
         if resumed:
@@ -536,6 +548,8 @@ def _train(
                 "val_loss": val_loss,
                 "written_by": written_by,
             }
+            if config_text is not None:  # a resume's new settings, from now on the run's
+                write_config(config_text)
             save_checkpoint(ckpt_path, state)
             bar.write(
                 f"step {step}: val loss {val_loss:.4f}, {val_loss * bpb_factor:.3f} bits/byte "

@@ -644,6 +644,25 @@ def test_resume_with_other_optimizer_settings_uses_them(
     assert load_config(out / "config.toml").train.weight_decay == 0.5
 
 
+def test_a_resume_that_fails_before_saving_leaves_config_toml_as_it_was(
+    base_run: Path, data_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """config.toml is what a plain --resume goes on with: a resume's overrides replace it with
+    the first checkpoint made under them, not before (a NaN from a bad override would have
+    left the run resuming into it)."""
+    out = copy_run(base_run, tmp_path / "run")
+    before = (out / "config.toml").read_bytes()
+    misbehave_at(monkeypatch, 2, loss=math.nan)
+    argv = [f"--train.max_steps={STEPS + 4}", "--train.lr=0.5", "--resume"]
+    assert run(data_root, out, *argv) == 2
+    assert (out / "config.toml").read_bytes() == before
+    assert load_ckpt(out)["step"] == STEPS
+    monkeypatch.undo()
+    assert run(data_root, out, *argv) == 0
+    assert load_config(out / "config.toml").train.lr == 0.5
+    assert load_ckpt(out)["config"]["train"]["lr"] == 0.5
+
+
 def test_resume_with_another_tokenizer_is_an_error(
     base_run: Path, data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
