@@ -187,7 +187,8 @@ def run_config(out: Path, config_file: Path | None, overrides: list[str], resume
         return load_config(config_file, overrides)
     recorded = _recorded_config(out / CHECKPOINT)  # None: no readable run here; open_run says
     if not saved.is_file():
-        if recorded is None:
+        if recorded is None:  # no run here (a mistyped --out): say so before the corpus would
+            load_checkpoint(out / CHECKPOINT)  # raises the worded error, or reads one after all
             return load_config(config_file, overrides)
         if int(os.environ.get("RANK", 0)) == 0:
             print(

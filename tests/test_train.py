@@ -571,6 +571,12 @@ def test_resume_without_checkpoint_is_an_error(
 ) -> None:
     assert run(data_root, tmp_path / "fresh", "--resume") == 2
     assert str(tmp_path / "fresh" / checkpoint.CHECKPOINT) in capsys.readouterr().err
+    # No run there, and no corpus either: the error is the run's, not "prepare a corpus".
+    argv = ["--out", str(tmp_path / "typo"), "--resume", f"--data.root={tmp_path / 'none'}"]
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"no checkpoint at {tmp_path / 'typo' / checkpoint.CHECKPOINT}" in err, err
+    assert not (tmp_path / "typo").exists()
 
 
 def test_resume_with_another_model_config_names_the_field(
@@ -1076,6 +1082,7 @@ def test_step_time_excludes_evaluation(data_root: Path, tmp_path: Path) -> None:
         ("train.bin deleted", "train.bin is missing"),
         ("meta.json cut short", "meta.json is damaged (JSONDecodeError"),
         ("meta.json without splits", "meta.json is damaged (KeyError"),
+        ("tokenizer.json deleted", "has no tokenizer.json"),
     ],
 )
 def test_a_damaged_corpus_is_an_error_naming_the_file(
@@ -1091,6 +1098,8 @@ def test_a_damaged_corpus_is_an_error_naming_the_file(
             (corpus / "val.bin").write_bytes(b"")
         case "train.bin deleted":
             (corpus / "train.bin").unlink()
+        case "tokenizer.json deleted":
+            (corpus / "tokenizer.json").unlink()
         case "meta.json cut short":
             meta.write_text(meta.read_text()[:40])
         case "meta.json without splits":
