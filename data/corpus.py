@@ -116,7 +116,7 @@ def files_corpus(patterns: Sequence[str], encoding_errors: str, max_bytes: int |
     corpus = _read_local(paths, root, skip_bad=False, replace_bad=replace, max_bytes=max_bytes)
     corpus.source = {
         "kind": "files",
-        "patterns": list(patterns),
+        "patterns": [os.path.abspath(p) for p in patterns],  # a rebuild runs from anywhere
         "root": str(root),
         **corpus.source,
     }
@@ -233,7 +233,8 @@ def hub_corpus(
     documents = rows.select(keep)
     if text_column != "text":
         documents = documents.rename_column(text_column, "text")
-    source = {"kind": "hub", "dataset": dataset, "config": config, "split": split}
+    where = os.path.abspath(dataset) if Path(dataset).exists() else dataset  # a local folder
+    source = {"kind": "hub", "dataset": where, "config": config, "split": split}
     source |= {"text_column": text_column, "rows": len(rows)}
     return Corpus(source=source, digest=content.hexdigest(), skipped=skipped, documents=documents)
 

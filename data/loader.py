@@ -38,6 +38,11 @@ def load_meta(root: str | Path, name: str, vocab_size: int | None = None) -> dic
         ) from None
     if not all(isinstance(n, int) and n >= 0 for n in counts):
         raise DataError(f"{path} is damaged (counts {counts}); {_redo(path.parent)}")
+    if not (path.parent / "tokenizer.json").is_file():
+        raise DataError(
+            f"{path.parent}/ has no tokenizer.json (a corpus folder copied in part?): copy it "
+            f"whole, or {_redo(path.parent)}"
+        )
     return meta
 
 
@@ -74,7 +79,7 @@ def _rebuild_command(corpus: Path, source: dict[str, Any], settings: dict[str, A
     elif kind == "files":
         args = ["--files", *source["patterns"]]
     else:
-        args = ["--hub", settings["hub"]]
+        args = ["--hub", source.get("dataset", settings["hub"])]
         if settings["hub_config"] is not None:
             args += ["--hub-config", settings["hub_config"]]
         args += ["--split", settings["split"], "--text-column", settings["text_column"]]

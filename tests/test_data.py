@@ -3,6 +3,7 @@
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -10,10 +11,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from tokenizers import Tokenizer
 
 from data import corpus as corpus_module
 from data import prepare as prepare_module
+from data.loader import DataError, TokenBatches
 from data.prepare import EOT, EOT_ID, PrepareError, _content_key, prepare, split_documents
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,6 +94,20 @@ def test_files_glob_writes_uint16_tokens_split_by_document(corpus: Path, tmp_pat
     for word in WORDS:
         in_train = texts[word] in decoded["train"]
         assert (tokenizer.token_to_id("Ġ" + word) is not None) == in_train, word
+
+
+def test_a_corpus_records_where_its_documents_are_from_anywhere(
+    corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Relative --files patterns are recorded absolute: the rebuild command a damaged corpus's
+    error gives is run from the project root, not from where prepare ran."""
+    monkeypatch.chdir(corpus)
+    out = prepare("tiny", files=["*.txt"], vocab_size=VOCAB, out_root=tmp_path)
+    assert _meta(out)["source"]["patterns"] == [str(corpus / "*.txt")]
+    monkeypatch.chdir(tmp_path)
+    (out / "val.bin").write_bytes(b"")
+    with pytest.raises(DataError, match=re.escape(f"--files '{corpus / '*.txt'}' ")):
+        TokenBatches(out / "val.bin", 8, 2, 0, torch.device("cpu"))
 
 
 def test_rerun_reuses_and_changes_rebuild(
