@@ -58,7 +58,7 @@ class TrainConfig:
     beta2: float = 0.95  # below 0.999: adapts faster, steadier for small transformers
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     eval_interval: int = 100  # steps between evaluations (and checkpoints); 0: only at the end
-    eval_batches: int = 20  # batches of val averaged per evaluation; the same batches each time
+    eval_batches: int = 20  # steps' worth of val batches per evaluation; the same ones each time
     log_interval: int = 10  # steps between metrics.jsonl lines
     # One device's peak TFLOP/s in the run's dtype, from its datasheet (e.g. 989 for an H100's
     # dense bf16); 0: none. metrics.jsonl logs the job's achieved TFLOP/s, and MFU against this

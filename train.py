@@ -177,7 +177,9 @@ def train_step(
 def evaluate(
     model: torch.nn.Module, batches: TokenBatches, n_batches: int, amp_dtype: torch.dtype | None
 ) -> float:
-    """Mean loss over the same n_batches windows every time (the generator is reset)."""
+    """Mean loss over the same n_batches micro-batches every time (the generator is reset),
+    over all ranks: train.py asks for eval_batches steps' worth (x grad_accum), so a config
+    with global_batch_size evaluates the same windows on any number of ranks."""
     model.eval()
     batches.restart()
     device = batches.device
@@ -519,14 +521,14 @@ def _train(
         return TrainError(f"{what}; stopped without saving a checkpoint ({last})")
 
     def eval_and_save() -> None:
-        val_loss = evaluate(model, batches["val"], tc.eval_batches, amp_dtype)
+        val_loss = evaluate(model, batches["val"], tc.eval_batches * grad_accum, amp_dtype)
         if not math.isfinite(val_loss):  # the same on every rank: evaluate all-reduces it
             # Weights a step made non-finite while its own loss, computed before the update,
             # was finite (without clipping no norm shows it): never over the last good save.
             raise stopped_unsaved(
                 f"val loss is {val_loss} at step {step}: the weights are not finite"
             )
-        train_loss = evaluate(model, batches["train_eval"], tc.eval_batches, amp_dtype)
+        train_loss = evaluate(model, batches["train_eval"], tc.eval_batches * grad_accum, amp_dtype)
         rngs = rng_states(device, world_size)
         if master:
             logs.write(

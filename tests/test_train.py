@@ -1663,6 +1663,10 @@ def test_two_ranks_match_one_process_taking_the_same_rows(
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)  # reduced, not summed
         assert a["tokens_per_s"] > 0
         assert a["mfu"] == pytest.approx(a["tflops"] / 2)  # the job's rate over 2 devices' peak
+    # Evaluation reads a step's worth of windows per eval batch: the same ones either way.
+    for a, b in zip(eval_lines(ddp), eval_lines(single), strict=True):
+        assert a["val_loss"] == pytest.approx(b["val_loss"], abs=1e-5)
+        assert a["train_loss"] == pytest.approx(b["train_loss"], abs=1e-5)
     a, b = load_ckpt(ddp), load_ckpt(single)
     assert a["step"] == b["step"] == 3
     # Each rank seeds with seed + rank (its own dropout masks), and both states are kept.
