@@ -258,20 +258,18 @@ def _import_datasets() -> Any:
 
 
 def load_text_files(paths: list[Path], encoding_errors: str, cache_dir: Path) -> Dataset:
-    """One row per file, column "text" (the `text` builder with whole-file documents)."""
+    """One row per file, column "text": the file's bytes decoded as open() reads text
+    (universal newlines), streamed to an Arrow file in cache_dir. Not the `text` builder:
+    it decompresses what looks compressed (.gz, .zip, or by content), so the documents would
+    not be the bytes that were checked and hashed."""
     datasets = _import_datasets()
-    rows = datasets.load_dataset(
-        "text",
-        # `datasets` expands globs again; escaping keeps names like "a[1].txt" literal.
-        data_files=[glob.escape(str(path)) for path in paths],
-        sample_by="document",
-        encoding_errors=None if encoding_errors == "strict" else encoding_errors,
-        split="train",
-        cache_dir=str(cache_dir),
-    )
-    if len(rows) != len(paths):
-        raise PrepareError(f"`datasets` loaded {len(rows)} documents from {len(paths)} files")
-    return rows
+
+    def rows() -> Iterator[dict[str, str]]:
+        for path in paths:
+            yield {"text": path.read_text(encoding="utf-8", errors=encoding_errors)}
+
+    features = datasets.Features({"text": datasets.Value("string")})
+    return datasets.Dataset.from_generator(rows, features=features, cache_dir=str(cache_dir))
 
 
 def _load_hub(

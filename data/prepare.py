@@ -45,8 +45,9 @@ Decisions, so that a reader need not reverse-engineer them:
   undecodable bytes. Hub documents that are empty or None are skipped and counted.
 * `--max-bytes N` keeps the longest prefix of whole documents, in input order, that fits in
   N bytes (raw file bytes for --files/--stdlib, UTF-8 bytes for --hub).
-* meta.json bytes are the UTF-8 bytes of the documents as tokenized. The `text` builder
-  reads files with universal newlines, so "\\r\\n" and a lone "\\r" both become one "\\n".
+* meta.json bytes are the UTF-8 bytes of the documents as tokenized. Files are read as
+  text with universal newlines, so "\\r\\n" and a lone "\\r" both become one "\\n"; a
+  compressed file is its own bytes (not unpacked: those are what was checked and hashed).
   Tokens include one <|endoftext|> per document, bytes include nothing for it.
 * Reuse: content_sha256 covers the settings (with the output format and `tokenizers`
   versions) and the inputs (--files/--stdlib: relative names and raw bytes; --hub: the text of

@@ -1,5 +1,6 @@
 """data/prepare.py on tiny corpora written into tmp_path: outputs, reuse, sources, bad input."""
 
+import gzip
 import hashlib
 import json
 import os
@@ -368,6 +369,27 @@ def test_non_utf8_file_fails_by_default_and_replace_counts(tmp_path: Path) -> No
         meta = _meta(out)
         assert meta["skipped"]["over_max_bytes"] == 1
         assert meta["replaced_invalid_utf8_bytes"] == 0
+
+
+def test_a_compressed_file_is_its_bytes_not_what_it_unpacks_to(tmp_path: Path) -> None:
+    """The documents are the bytes that were checked, counted and hashed: `datasets`' text
+    builder would unpack a gzip file (by name or by content) and tokenize other text."""
+    packed = gzip.compress(b"hidden text inside gzip\n", mtime=0)
+    folder = _write(
+        tmp_path / "corpus",
+        {"a.txt": _document("fjord"), "b.txt.gz": packed, "c.txt": packed},
+    )
+    out = prepare(
+        "packed",
+        files=[str(folder / "*")],
+        encoding_errors="replace",
+        vocab_size=300,
+        out_root=tmp_path,
+    )
+    documents = _decode_split(out, "train") + _decode_split(out, "val")
+    assert not any("hidden text" in d for d in documents)
+    assert documents.count(packed.decode("utf-8", errors="replace")) == 2
+    assert _meta(out)["replaced_invalid_utf8_bytes"] > 0
 
 
 @pytest.mark.parametrize(
