@@ -289,6 +289,9 @@ def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
         return 128 + (signal.SIGTERM if isinstance(stop, Terminated) else signal.SIGINT)
     print((args.out / "summary.txt").read_text(encoding="utf-8"))
     print(f"report: {args.out / 'report.md'}")
+    if not any(r["status"] == "ok" for r in sweep.rows):
+        print("error: no cell was measured; the reasons are above", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -309,7 +312,7 @@ def _alone(
     """Refuses the options a mode that reads existing sweeps would ignore."""
     defaults = vars(parse_args([])[0])
     others = [
-        f"--{key.replace('_', '-')}"
+        "--no-traces" if key == "traces" else f"--{key.replace('_', '-')}"  # its one negated flag
         for key, value in vars(args).items()
         if key not in takes and value != defaults[key]
     ]
@@ -377,6 +380,11 @@ def _rerender(args: argparse.Namespace) -> int:
         return 0
     try:
         write_results(args.report, results["meta"], results["rows"])
+    except OSError as e:
+        raise ConfigError(
+            f"--report {args.report}: cannot write the report there ({e.strerror}); "
+            "--diff reads only"
+        ) from None
     except (KeyError, TypeError, AttributeError, ValueError) as e:  # parsed, but hand-edited
         raise ConfigError(
             f"{path} is damaged ({type(e).__name__}: {e}); was it edited by hand?"

@@ -100,7 +100,8 @@ def compile_seconds(
     twin's excess where there is one. None where the twin's excess is the larger: each is a
     single first step, and the compile time (mostly tracing, from a warm cache) is within
     their noise: not 0."""
-    net = first_step_s - median_s - (eager_excess_s or 0.0)
+    # A twin's first step faster than its median is noise, not time to give back.
+    net = first_step_s - median_s - max(0.0, eager_excess_s or 0.0)
     return net if net > 0 else None
 
 

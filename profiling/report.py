@@ -242,6 +242,8 @@ def _interval_text(rows: list[dict[str, Any]]) -> str:
     whether some fits have fewer."""
     ok = [r for r in rows if r["status"] == "ok" and r.get("step_ms")]
     n = len({r["n_layer"] for r in ok})
+    if n == 0:
+        return "no cell measured, as here, fits no line"
     if n == 1:
         return "one depth, as here, fits no line"
     if n == 2:

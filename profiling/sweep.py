@@ -17,6 +17,7 @@ import os
 import platform
 import shlex
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -245,6 +246,10 @@ class Sweep:
             ) from None
         except OSError as e:  # a file on the path, a dangling link, no permission
             raise ConfigError(f"--out {self.out}: cannot make the folder ({e.strerror})") from None
+        try:  # an empty folder that exists may still be read-only: know before measuring
+            tempfile.TemporaryFile(dir=self.out).close()
+        except OSError as e:
+            raise ConfigError(f"--out {self.out}: cannot write there ({e.strerror})") from None
         self.other_load = OtherLoad()
         print(
             f"measuring the {self.dtype_name} matmul peak of {self.meta['device_name']} ...",

@@ -6,6 +6,7 @@ import copy
 import csv
 import dataclasses
 import datetime as dt
+import errno
 import itertools
 import json
 import math
@@ -19,6 +20,7 @@ import time
 import weakref
 from collections import Counter
 from pathlib import Path
+from unittest.mock import Mock
 
 import numpy as np
 import pytest
@@ -182,7 +184,7 @@ def test_backend_mismatch_fails_the_cell(tmp_path: Path, monkeypatch: pytest.Mon
     )
     monkeypatch.setitem(attention.VARIANTS, "sdpa-flash", liar)
     rc, results = sweep(tmp_path, "--variants", "sdpa-flash", "--layers", "1")
-    assert rc == 0
+    assert rc == 1  # its only cell failed
     [row] = results["rows"]
     assert row["status"] == "failed"
     assert (
@@ -345,6 +347,8 @@ def test_compile_time_keeps_an_eager_first_steps_own_compile() -> None:
     assert compile_seconds(2.5, 0.1, 0.3) == pytest.approx(2.1)
     assert compile_seconds(2.0, 0.1, None) == pytest.approx(1.9)  # flex: nothing to take off
     assert compile_seconds(0.35, 0.1, 0.3) is None
+    # A twin whose first step beat its median (noise) adds nothing to the compile time.
+    assert compile_seconds(0.7, 0.1, -0.16) == pytest.approx(0.6)
 
 
 @pytest.mark.slow
@@ -445,6 +449,45 @@ def test_the_progress_bar_moves_with_the_steps_and_ends_whole(
     assert rc == 0
     assert seen == sorted(seen) and seen[-1] == 4  # 2 variants x 2 depths; one unsupported
     assert any(0 < n < 1 for n in seen)  # moving before the first cell is recorded
+
+
+def test_a_sweep_that_measured_nothing_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """Every cell failed: the report says no cell measured (not a negative degrees of freedom)
+    and the command exits non-zero, for `make profile && ...`."""
+
+    def broken(q, k, v, mask, dropout_p):
+        if q.size(0) > 1:
+            raise RuntimeError("kernel exploded")
+        return attention.naive(q, k, v, mask, dropout_p)
+
+    monkeypatch.setitem(attention.VARIANTS, "naive", attention.Variant("naive", broken, "x"))
+    rc, results = sweep(tmp_path, "--variants", "naive", "--layers", "1", "--steps", "1")
+    assert rc == 1
+    assert [r["status"] for r in results["rows"]] == ["failed"]
+    assert "no cell was measured" in capsys.readouterr().err
+    report = (tmp_path / "sweep" / "report.md").read_text()
+    assert "no cell measured, as here, fits no line" in report and "-2 with" not in report
+
+
+def test_an_out_folder_that_cannot_be_written_is_refused_before_measuring(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """An existing empty folder passes main's checks; a read-only one (a read-only mount, where
+    root's writes fail too) is refused before the peak is measured, not after a depth."""
+    import profiling.sweep
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(profiling.sweep.tempfile, "TemporaryFile", read_only)
+    out = tmp_path / "ro"
+    out.mkdir()
+    assert profile_train.main(["--variants", "naive", "--layers", "1", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out}: cannot write there (Read-only file system)" in err
+    assert "matmul peak" not in err
 
 
 def test_failing_cells_do_not_stop_the_sweep(
@@ -856,6 +899,7 @@ def test_compile_follows_the_config_unless_given(
         seen.append((compile_modes, self.config.train.compile, self.meta["compile"]))
         self.out.mkdir()
         (self.out / "summary.txt").write_text("")
+        self.rows.append({"status": "ok"})  # a cell measured: exit 0
 
     monkeypatch.setattr(profile_train.Sweep, "run", run)
     config = tmp_path / "compiled.toml"
@@ -940,7 +984,9 @@ def test_published_reports_are_what_the_report_code_writes(folder: Path, tmp_pat
         )
 
 
-def test_report_rerender_and_diff(naive_vs_inplace: dict, capsys: pytest.CaptureFixture) -> None:
+def test_report_rerender_and_diff(
+    naive_vs_inplace: dict, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     out = naive_vs_inplace["meta"]["out"]
     assert profile_train.main(["--report", out, "--diff", "inplace,naive"]) == 0
     printed = capsys.readouterr().out.splitlines()
@@ -958,6 +1004,14 @@ def test_report_rerender_and_diff(naive_vs_inplace: dict, capsys: pytest.Capture
     assert profile_train.main(["--report", out, "--variants", "inplace", "--model.n_embd=64"]) == 2
     err = capsys.readouterr().err
     assert "only --diff, not --variants --model.n_embd=64" in err
+    assert profile_train.main(["--report", out, "--no-traces"]) == 2
+    assert "not --no-traces" in capsys.readouterr().err  # the flag as typed, not its dest
+    # A folder the report cannot be written to: an error saying so, not a traceback.
+    monkeypatch.setattr(
+        profile_train, "write_results", Mock(side_effect=PermissionError(13, "Permission denied"))
+    )
+    assert profile_train.main(["--report", out]) == 2
+    assert "cannot write the report there (Permission denied)" in capsys.readouterr().err
 
 
 def test_compare_reads_the_savings_of_several_sweeps(
