@@ -231,10 +231,12 @@ def op_diff(
         delta = [sa.get(key, {}).get(n, 0.0) - sb.get(key, {}).get(n, 0.0) for n in common]
         if len(common) == 1:  # no line: the whole step's difference, per layer
             per_layer, entry = delta[0] / common[0], {"one_depth": common[0]}
+            shown = abs(delta[0]) >= threshold  # counts, exact: one more per step is one more
         else:  # fit_line reads an exact line's rounding as none
             fit = fit_line(common, delta)
             per_layer, entry = fit["slope"], {} if fit["r2"] == 1 else {"linear": False}
-        if abs(per_layer) >= threshold:
+            shown = abs(per_layer) >= threshold
+        if shown:
             diffs.append(
                 {"region": key[0], "name": key[1], "per_layer": round(per_layer, 2)} | entry
             )

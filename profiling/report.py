@@ -568,9 +568,15 @@ def _report_md(results: dict[str, Any]) -> str:
             "the line is pinned down there, not whether a layer's cost stays the same that far "
             "beyond the depths measured.",
             "",
-            "| variant | " + " | ".join(f"at {n} layers" for n in PROJECT_AT) + " |",
-            "|---|" + "---|" * len(PROJECT_AT),
-            *projected,
+            *(
+                [
+                    "| variant | " + " | ".join(f"at {n} layers" for n in PROJECT_AT) + " |",
+                    "|---|" + "---|" * len(PROJECT_AT),
+                    *projected,
+                ]
+                if projected
+                else ["(needs `naive` and another variant measured at two depths or more)"]
+            ),
             "",
             "## Every cell",
             "",

@@ -469,6 +469,7 @@ def test_a_sweep_that_measured_nothing_says_so(
     assert "no cell was measured" in capsys.readouterr().err
     report = (tmp_path / "sweep" / "report.md").read_text()
     assert "no cell measured, as here, fits no line" in report and "-2 with" not in report
+    assert "(needs `naive` and another variant measured at two depths or more)" in report
 
 
 def test_an_out_folder_that_cannot_be_written_is_refused_before_measuring(
@@ -1481,6 +1482,12 @@ def test_op_diff_when_one_variant_has_a_single_depth() -> None:
     assert "per layer per step" not in text
     full = describe_diff("sdpa", "naive", diffs, full=True)
     assert "one depth in common (n_layer=2)" in full
+    # At one depth the counts are exact: one op more per step is shown however deep the model
+    # (one outside the layers at n_layer=8 is 0.125 per layer, under the fits' threshold).
+    deep = [_ops_row("naive", 8, {"aten::alias": 1}), _ops_row("sdpa", 8, {})]
+    assert op_diff(deep, "sdpa", "naive") == [
+        {"region": "forward", "name": "aten::alias", "per_layer": -0.12, "one_depth": 8}
+    ]
 
 
 def test_op_diff_fits_both_labels_over_the_depths_both_measured() -> None:
