@@ -24,14 +24,18 @@ import functools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-AttentionFn = Callable[[Tensor, Tensor, Tensor, Any, float], Tensor]
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask  # imported where flex runs
+
+Mask: TypeAlias = "Tensor | BlockMask | None"  # the causal mask in the variant's own form
+AttentionFn = Callable[[Tensor, Tensor, Tensor, Mask, float], Tensor]
 
 
 def naive(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dropout_p: float) -> Tensor:
@@ -111,7 +115,7 @@ def _compiled_flex_attention(dynamic: bool) -> Callable[..., Tensor]:
 
 
 @functools.cache
-def causal_block_mask(T: int, device: torch.device):  # -> BlockMask
+def causal_block_mask(T: int, device: torch.device) -> BlockMask:
     """flex's causal mask for length T, built once per (T, device) and reused.
 
     Called by the model in eager code: inside a compiled region Dynamo would trace through
@@ -122,7 +126,7 @@ def causal_block_mask(T: int, device: torch.device):  # -> BlockMask
     return create_block_mask(_causal, B=None, H=None, Q_LEN=T, KV_LEN=T, device=device)
 
 
-def flex(q: Tensor, k: Tensor, v: Tensor, mask, dropout_p: float) -> Tensor:
+def flex(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask, dropout_p: float) -> Tensor:
     """flex_attention with the causal BlockMask in `mask`, compiled. No dropout: flex has none.
 
     Training (gradients on) gets a kernel specialised to its one shape. Without gradients
@@ -146,10 +150,10 @@ class Variant:
     summary: str
     backend: SDPBackend | None = None  # the SDPA backend it is pinned to, if any
     supports_dropout: bool = True
-    cuda_only: str | None = None  # why it cannot train off CUDA, if it cannot
+    cuda_only_reason: str | None = None  # why it cannot train off CUDA, if it cannot
     forward_off_cuda: bool = False  # its forward alone runs off CUDA all the same
     # Builds the variant's own mask for (T, device); None: the model's boolean causal mask.
-    make_mask: Callable[[int, torch.device], Any] | None = None
+    make_mask: Callable[[int, torch.device], Mask] | None = None
 
 
 VARIANTS: dict[str, Variant] = {
@@ -183,7 +187,7 @@ VARIANTS: dict[str, Variant] = {
             "SDPA pinned to the memory-efficient backend",
             backend=SDPBackend.EFFICIENT_ATTENTION,
             make_mask=no_mask,
-            cuda_only="the memory-efficient SDPA kernel exists only for CUDA",
+            cuda_only_reason="the memory-efficient SDPA kernel exists only for CUDA",
         ),
         Variant(
             "sdpa-cudnn",
@@ -191,14 +195,14 @@ VARIANTS: dict[str, Variant] = {
             "SDPA pinned to the cuDNN backend",
             backend=SDPBackend.CUDNN_ATTENTION,
             make_mask=no_mask,
-            cuda_only="the cuDNN SDPA kernel exists only for CUDA",
+            cuda_only_reason="the cuDNN SDPA kernel exists only for CUDA",
         ),
         Variant(
             "flex",
             flex,
             "flex_attention with a causal block mask, compiled",
             supports_dropout=False,
-            cuda_only="PyTorch has no flex_attention backward off CUDA; only its forward runs here",
+            cuda_only_reason="PyTorch has no flex_attention backward off CUDA; only its forward runs here",
             forward_off_cuda=True,
             make_mask=causal_block_mask,
         ),
@@ -236,8 +240,12 @@ def unavailable_reason(
     """
     variant = get_variant(name)
     device = torch.device(device)
-    if variant.cuda_only and device.type != "cuda" and (backward or not variant.forward_off_cuda):
-        return variant.cuda_only
+    if (
+        variant.cuda_only_reason
+        and device.type != "cuda"
+        and (backward or not variant.forward_off_cuda)
+    ):
+        return variant.cuda_only_reason
     if dropout_p > 0 and not variant.supports_dropout:
         return "it has no attention dropout"
     if device.type == "cuda" and not torch.cuda.is_available():

@@ -6,14 +6,13 @@ Shape legend: B batch, T sequence length, C n_embd, H n_head, D head size (C // 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from model.attention import get_variant
+from model.attention import Mask, get_variant
 from model.config import GPTConfig
 
 
@@ -27,7 +26,7 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
         self.attend = get_variant(config.attention).fn  # looked up once, here
 
-    def forward(self, x: Tensor, mask: Any) -> Tensor:
+    def forward(self, x: Tensor, mask: Mask) -> Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, H, T, D)
@@ -61,7 +60,7 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: Tensor, mask: Any) -> Tensor:
+    def forward(self, x: Tensor, mask: Mask) -> Tensor:
         x = x + self.attn(self.ln_1(x), mask)
         return x + self.mlp(self.ln_2(x))
 
@@ -115,7 +114,7 @@ class GPT(nn.Module):
         c = self.config
         return 6 * self.num_params() + 12 * c.n_layer * c.block_size * c.n_embd
 
-    def attention_mask(self, T: int) -> Any:
+    def attention_mask(self, T: int) -> Mask:
         """The causal mask for length T in the form this model's attention variant takes."""
         if self.variant.make_mask is not None:
             return self.variant.make_mask(T, self.wpe.weight.device)
