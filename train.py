@@ -45,7 +45,8 @@ from config import (
     dump_toml,
 )
 from cpu_linear import use_onednn_linears, wants_onednn
-from data.loader import DataError, TokenBatches, check_vocab, load_meta
+from data.loader import TokenBatches
+from data.meta import DataError, check_vocab, load_meta
 from metrics import MetricsLog, start_metrics
 from model import GPT, GPTConfig, VariantUnavailable, check_variant
 from rundir import RunDirError, lock_run_dir, open_run, run_config

@@ -91,7 +91,7 @@ from data.corpus import (
     sha256_text,
     stdlib_corpus,
 )
-from data.loader import token_file_problem
+from data.meta import token_file_problem
 
 if TYPE_CHECKING:
     from datasets import Dataset

@@ -78,10 +78,10 @@ def compare_text(sweeps: list[tuple[Path, dict[str, Any]]]) -> str:
             lines.append(f"| {name} | " + " | ".join(cells + _spread(values)) + " |")
     lines += [
         "",
-        "Each sweep's ± is its fit's standard error; the median, quartiles (from four sweeps; "
-        "numpy's default interpolation) and range are across the sweeps, and say what the "
-        "machine did between them. A label missing from a sweep, or failed in it, is left out "
-        "of that sweep's column (–).",
+        "Each sweep's ± is its fit's standard error. The median, the quartiles (given where "
+        "there are four sweeps or more; numpy's default interpolation) and the range are "
+        "across the sweeps: they say what the machine did between them. A label missing from "
+        "a sweep, or failed in it, is – in that sweep's column.",
     ]
     return "\n".join(lines) + "\n"
 

@@ -29,7 +29,8 @@ from tqdm import tqdm
 from checkpoint import provenance
 from config import Config, ConfigError
 from cpu_linear import cpu_field, wants_onednn
-from data.loader import TokenBatches, check_vocab, load_meta
+from data.loader import TokenBatches
+from data.meta import check_vocab, load_meta
 from model import VARIANTS, unavailable_reason
 from profiling.analysis import label
 from profiling.cells import (

@@ -17,7 +17,8 @@ from tokenizers import Tokenizer
 
 from data import corpus as corpus_module
 from data import prepare as prepare_module
-from data.loader import DataError, TokenBatches
+from data.loader import TokenBatches
+from data.meta import DataError
 from data.prepare import EOT, EOT_ID, PrepareError, _content_key, prepare, split_documents
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from data.loader import DataError, TokenBatches
+from data.loader import TokenBatches
+from data.meta import DataError
 
 CPU = torch.device("cpu")
 N, T = 50, 8  # tokens in the file, block size
