@@ -551,9 +551,9 @@ def _train(
                 "val_loss": val_loss,
                 "written_by": written_by,
             }
-            if config_text is not None:  # a resume's new settings, from now on the run's
-                write_config(config_text)
             save_checkpoint(ckpt_path, state)
+            if config_text is not None:  # a resume's new settings, now the checkpoint's
+                write_config(config_text)
             bar.write(
                 f"step {step}: val loss {val_loss:.4f}, {val_loss * bpb_factor:.3f} bits/byte "
                 f"(train {train_loss:.4f}); saved {ckpt_path}"

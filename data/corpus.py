@@ -269,7 +269,10 @@ def load_text_files(paths: list[Path], encoding_errors: str, cache_dir: Path) ->
             yield {"text": path.read_text(encoding="utf-8", errors=encoding_errors)}
 
     features = datasets.Features({"text": datasets.Value("string")})
-    return datasets.Dataset.from_generator(rows, features=features, cache_dir=str(cache_dir))
+    # One file in memory at a time (by default `datasets` holds 1000 before writing them).
+    return datasets.Dataset.from_generator(
+        rows, features=features, cache_dir=str(cache_dir), writer_batch_size=1
+    )
 
 
 def _load_hub(

@@ -26,6 +26,11 @@ SAME = {
         k: v for k, v in r["meta"]["config"]["model"].items() if k not in ("n_layer", "attention")
     },
     "batch_size": lambda r: r["meta"]["config"]["train"]["batch_size"],
+    "micro-batches (grad_accum, global_batch_size)": lambda r: (
+        r["meta"]["config"]["train"].get("grad_accum", 1),
+        r["meta"]["config"]["train"].get("global_batch_size", 0),
+    ),
+    "host memory (--host-memory)": lambda r: r["meta"].get("host_memory"),
     "n_layer": lambda r: _layers(r),
 }
 
@@ -50,7 +55,12 @@ def compare_text(sweeps: list[tuple[Path, dict[str, Any]]]) -> str:
     deepest depth in each sweep, then their median, quartiles (from four sweeps) and range."""
     layers = _layers(sweeps[0][1])
     names = list(dict.fromkeys(n for _, results in sweeps for n in labels(results["rows"])))
-    fitted = [savings(results["rows"]) for _, results in sweeps]
+    # A saving fitted over fewer depths (a cell failed) is another quantity: shown, marked,
+    # and left out of the median.
+    fitted = [
+        {name: {**s, "partial": s["depths"] != layers} for name, s in savings(r["rows"]).items()}
+        for _, r in sweeps
+    ]
     measured = [_measured(results["rows"], layers[-1]) for _, results in sweeps]
     meta = sweeps[0][1]["meta"]
     lines = [
@@ -68,14 +78,19 @@ def compare_text(sweeps: list[tuple[Path, dict[str, Any]]]) -> str:
         ("Saving per layer against naive, fitted (ms/layer ± se)", fitted, True),
         (f"Saving at n_layer={layers[-1]}, measured (ms)", measured, False),
     ):
-        lines += ["", f"## {title}", "", "| variant | " + " | ".join(head) + " |"]
-        lines.append("|" + "---|" * (len(head) + 1))
+        rows = []
         for name in names:
-            values = [_value(by_label.get(name)) for by_label in table]
-            if all(v is None for v in values):
+            if all(name not in by_label for by_label in table):
                 continue
+            values = [_value(by_label.get(name)) for by_label in table]
             cells = [_cell(by_label.get(name), se) for by_label in table]
-            lines.append(f"| {name} | " + " | ".join(cells + _spread(values)) + " |")
+            rows.append(f"| {name} | " + " | ".join(cells + _spread(values)) + " |")
+        lines += ["", f"## {title}", ""]
+        if rows:
+            lines += ["| variant | " + " | ".join(head) + " |", "|" + "---|" * (len(head) + 1)]
+            lines += rows
+        else:
+            lines.append("(none: a fit needs two depths, and a saving naive and another variant)")
     lines += [
         "",
         "Each sweep's ± is its fit's standard error. The median, the quartiles (given where "
@@ -83,6 +98,13 @@ def compare_text(sweeps: list[tuple[Path, dict[str, Any]]]) -> str:
         "across the sweeps: they say what the machine did between them. A label missing from "
         "a sweep, or failed in it, is – in that sweep's column.",
     ]
+    if any(s["partial"] for by_label in fitted for s in by_label.values()):
+        lines += [
+            "",
+            "‡ Fitted over fewer depths than the sweep's (a cell failed): a step's cost is not "
+            "exactly linear in depth, so it is another quantity, left out of the median, "
+            "quartiles and range.",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -99,15 +121,18 @@ def _measured(rows: list[dict[str, Any]], deepest: int) -> dict[str, dict[str, A
 
 
 def _value(s: dict[str, Any] | None) -> float | None:
-    return None if s is None else s["per_layer"]
+    return None if s is None or s.get("partial") else s["per_layer"]
 
 
 def _cell(s: dict[str, Any] | None, se: bool) -> str:
     if s is None:
         return "–"
+    text = f"{s['per_layer']:+.2f}"
     if se and s["per_layer_se"] is not None:
-        return f"{s['per_layer']:+.2f} ± {s['per_layer_se']:.2f}"
-    return f"{s['per_layer']:+.2f}"
+        text += f" ± {s['per_layer_se']:.2f}"
+    if s.get("partial"):
+        text += f" ‡ (L{','.join(map(str, s['depths']))})"
+    return text
 
 
 def _spread(values: list[float | None]) -> list[str]:

@@ -1044,11 +1044,37 @@ def test_compare_reads_the_savings_of_several_sweeps(
     assert "| naive |" not in printed  # the reference saves nothing against itself
     assert "2026-11-30 10:00 UTC" in printed
 
-    results["meta"]["config"]["model"]["n_embd"] *= 2
-    (folders[-1] / "results.json").write_text(json.dumps(results))
-    assert profile_train.main(["--compare", *map(str, folders)]) == 2
-    err = capsys.readouterr().err
-    assert "differ in model" in err and str(folders[-1]) in err
+    # naive failed at n_layer=3 in the first: its inplace saving is fitted over L1,2 only,
+    # another quantity, shown marked and left out of the median.
+    first = json.loads((folders[0] / "results.json").read_text())
+    for r in first["rows"]:
+        if (r["variant"], r["n_layer"]) == ("naive", 3):
+            r["status"] = "oom"
+    (folders[0] / "results.json").write_text(json.dumps(first))
+    assert profile_train.main(["--compare", *map(str, folders)]) == 0
+    printed = capsys.readouterr().out
+    assert "| inplace | +1.00 ‡ (L1,2) | +4.00 ± " in printed
+    assert "| +3.00 | – | +2.00 to +4.00 |" in printed and "‡ Fitted over fewer depths" in printed
+
+    for change, named in [
+        (lambda m: m["config"]["model"].update(n_embd=256), "model"),
+        (lambda m: m["config"]["train"].update(grad_accum=2), "micro-batches"),
+        (lambda m: m.update(host_memory="release"), "host memory"),
+    ]:
+        changed = copy.deepcopy(results)
+        change(changed["meta"])
+        (folders[-1] / "results.json").write_text(json.dumps(changed))
+        assert profile_train.main(["--compare", *map(str, folders)]) == 2
+        err = capsys.readouterr().err
+        assert f"differ in {named}" in err and str(folders[-1]) in err
+
+    # Sweeps of one depth: no line to fit, said so, not an empty table.
+    for folder in folders[:2]:
+        one = json.loads((folder / "results.json").read_text())
+        one["rows"] = [r for r in one["rows"] if r["n_layer"] == 1]
+        (folder / "results.json").write_text(json.dumps(one))
+    assert profile_train.main(["--compare", *map(str, folders[:2])]) == 0
+    assert "(none: a fit needs two depths" in capsys.readouterr().out
     for refused in (
         [str(folders[0])],  # one sweep has no spread
         [str(folders[0]), str(folders[0])],  # the same sweep twice

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+from unittest.mock import Mock
 
 import numpy as np
 import pytest
@@ -663,6 +664,13 @@ def test_a_resume_that_fails_before_saving_leaves_config_toml_as_it_was(
     assert run(data_root, out, *argv) == 2
     assert (out / "config.toml").read_bytes() == before
     assert load_ckpt(out)["step"] == STEPS
+    monkeypatch.undo()
+    # A save that fails (a full disk) leaves both as they were too.
+    monkeypatch.setattr(train, "save_checkpoint", Mock(side_effect=OSError(28, "No space")))
+    config = load_config(out / "config.toml", argv[:2])
+    with pytest.raises(OSError, match="No space"):
+        train.train(config, out, resume=True)
+    assert (out / "config.toml").read_bytes() == before
     monkeypatch.undo()
     assert run(data_root, out, *argv) == 0
     assert load_config(out / "config.toml").train.lr == 0.5
