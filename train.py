@@ -359,6 +359,44 @@ def _say_the_ranks_changed(ranks_before: int, batch_before: int, ranks: int, bat
     )
 
 
+def _say_how_it_runs(
+    config: Config,
+    params: int,
+    device: torch.device,
+    world_size: int,
+    grad_accum: int,
+    tokens: int,
+    linear: str,
+    kept_host_memory: bool,
+) -> None:
+    """The run's first lines: model, device, tokens per step and how they split, the CPU's
+    Linear path and memory reuse; and a warning for a schedule that never leaves its warm-up."""
+    tc = config.train
+    # batch_size is per process, as in torchtitan: more ranks take more tokens per step.
+    split = f" ({world_size} ranks x {tokens // world_size:,})" * (world_size > 1)
+    if grad_accum > 1:
+        split += f", {grad_accum} micro-batches of {tc.batch_size} sequences" + (
+            " per rank" * (world_size > 1)
+        )
+    print(
+        f"{config.model.attention}: {params / 1e6:.2f}M parameters (without position "
+        f"embeddings) on {device}, {tokens:,} tokens per step{split}"
+    )
+    if device.type == "cpu":
+        print(
+            f"cpu: nn.Linear through {LINEAR_PATHS[linear]} (train.cpu_linear={tc.cpu_linear}); "
+            f"freed memory {'kept for the next step' if kept_host_memory else 'returned to the OS'}"
+        )
+    if tc.warmup_steps and tc.warmup_steps >= tc.max_steps - 1:  # a run cut short, say
+        print(
+            f"warning: train.warmup_steps={tc.warmup_steps} with train.max_steps="
+            f"{tc.max_steps}: the learning rate warms up the whole run, to "
+            f"{lr_at(tc.max_steps - 1, tc):.3g} at the last step (train.lr={tc.lr:.3g}), "
+            "and never decays; lower train.warmup_steps for a full schedule",
+            file=sys.stderr,
+        )
+
+
 def train(
     config: Config,
     out_dir: Path,
@@ -447,12 +485,6 @@ def _train(
 
     tokens_per_step = tc.batch_size * grad_accum * world_size * config.model.block_size
     flops_per_step = raw_model.flops_per_token() * tokens_per_step
-    # batch_size is per process, as in torchtitan: more ranks take more tokens per step.
-    ranks_note = f" ({world_size} ranks x {tokens_per_step // world_size:,})" * (world_size > 1)
-    if grad_accum > 1:
-        ranks_note += f", {grad_accum} micro-batches of {tc.batch_size} sequences" + (
-            " per rank" * (world_size > 1)
-        )
 
     def write_config(text: bytes) -> None:
         nonlocal config_text
@@ -472,25 +504,16 @@ def _train(
         shutil.copyfile(data_dir / "tokenizer.json", out_dir / "tokenizer.json")
         if resumed:
             print(f"resuming {out_dir} after step {step} of {tc.max_steps}")
-        print(
-            f"{config.model.attention}: {raw_model.num_params() / 1e6:.2f}M parameters "
-            f"(without position embeddings) on {device}, {tokens_per_step:,} tokens per step"
-            f"{ranks_note}"
+        _say_how_it_runs(
+            config,
+            raw_model.num_params(),
+            device,
+            world_size,
+            grad_accum,
+            tokens_per_step,
+            linear,
+            kept_host_memory,
         )
-        if device.type == "cpu":
-            print(
-                f"cpu: nn.Linear through {LINEAR_PATHS[linear]} "
-                f"(train.cpu_linear={tc.cpu_linear}); freed memory "
-                f"{'kept for the next step' if kept_host_memory else 'returned to the OS'}"
-            )
-        if tc.warmup_steps and tc.warmup_steps >= tc.max_steps - 1:  # a run cut short, say
-            print(
-                f"warning: train.warmup_steps={tc.warmup_steps} with train.max_steps="
-                f"{tc.max_steps}: the learning rate warms up the whole run, to "
-                f"{lr_at(tc.max_steps - 1, tc):.3g} at the last step (train.lr={tc.lr:.3g}), "
-                "and never decays; lower train.warmup_steps for a full schedule",
-                file=sys.stderr,
-            )
     # Asked once, not at every save; with the device and, on CPU, the Linear path it ran.
     written_by = {**provenance(), "device": str(device), "linear": linear} if master else {}
     bpb_factor = meta["splits"]["val"]["tokens"] / meta["splits"]["val"]["bytes"] / math.log(2)
