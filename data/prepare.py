@@ -58,10 +58,13 @@ Decisions, so that a reader need not reverse-engineer them:
   are moved into place and the new one is written last, so an interrupted run never leaves a
   meta.json that describes files it did not finish. Bad input fails before anything is written,
   except --hub's download cache (a wrong --text-column, say, is found after the download,
-  which the retry then reuses).
+  which the retry then reuses). One prepare at a time per out-root: a second one waits (a lock
+  on the folder; where the filesystem has no locks, none).
 """
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import itertools
 import json
@@ -132,6 +135,59 @@ def prepare(
     _check_settings(vocab_size, val_fraction, max_bytes, encoding_errors, seed, kind)
     out_dir = Path(out_root if out_root is not None else DEFAULT_OUT_ROOT) / name
     _check_out_dir(out_dir)
+    with _one_at_a_time(out_dir.parent):
+        return _prepare(
+            out_dir,
+            kind,
+            files,
+            hub,
+            hub_config,
+            split,
+            text_column,
+            vocab_size,
+            val_fraction,
+            max_bytes,
+            encoding_errors,
+            seed,
+        )
+
+
+@contextlib.contextmanager
+def _one_at_a_time(root: Path) -> Iterator[None]:
+    """One prepare at a time in an out-root: a second one (two `make train`s started together)
+    waits, then finds the corpus whole and reuses it, instead of replacing its files, and
+    removing its meta.json, under a run reading them. A lock on the folder itself: no file."""
+    root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another prepare in {root}/ to finish ...", file=sys.stderr)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:  # a filesystem without locks: as before, unguarded
+            pass
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _prepare(
+    out_dir: Path,
+    kind: str,
+    files: Sequence[str] | None,
+    hub: str | None,
+    hub_config: str | None,
+    split: str,
+    text_column: str,
+    vocab_size: int,
+    val_fraction: float,
+    max_bytes: int | None,
+    encoding_errors: str,
+    seed: int,
+) -> Path:
+    """prepare's work, its arguments checked, with the out-root to itself."""
+    name = out_dir.name
     settings: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "tokenizers_version": tokenizers.__version__,

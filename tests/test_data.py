@@ -1,5 +1,6 @@
 """data/prepare.py on tiny corpora written into tmp_path: outputs, reuse, sources, bad input."""
 
+import fcntl
 import gzip
 import hashlib
 import json
@@ -8,6 +9,8 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -110,6 +113,25 @@ def test_a_corpus_records_where_its_documents_are_from_anywhere(
     (out / "val.bin").write_bytes(b"")
     with pytest.raises(DataError, match=re.escape(f"--files '{corpus / '*.txt'}' ")):
         TokenBatches(out / "val.bin", 8, 2, 0, torch.device("cpu"))
+
+
+def test_a_second_prepare_waits_for_the_first(
+    corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two prepares into one out-root (two `make train`s at once) run one after the other: the
+    second waits for the first to finish, instead of replacing files a run may be reading."""
+    holder = os.open(tmp_path, os.O_RDONLY)  # the first prepare, as the lock sees it
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    files = [str(corpus / "*.txt")]
+    kwargs = {"files": files, "vocab_size": VOCAB, "out_root": tmp_path}
+    second = threading.Thread(target=prepare, args=("tiny",), kwargs=kwargs)
+    second.start()
+    time.sleep(1.0)
+    assert second.is_alive() and not (tmp_path / "tiny").exists(), "it did not wait"
+    assert "waiting for another prepare" in capsys.readouterr().err
+    os.close(holder)
+    second.join(timeout=60)
+    assert not second.is_alive() and (tmp_path / "tiny" / "meta.json").is_file()
 
 
 def test_rerun_reuses_and_changes_rebuild(
