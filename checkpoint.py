@@ -130,8 +130,9 @@ def load_checkpoint(path: Path, needs: tuple[str, ...] = KEYS) -> dict[str, Any]
                 f"({found[1]}), so it is not one this project's train.py wrote; it is not "
                 "loaded, since loading it could run code"
             ) from None
+        reason = "the file is empty" if path.stat().st_size == 0 else str(e) or type(e).__name__
         raise CheckpointError(
-            f"checkpoint {path} is unreadable (truncated or corrupt?): {e}"
+            f"checkpoint {path} is unreadable (truncated or corrupt?): {reason}"
         ) from None
     # A file torch can read may still be another program's (a nanoGPT ckpt.pt, say).
     missing = [k for k in needs if k not in ckpt] if isinstance(ckpt, dict) else list(needs)

@@ -124,7 +124,8 @@ def sample_run(
     eot = tokenizer.token_to_id(EOT) if stop_at_eot else None
     # A tf32 run samples with TF32 on CUDA; elsewhere in IEEE fp32, as it cannot train there
     set_fp32_matmul_precision(config.train.dtype if dev.type == "cuda" else "float32", dev)
-    with autocast(dev, autocast_dtype(config.train.dtype, dev)):  # the run's precision
+    # The run's train.dtype as this device reads it ("auto": bf16 on CUDA, fp32 on a CPU).
+    with autocast(dev, autocast_dtype(config.train.dtype, dev)):
         out = model.generate(
             idx,
             max_new_tokens,
@@ -195,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         "--temperature": (lambda v: v >= 0, "must be >= 0 (0 is greedy)"),
         "--top-k": (lambda v: v >= 0, "must be >= 0 (0 samples from the whole vocabulary)"),
         "--top-p": (lambda v: 0 < v <= 1, "must be in (0, 1]; 1 keeps every token"),
+        "--seed": (lambda v: -(2**63) <= v < 2**64, "must be in [-2**63, 2**64)"),  # torch's
     }
     for flag, (valid, problem) in problems.items():
         value = getattr(args, flag[2:].replace("-", "_"))

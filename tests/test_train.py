@@ -357,6 +357,9 @@ def test_unreadable_checkpoint_on_resume_is_an_error(
     assert run(data_root, out, *SHARED_OVERRIDES, "--resume") == 2
     err = error_of(capsys.readouterr().err)
     assert f"{ckpt} is unreadable (truncated or corrupt?)" in err
+    assert not err.rstrip().endswith(":"), (
+        "the reason is said, even where torch's error has no text"
+    )
     assert ckpt.read_bytes() == broken[damage]
     # Without config.toml the checkpoint's record would be the config: the same error.
     (out / "config.toml").unlink()
@@ -1561,6 +1564,7 @@ def test_sample_longer_than_the_context(base_run: Path, capsys: pytest.CaptureFi
         (["--temperature", "-1"], "--temperature"),
         (["--temperature", "nan"], "--temperature"),
         (["--device", "cuda:x"], "--device"),
+        (["--seed", str(2**64)], "--seed"),
     ],
 )
 def test_sample_bad_arguments_name_the_flag(
