@@ -6,6 +6,13 @@ PIP_ARGS ?=
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt | cksum | cut -d' ' -f1)
+# A venv whose interpreter no longer runs (its base Python removed or upgraded) loses its stamp,
+# so setup rebuilds it instead of every target failing on a missing .venv/bin/python.
+ifneq ($(wildcard $(VENV)/.installed-*),)
+ifneq ($(shell $(PY) -c 'print(1)' 2>/dev/null),1)
+$(shell rm -f $(VENV)/.installed-*)
+endif
+endif
 
 .PHONY: setup test demo train profile sample lint format gpu-check gpu-wheels clean clean-runs
 

@@ -14,9 +14,10 @@
 #
 #   bash scripts/gpu_check.sh OUT_DIR          (or: make gpu-check OUT=OUT_DIR)
 set -uo pipefail
-cd "$(dirname "$0")/.."
 OUT=${1:-gpu-check}
 OUT=${OUT%/}  # gpu-check/ as tab completion gives it: the archive and the move-aside go beside it
+case $OUT in /*) ;; *) [ -n "${1:-}" ] && OUT="$PWD/$OUT" ;; esac  # one given: from here
+cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 LAYERS=${LAYERS:-1,4,12}
 COMPILED_LAYERS=${COMPILED_LAYERS:-1,12}

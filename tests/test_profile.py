@@ -318,7 +318,7 @@ def test_compile_time_nets_out_what_any_first_step_pays(
     assert eager_row["compile_s"] is None and eager_row["first_step_ms"] > 0
     excess = first_e - statistics.median(eager)
     assert compiled_row["eager_excess_s"] == pytest.approx(excess)
-    net = first_c - statistics.median(compiled) - excess
+    net = first_c - statistics.median(compiled) - max(0.0, excess)  # a negative one is noise
     assert compiled_row["compile_s"] == (pytest.approx(net) if net > 0 else None)
     assert results["meta"]["compile_time"] == "less eager"
     assert (
