@@ -113,10 +113,14 @@ def _os_error_behind(error: BaseException) -> OSError | None:
     return None
 
 
+def no_checkpoint(path: Path) -> CheckpointError:
+    return CheckpointError(f"no checkpoint at {path} (train first, or check --out/--run)")
+
+
 def load_checkpoint(path: Path, needs: tuple[str, ...] = KEYS) -> dict[str, Any]:
     """The checkpoint at `path`, holding at least `needs` (resuming needs all of KEYS)."""
     if not path.is_file():
-        raise CheckpointError(f"no checkpoint at {path} (train first, or check --out/--run)")
+        raise no_checkpoint(path)
     try:
         # weights_only: a checkpoint is data; never let loading it run code.
         ckpt = torch.load(path, map_location="cpu", weights_only=True)

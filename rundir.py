@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from checkpoint import CHECKPOINT, check_compatible, load_checkpoint
+from checkpoint import CHECKPOINT, check_compatible, load_checkpoint, no_checkpoint
 from config import (
     Config,
     ConfigError,
@@ -187,8 +187,9 @@ def run_config(out: Path, config_file: Path | None, overrides: list[str], resume
         return load_config(config_file, overrides)
     recorded = _recorded_config(out / CHECKPOINT)  # None: no readable run here; open_run says
     if not saved.is_file():
-        if recorded is None:  # no run here (a mistyped --out): say so before the corpus would
-            load_checkpoint(out / CHECKPOINT)  # raises the worded error, or reads one after all
+        if not (out / CHECKPOINT).is_file():  # no run here (a mistyped --out): say so first
+            raise no_checkpoint(out / CHECKPOINT)
+        if recorded is None:
             return load_config(config_file, overrides)
         if int(os.environ.get("RANK", 0)) == 0:
             print(

@@ -486,20 +486,16 @@ def _train(
     tokens_per_step = tc.batch_size * grad_accum * world_size * config.model.block_size
     flops_per_step = raw_model.flops_per_token() * tokens_per_step
 
-    def write_config(text: bytes) -> None:
-        nonlocal config_text
-        write_atomically(saved, lambda f: f.write(text))
-        config_text = None
-
     # config.toml is the config of the run's checkpoint: a new run's is written now; on
-    # resume, one with other settings replaces it only with the first checkpoint they make,
+    # resume, one with other settings replaces it only after the first checkpoint they make,
     # so a resume that fails before (a NaN from a bad override) leaves the run as it was.
-    config_text: bytes | None = dump_toml(config).encode("utf-8")
-    if master and not resumed:
-        write_config(config_text)
-    elif saved.is_file() and saved.read_bytes() == config_text:
-        config_text = None  # resumed as it was
+    unsaved_config: bytes | None = None  # rank 0's settings config.toml does not hold yet
     if master:  # the directory was made and locked by lock_run_dir
+        text = dump_toml(config).encode("utf-8")
+        if not resumed:
+            write_atomically(saved, lambda f: f.write(text))
+        elif not (saved.is_file() and saved.read_bytes() == text):
+            unsaved_config = text
         start_metrics(out_dir / "metrics.jsonl", step if resumed else None)
         shutil.copyfile(data_dir / "tokenizer.json", out_dir / "tokenizer.json")
         if resumed:
@@ -544,15 +540,19 @@ def _train(
         last = f"the last good one is {ckpt_path}" if ckpt_path.is_file() else "none yet"
         return TrainError(f"{what}; stopped without saving a checkpoint ({last})")
 
+    # A step's worth of windows per eval batch: the same ones on any number of ranks.
+    eval_micro_batches = tc.eval_batches * grad_accum
+
     def eval_and_save() -> None:
-        val_loss = evaluate(model, batches["val"], tc.eval_batches * grad_accum, amp_dtype)
+        nonlocal unsaved_config
+        val_loss = evaluate(model, batches["val"], eval_micro_batches, amp_dtype)
         if not math.isfinite(val_loss):  # the same on every rank: evaluate all-reduces it
             # Weights a step made non-finite while its own loss, computed before the update,
             # was finite (without clipping no norm shows it): never over the last good save.
             raise stopped_unsaved(
                 f"val loss is {val_loss} at step {step}: the weights are not finite"
             )
-        train_loss = evaluate(model, batches["train_eval"], tc.eval_batches * grad_accum, amp_dtype)
+        train_loss = evaluate(model, batches["train_eval"], eval_micro_batches, amp_dtype)
         rngs = rng_states(device, world_size)
         if master:
             logs.write(
@@ -575,8 +575,9 @@ def _train(
                 "written_by": written_by,
             }
             save_checkpoint(ckpt_path, state)
-            if config_text is not None:  # a resume's new settings, now the checkpoint's
-                write_config(config_text)
+            if unsaved_config is not None:  # a resume's new settings, now the checkpoint's
+                write_atomically(saved, lambda f: f.write(unsaved_config))
+                unsaved_config = None
             bar.write(
                 f"step {step}: val loss {val_loss:.4f}, {val_loss * bpb_factor:.3f} bits/byte "
                 f"(train {train_loss:.4f}); saved {ckpt_path}"

@@ -135,59 +135,6 @@ def prepare(
     _check_settings(vocab_size, val_fraction, max_bytes, encoding_errors, seed, kind)
     out_dir = Path(out_root if out_root is not None else DEFAULT_OUT_ROOT) / name
     _check_out_dir(out_dir)
-    with _one_at_a_time(out_dir.parent):
-        return _prepare(
-            out_dir,
-            kind,
-            files,
-            hub,
-            hub_config,
-            split,
-            text_column,
-            vocab_size,
-            val_fraction,
-            max_bytes,
-            encoding_errors,
-            seed,
-        )
-
-
-@contextlib.contextmanager
-def _one_at_a_time(root: Path) -> Iterator[None]:
-    """One prepare at a time in an out-root: a second one (two `make train`s started together)
-    waits, then finds the corpus whole and reuses it, instead of replacing its files, and
-    removing its meta.json, under a run reading them. A lock on the folder itself: no file."""
-    root.mkdir(parents=True, exist_ok=True)
-    fd = os.open(root, os.O_RDONLY)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"waiting for another prepare in {root}/ to finish ...", file=sys.stderr)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError:  # a filesystem without locks: as before, unguarded
-            pass
-        yield
-    finally:
-        os.close(fd)  # releases the lock
-
-
-def _prepare(
-    out_dir: Path,
-    kind: str,
-    files: Sequence[str] | None,
-    hub: str | None,
-    hub_config: str | None,
-    split: str,
-    text_column: str,
-    vocab_size: int,
-    val_fraction: float,
-    max_bytes: int | None,
-    encoding_errors: str,
-    seed: int,
-) -> Path:
-    """prepare's work, its arguments checked, with the out-root to itself."""
-    name = out_dir.name
     settings: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "tokenizers_version": tokenizers.__version__,
@@ -210,25 +157,27 @@ def _prepare(
         hub_cache = out_dir / HF_CACHE_DIR
         corpus = hub_corpus(hub, hub_config, split, text_column, max_bytes, hub_cache)
     content_sha256 = sha256_text(json.dumps(settings, sort_keys=True) + "\n" + corpus.digest)
-    if _is_complete(out_dir, content_sha256):
-        print(f"reusing {out_dir}: inputs and settings unchanged ({content_sha256[:12]})")
-        _record_source(out_dir, corpus.source)
-        return out_dir
-    _say_what_is_replaced(out_dir, settings, content_sha256)
+    # The reuse check and the writing: one prepare at a time in this out-root.
+    with _one_at_a_time(out_dir.parent):
+        if _is_complete(out_dir, content_sha256):
+            print(f"reusing {out_dir}: inputs and settings unchanged ({content_sha256[:12]})")
+            _record_source(out_dir, corpus.source)
+            return out_dir
+        _say_what_is_replaced(out_dir, settings, content_sha256)
 
-    # Arrow files for local corpora are only needed while tokenizing.
-    with tempfile.TemporaryDirectory(prefix="prepare-datasets-") as cache_dir:
-        documents = corpus.documents
-        if documents is None:
-            documents = load_text_files(corpus.paths, encoding_errors, Path(cache_dir))
-        texts = itertools.chain.from_iterable(_text_batches(documents))
-        split = split_documents(texts, val_fraction, seed)
-        splits = {"train": documents.select(split.train), "val": documents.select(split.val)}
-        print(f"training a {vocab_size}-token byte-level BPE on {len(split.train)} documents")
-        tokenizer = _train_tokenizer(splits["train"], vocab_size)
-        meta = _write_outputs(
-            out_dir, tokenizer, splits, name, corpus, content_sha256, settings, split.duplicates
-        )
+        # Arrow files for local corpora are only needed while tokenizing.
+        with tempfile.TemporaryDirectory(prefix="prepare-datasets-") as cache_dir:
+            documents = corpus.documents
+            if documents is None:
+                documents = load_text_files(corpus.paths, encoding_errors, Path(cache_dir))
+            texts = itertools.chain.from_iterable(_text_batches(documents))
+            split = split_documents(texts, val_fraction, seed)
+            splits = {"train": documents.select(split.train), "val": documents.select(split.val)}
+            print(f"training a {vocab_size}-token byte-level BPE on {len(split.train)} documents")
+            tokenizer = _train_tokenizer(splits["train"], vocab_size)
+            meta = _write_outputs(
+                out_dir, tokenizer, splits, name, corpus, content_sha256, settings, split.duplicates
+            )
     counts = meta["splits"]
     print(
         f"prepared {out_dir}: vocab {meta['vocab_size']}, "
@@ -236,6 +185,26 @@ def _prepare(
         f"val {counts['val']['documents']} docs / {counts['val']['tokens']} tokens"
     )
     return out_dir
+
+
+@contextlib.contextmanager
+def _one_at_a_time(root: Path) -> Iterator[None]:
+    """One prepare at a time in an out-root: a second one (two `make train`s started together)
+    waits, then finds the corpus whole and reuses it, instead of replacing its files, and
+    removing its meta.json, under a run reading them. A lock on the folder itself: no file."""
+    root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another prepare in {root}/ to finish ...", file=sys.stderr)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:  # a filesystem without locks: as before, unguarded
+            pass
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 class Split(NamedTuple):
