@@ -12,7 +12,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from profiling.analysis import baselines, labels, measured_saving, savings
+from profiling.analysis import baselines, label, labels, measured_saving, ok_rows, savings
 
 # What must be the same for savings to be one quantity, from each sweep's results.json; the
 # sweep's own knobs (steps, warm-up, commit) may differ, and each sweep's is shown.
@@ -51,8 +51,9 @@ def _layers(results: dict[str, Any]) -> list[int]:
 
 
 def compare_text(sweeps: list[tuple[Path, dict[str, Any]]]) -> str:
-    """Markdown: per label, the fitted per-layer saving (± se) and the saving measured at the
-    deepest depth in each sweep, then their median, quartiles (from four sweeps) and range."""
+    """Markdown: per label, the median step time at each depth across the sweeps; then the
+    fitted per-layer saving (± se) and the saving measured at the deepest depth in each sweep,
+    with their median, quartiles (from four sweeps) and range."""
     layers = _layers(sweeps[0][1])
     names = list(dict.fromkeys(n for _, results in sweeps for n in labels(results["rows"])))
     # A saving fitted over fewer depths (a cell failed) is another quantity: shown, marked,
@@ -73,6 +74,8 @@ def compare_text(sweeps: list[tuple[Path, dict[str, Any]]]) -> str:
     for i, (path, results) in enumerate(sweeps, 1):
         m = results["meta"]
         lines.append(f"{i}. `{path}`: {_started(m)}, commit {m.get('commit') or 'unknown'}")
+    lines += ["", "## Step time across the sweeps (ms): median (lowest–highest)", ""]
+    lines += _step_time_table(names, layers, [results["rows"] for _, results in sweeps])
     head = [str(i) for i in range(1, len(sweeps) + 1)] + ["median", "quartiles", "range"]
     for title, table, se in (
         ("Saving per layer against naive, fitted (ms/layer ± se)", fitted, True),
@@ -106,6 +109,35 @@ def compare_text(sweeps: list[tuple[Path, dict[str, Any]]]) -> str:
             "quartiles and range.",
         ]
     return "\n".join(lines) + "\n"
+
+
+def _step_time_table(
+    names: list[str], layers: list[int], sweeps: list[list[dict[str, Any]]]
+) -> list[str]:
+    """Per label and depth, the median of the sweeps' median step times and their range; a
+    cell measured in fewer sweeps than all (failed, or not run) says in how many."""
+    lines = [
+        "| variant | " + " | ".join(f"L{n}" for n in layers) + " |",
+        "|" + "---|" * (len(layers) + 1),
+    ]
+    for name in names:
+        cells = []
+        for n_layer in layers:
+            got = sorted(
+                r["step_ms"]["median"]
+                for rows in sweeps
+                for r in ok_rows(rows)
+                if label(r["variant"], r["compile"]) == name and r["n_layer"] == n_layer
+            )
+            if not got:
+                cells.append("–")
+                continue
+            text = f"{statistics.median(got):.1f} ({got[0]:.1f}–{got[-1]:.1f})"
+            if len(got) < len(sweeps):
+                text += f", {len(got)} of {len(sweeps)}"
+            cells.append(text)
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _measured(rows: list[dict[str, Any]], deepest: int) -> dict[str, dict[str, Any]]:

@@ -1032,7 +1032,10 @@ def test_compare_reads_the_savings_of_several_sweeps(
         (folders[-1] / "results.json").write_text(json.dumps(results))
     assert profile_train.main(["--compare", *map(str, folders)]) == 0
     printed = capsys.readouterr().out
-    fitted, measured = printed.split("## ")[1:]
+    step_times, fitted, measured = printed.split("## ")[1:]
+    # inplace at L2: 5 + (10 - s) * 2 + 0.1 with s = 1, 4, 2, 3: 23.1, 17.1, 21.1, 19.1
+    assert "| inplace | 12.5 (11.0–14.0) | 20.1 (17.1–23.1) |" in step_times
+    assert "| naive | 15.0 (15.0–15.0) | 25.1 (25.1–25.1) | 35.0 (35.0–35.0) |" in step_times
     inplace = next(line for line in fitted.splitlines() if line.startswith("| inplace |"))
     cells = [c.strip() for c in inplace.strip("|").split("|")]
     assert [c.split(" ± ")[0] for c in cells[1:5]] == ["+1.00", "+4.00", "+2.00", "+3.00"]
@@ -1041,7 +1044,7 @@ def test_compare_reads_the_savings_of_several_sweeps(
     assert np.percentile([1, 2, 3, 4], [25, 75]).tolist() == [1.75, 3.25]
     assert "n_layer=3, measured" in measured
     assert "| inplace | +3.00 | +12.00 | +6.00 | +9.00 | +7.50 |" in measured
-    assert "| naive |" not in printed  # the reference saves nothing against itself
+    assert "| naive |" not in fitted + measured  # the reference saves nothing against itself
     assert "2026-11-30 10:00 UTC" in printed
 
     # naive failed at n_layer=3 in the first: its inplace saving is fitted over L1,2 only,
@@ -1055,6 +1058,7 @@ def test_compare_reads_the_savings_of_several_sweeps(
     printed = capsys.readouterr().out
     assert "| inplace | +1.00 ‡ (L1,2) | +4.00 ± " in printed
     assert "| +3.00 | – | +2.00 to +4.00 |" in printed and "‡ Fitted over fewer depths" in printed
+    assert "| naive | 15.0 (15.0–15.0) | 25.1 (25.1–25.1) | 35.0 (35.0–35.0), 3 of 4 |" in printed
 
     for change, named in [
         (lambda m: m["config"]["model"].update(n_embd=256), "model"),
