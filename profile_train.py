@@ -36,7 +36,7 @@ import torch
 from config import ConfigError, load_config
 from model import VARIANTS, available_variants, unavailable_reason
 from profiling.compare import comparable, compare_text
-from profiling.report import diff_text
+from profiling.findings import diff_text
 from profiling.results import write_results
 from profiling.sweep import COMPILE_MODES, Sweep
 from runtime import SignalScope, autocast_dtype, pick_device

@@ -210,7 +210,7 @@ def op_diff(
     kind: str = "ops_per_step",
     threshold: float = 0.25,
     key_of: Callable[[str], str] = lambda name: name,
-) -> list[dict[str, Any]]:
+) -> list[dict[str, Any]] | None:
     """Ops whose per-layer per-step count differs between labels a and b (a minus b), by region,
     largest first: the slope of the difference over the depths both measured (a cell that
     failed at one depth leaves that depth out of both). Where the difference is not a straight
@@ -220,12 +220,13 @@ def op_diff(
 
     With a single depth in common, each entry also has `one_depth`, that n_layer: its
     per_layer is the whole step's difference divided by n_layer, so ops outside the layers
-    (embeddings, the loss, the optimizer) count in it too. No depth in common: no entries.
+    (embeddings, the loss, the optimizer) count in it too. No depth in common (or no counts of
+    this kind, as kernels off CUDA): None, not an empty list, which says they differ in nothing.
     """
     (depths_a, sa), (depths_b, sb) = (_op_series(rows, x, kind, key_of) for x in (a, b))
     common = sorted(depths_a & depths_b)
     if not common:
-        return []
+        return None
     diffs = []
     for key in sa.keys() | sb.keys():
         delta = [sa.get(key, {}).get(n, 0.0) - sb.get(key, {}).get(n, 0.0) for n in common]

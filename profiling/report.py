@@ -7,22 +7,15 @@ from pathlib import Path
 from typing import Any
 
 from profiling.analysis import (
-    CATEGORIES,
-    OTHER,
     PROJECT_AT,
     REGIONS,
     baselines,
-    describe_diff,
-    kernel_label,
     label,
     labels,
     measured_saving,
-    ok_rows,
-    op_diff,
     savings,
-    time_split,
-    unnumbered,
 )
+from profiling.findings import findings, where_time_goes
 from profiling.method import (
     KERNEL_LABELS,
     causal_note,
@@ -321,126 +314,6 @@ def _busy_warning(meta: dict[str, Any]) -> list[str]:
         "times are slower and noisier than this machine's. Rerun on a quiet machine.",
         "",
     ]
-
-
-def _op_depths(rows: list[dict[str, Any]], name: str) -> set[int]:
-    """The depths at which label name has op counts."""
-    return {
-        r["n_layer"]
-        for r in ok_rows(rows)
-        if r.get("ops_per_step") and label(r["variant"], r["compile"]) == name
-    }
-
-
-def findings(rows: list[dict[str, Any]]) -> list[str]:
-    """The op and kernel differences of every variant against naive (a compiled variant's
-    against compiled naive), in words."""
-    lines = []
-    measured = labels(ok_rows(rows))
-    reference_of = baselines(rows)
-    for name in measured:
-        base = reference_of[name]
-        if name == base or base not in measured:
-            continue
-        if not _op_depths(rows, name) & _op_depths(rows, base):
-            lines.append(f"- {name} vs {base}: not measured at a common n_layer, so no diff.")
-            continue
-        lines.append("- " + describe_diff(name, base, op_diff(rows, name, base)))
-        kernels = op_diff(rows, name, base, kind="kernels_per_step", key_of=kernel_label)
-        if kernels:
-            lines.append("  - CUDA kernels: " + describe_diff(name, base, kernels, unit="kernel"))
-    return lines
-
-
-def where_time_goes(rows: list[dict[str, Any]]) -> list[str]:
-    """For each variant at its deepest measured depth: the time of the profiled step by category
-    (linear layers, attention, everything else), what lies outside the ops, and the largest ops
-    (CPU) or kernels (CUDA)."""
-    deepest: dict[str, dict[str, Any]] = {}
-    for r in ok_rows(rows):
-        name = label(r["variant"], r["compile"])
-        if r.get("cpu_ms_per_step") and r["n_layer"] >= deepest.get(name, {}).get("n_layer", 0):
-            deepest[name] = r
-    lines = [_time_line(name, r) for name, r in deepest.items()]
-    if any(_split_ms(r)[1] for r in deepest.values()):
-        lines += [
-            "",
-            "This results.json predates these categories, so the split comes from the largest "
-            f"ops each cell lists by name, the rest counted as {OTHER}.",
-        ]
-    return lines
-
-
-def _time_line(name: str, r: dict[str, Any]) -> str:
-    cuda = bool(r.get("device_ms_per_step"))
-    times = r["device_ms_per_step"] if cuda else r["cpu_ms_per_step"]
-    total = sum(times.values())
-    split, _ = _split_ms(r)
-    median = r["step_ms"]["median"] if r.get("step_ms") else None
-    of = (lambda ms: f" ({100 * ms / median:.0f}%)") if median else (lambda ms: "")
-    parts = ", ".join(f"{k} {ms:.1f} ms{of(ms)}" for k, ms in split.items())
-    what = "Kernel time" if cuda else "Operators' self time"
-    mfu = f", MFU {100 * r['mfu']:.1f}%" if r.get("mfu") else ""
-    line = f"- **{name}** at L{r['n_layer']}{mfu}: "
-    if median:
-        line += f"timed median {median:.1f} ms. "
-    line += f"{what} in the profiled step {total:.1f} ms: {parts}"
-    if median:
-        rest = median - total
-        line += (
-            f"; {'no kernel running' if cuda else 'outside the operators'} {rest:+.1f} ms{of(rest)}"
-        )
-        if rest < 0:
-            line += (
-                f" ({what.lower()} exceeds the timed median: the profiled step ran slower than "
-                "the timed ones, so this says nothing of the time outside them)"
-            )
-    if r["compile"] and not cuda:
-        line += (
-            ". Inductor's fused kernels are not ATen operators: their time is in the remainder, "
-            "not in the categories"
-        )
-    named = {n: ms for n, ms in times.items() if n != "other"}  # "other": the unlisted, summed
-    if cuda:  # by short label: one operation through several launchers counts once
-        by_label: dict[str, float] = defaultdict(float)
-        for n, ms in named.items():
-            by_label[kernel_label(n)] += ms
-        named = dict(sorted(by_label.items(), key=lambda kv: -kv[1]))
-    top = ", ".join(f"`{n}` {ms:.1f}" for n, ms in list(named.items())[:6])
-    return line + f". Largest (ms): {top}."
-
-
-def _split_ms(r: dict[str, Any]) -> tuple[dict[str, float], bool]:
-    """ms per category, in CATEGORIES order, over every op or kernel of the profiled step, and
-    whether it had to come from the listed ones only (a results.json from before the current
-    categories, whose stored split used others)."""
-    times = r.get("device_ms_per_step") or r["cpu_ms_per_step"]
-    stored = r.get("time_split")
-    listed_only = not stored or not set(stored) <= set(CATEGORIES)
-    shares = time_split(times) if listed_only else stored
-    total = sum(times.values())
-    return {k: shares[k] * total for k in CATEGORIES if k in shares}, listed_only
-
-
-def diff_text(rows: list[dict[str, Any]], a: str, b: str) -> str:
-    """The op (and kernel) counts per layer in which label a differs from label b, in words.
-
-    Raises ValueError naming the valid labels if either was not measured.
-    """
-    measured = labels([r for r in ok_rows(rows) if r.get("ops_per_step")])
-    for name in (a, b):
-        if name not in measured:
-            raise ValueError(
-                f"--diff: no measured cell is labelled {name!r}; measured: {', '.join(measured)}"
-            )
-    if not _op_depths(rows, a) & _op_depths(rows, b):
-        return f"{a} vs {b}: not measured at a common n_layer, so no per-layer diff."
-    parts = [describe_diff(a, b, op_diff(rows, a, b), full=True)]
-    # Every full name, but one kernel renumbered is none.
-    kernels = op_diff(rows, a, b, kind="kernels_per_step", threshold=0.005, key_of=unnumbered)
-    if kernels:
-        parts.append(describe_diff(a, b, kernels, unit="kernel", full=True))
-    return "\n".join(parts)
 
 
 def write_report(out: Path, results: dict[str, Any], plots: bool = True) -> None:

@@ -1526,7 +1526,7 @@ def test_op_diff_fits_both_labels_over_the_depths_both_measured() -> None:
     kernels do not grow linearly). A difference that is not a straight line in n_layer says
     so; labels with no depth in common get no per-layer diff."""
     from profiling.analysis import describe_diff
-    from profiling.report import diff_text, findings
+    from profiling.findings import diff_text, findings
 
     def row(variant: str, n: int, status: str = "ok") -> dict:
         chunks = {1: 3, 2: 3, 4: 4, 8: 7}[n]  # the same for both, not linear in n
@@ -1565,6 +1565,7 @@ def test_op_diff_fits_both_labels_over_the_depths_both_measured() -> None:
     ]
 
     apart = [row("naive", 1), row("naive", 2), row("sdpa", 4), row("sdpa", 8)]
+    assert op_diff(apart, "sdpa", "naive") is None  # not [], which says they differ in nothing
     assert findings(apart) == ["- sdpa vs naive: not measured at a common n_layer, so no diff."]
     assert "not measured at a common n_layer" in diff_text(apart, "sdpa", "naive")
 
@@ -1573,7 +1574,7 @@ def test_diff_names_every_op_that_differs() -> None:
     """The report names a dozen, each region's largest in turn, and points to --diff; --diff
     shows them all, by region, views included, instead of the same cut list."""
     from profiling.analysis import describe_diff
-    from profiling.report import diff_text
+    from profiling.findings import diff_text
 
     extra = {f"aten::op{i:02d}": i for i in range(1, 16)}  # 15 named ops, more per layer in b
     rows = []
@@ -1610,7 +1611,7 @@ def test_kernel_labels_name_the_operation_and_its_dtype() -> None:
 def test_renumbered_triton_kernels_are_no_difference() -> None:
     """Inductor numbers a graph's Triton kernels in order, so one fused kernel is `_13` in one
     variant's graph and `_8` in another's: the kernel diff counts them as the same kernel."""
-    from profiling.report import diff_text, findings
+    from profiling.findings import diff_text, findings
 
     def rows_with(kernels_of: dict[str, dict[str, int]]) -> list[dict]:
         rows = []
@@ -1655,7 +1656,7 @@ def test_kernel_findings_merge_launchers_of_one_operation() -> None:
     """One operation launched through two launchers (vectorized or not) is one label in the
     findings: counts add, a net zero drops out; --diff keeps every full name."""
     from profiling.analysis import describe_diff, kernel_label
-    from profiling.report import diff_text
+    from profiling.findings import diff_text
 
     fill = "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, "
     fill += "std::array<char*, 1ul> >(int, at::native::FillFunctor<float>, std::array<char*, 1ul>)"
@@ -1720,7 +1721,7 @@ def _timed_row(variant: str, median: float, times: dict, **extra) -> dict:
 def test_where_the_time_goes_shows_the_time_outside_the_operators() -> None:
     """Operators' self time leaves out Python and the autograd engine: the report gives the
     remainder to the timed median, and says so plainly when the operators exceed it."""
-    from profiling.report import where_time_goes
+    from profiling.findings import where_time_goes
 
     naive = {"mkldnn::_linear_pointwise": 40.0, "aten::bmm": 30.0, "aten::gelu": 20.0}
     sdpa = {"mkldnn::_linear_pointwise": 40.0, "aten::_scaled_dot_product_flash_attention": 30.0}
@@ -1746,7 +1747,7 @@ def test_where_the_time_goes_shows_the_time_outside_the_operators() -> None:
 def test_where_the_time_goes_on_cuda_lists_kernels_by_label() -> None:
     """On CUDA the largest kernels go by their labels, one operation's launchers summed; the
     unlisted rest ('other') counts in the total but is not a kernel to list."""
-    from profiling.report import where_time_goes
+    from profiling.findings import where_time_goes
 
     kernels = {"other": 20.0, "nvjet_sm90_tst": 6.0, _copy_kernel(2): 5.0, _copy_kernel(4): 3.0}
     split = {"everything else": 1.0}
@@ -1761,7 +1762,7 @@ def test_where_the_time_goes_on_cuda_lists_kernels_by_label() -> None:
 
 
 def test_findings_compare_compiled_variants_with_compiled_naive() -> None:
-    from profiling.report import findings
+    from profiling.findings import findings
 
     def row(variant: str, compiled: bool, n: int) -> dict:
         ops = {"naive": {"aten::bmm": 2 * n}, "sdpa": {"aten::_flash": n}}[variant]
