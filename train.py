@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import math
 import os
 import shlex
@@ -315,6 +316,39 @@ def _say_what_resuming_changes(ckpt: dict[str, Any], config: Config, linear: str
         )
 
 
+SCHEDULE_FIELDS = ("lr", "min_lr", "warmup_steps", "max_steps")  # all that lr_at reads
+
+
+def _say_the_schedule_changed(ckpt: dict[str, Any], tc: TrainConfig) -> None:
+    """The learning rate follows the settings given now from the resume step on: new schedule
+    settings (above all a larger max_steps, to extend a run) move it there, up the cosine
+    again where the run had decayed. Said, with the rate before and after, as nanoGPT's and
+    torchtitan's schedules do the same without a word."""
+    try:
+        step = int(ckpt["step"])
+        before = {k: v for k, v in ckpt["config"]["train"].items() if k in SCHEDULE_FIELDS}
+        was = dataclasses.replace(tc, **before)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return  # a checkpoint that says too little to tell; restoring it says what is wrong
+    changed = [
+        f"{k} {before[k]} -> {getattr(tc, k)}" for k in before if before[k] != getattr(tc, k)
+    ]
+    if step >= tc.max_steps or not changed:
+        return
+    then, now = lr_at(step, was), lr_at(step, tc)
+    if math.isclose(then, now, rel_tol=1e-6):
+        return
+    hint = ""
+    if step >= was.max_steps and now > then:  # extending a run that had decayed to min_lr
+        hint = f"; to go on at min_lr instead, also give --train.lr={tc.min_lr:g}"
+    print(
+        f"resuming with train.{', train.'.join(changed)}: the learning-rate schedule is "
+        f"recomputed over the new settings, so step {step + 1} trains at {now:.3g} where the "
+        f"run's own schedule gives {then:.3g}{hint}",
+        file=sys.stderr,
+    )
+
+
 def _restore(
     ckpt: dict[str, Any],
     ckpt_path: Path,
@@ -458,6 +492,7 @@ def _train(
     linear = ("onednn" if onednn else "torch") if device.type == "cpu" else None
     if master and ckpt is not None:
         _say_what_resuming_changes(ckpt, config, linear)
+        _say_the_schedule_changed(ckpt, tc)
 
     # Before the model: a corpus too small for the batch is told in a second, not after a
     # model of block_size (and its memory) is built.

@@ -362,8 +362,10 @@ def test_every_depth_traces_its_own_graphs(tmp_path: Path, monkeypatch: pytest.M
     for row, (first, *steps) in zip(results["rows"], seconds.values(), strict=True):
         assert row["status"] == "ok"
         # The first step's time less a timed step's median (--warmup 1: no other warm-up);
-        # no eager twin in this sweep to net out.
-        assert row["compile_s"] == pytest.approx(first - statistics.median(steps))
+        # no eager twin in this sweep to net out. On a loaded machine the median can exceed
+        # the first step (a warm cache leaves little to compile): then None, not a negative.
+        excess = first - statistics.median(steps)
+        assert row["compile_s"] == (pytest.approx(excess) if excess > 0 else None)
         assert row["first_step_ms"] == pytest.approx(first * 1e3)
         assert row["eager_excess_s"] is None
         assert row["compile_cache"] in ("cold", "cached"), row["n_layer"]

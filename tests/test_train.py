@@ -654,6 +654,40 @@ def test_resume_with_other_optimizer_settings_uses_them(
     assert load_config(out / "config.toml").train.weight_decay == 0.5
 
 
+def test_extending_a_finished_run_says_the_learning_rate_climbs_again(
+    base_run: Path, data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A larger max_steps recomputes the cosine over the longer run, so a run that had decayed
+    to min_lr trains at a higher rate again: said, with both rates and the flag that keeps
+    min_lr; the logged rate is the one said."""
+    out = copy_run(base_run, tmp_path / "run")
+    capsys.readouterr()
+    assert run(data_root, out, f"--train.max_steps={STEPS + 10}", "--resume") == 0
+    err = capsys.readouterr().err
+    tc = load_config(out / "config.toml").train
+    now = train.lr_at(STEPS, tc)
+    assert now > 2 * tc.min_lr  # the case this is about: well up the cosine again
+    assert (
+        f"resuming with train.max_steps {STEPS} -> {STEPS + 10}: the learning-rate schedule is "
+        f"recomputed over the new settings, so step {STEPS + 1} trains at {now:.3g} where the "
+        f"run's own schedule gives {tc.min_lr:.3g}; to go on at min_lr instead, also give "
+        f"--train.lr={tc.min_lr:g}" in err
+    ), err
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert next(m["lr"] for m in logged if m["step"] == STEPS + 1) == pytest.approx(now)
+    # The hint's flag: the rate stays at min_lr; a resume that keeps the schedule says nothing.
+    again = copy_run(base_run, tmp_path / "again")
+    argv = [f"--train.max_steps={STEPS + 2}", f"--train.lr={tc.min_lr:g}", "--resume"]
+    assert run(data_root, again, *argv) == 0
+    logged = [json.loads(line) for line in (again / "metrics.jsonl").read_text().splitlines()]
+    assert next(m["lr"] for m in logged if m["step"] == STEPS + 1) == pytest.approx(tc.min_lr)
+    assert "learning-rate schedule" not in capsys.readouterr().err
+    split = tmp_path / "split"
+    assert run(data_root, split, *SHARED_OVERRIDES, "--stop-after", "5") == 0
+    assert run(data_root, split, "--resume", "--stop-after", "5") == 0
+    assert "learning-rate schedule" not in capsys.readouterr().err
+
+
 def test_a_resume_that_fails_before_saving_leaves_config_toml_as_it_was(
     base_run: Path, data_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
