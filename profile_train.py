@@ -340,10 +340,18 @@ def _load_results(folder: Path, flag: str) -> dict:
     return results
 
 
-def _compare(folders: list[Path]) -> int:
+def _compare(given: list[Path]) -> int:
+    # profiles/<config>/* names each sweep and `latest`, a link to the newest: once each
+    folders: dict[Path, Path] = {}
+    for folder in given:
+        real = folder.resolve()
+        if real in folders:
+            print(f"--compare: {folder} is {folders[real]}, counted once", file=sys.stderr)
+            continue
+        folders[real] = folder
     if len(folders) < 2:
         raise ConfigError("--compare: give two sweep folders or more")
-    sweeps = [(folder, _load_results(folder, "--compare")) for folder in folders]
+    sweeps = [(folder, _load_results(folder, "--compare")) for folder in folders.values()]
     seen: dict[tuple, Path] = {}
     for folder, results in sweeps:
         key = (results["meta"].get("started_at"), results["meta"].get("out"))

@@ -1048,6 +1048,12 @@ def test_compare_reads_the_savings_of_several_sweeps(
     assert "| inplace | +3.00 | +12.00 | +6.00 | +9.00 | +7.50 |" in measured
     assert "| naive |" not in fitted + measured  # the reference saves nothing against itself
     assert "2026-11-30 10:00 UTC" in printed
+    # profiles/<config>/* takes `latest` too, a link to the newest sweep: counted once.
+    (tmp_path / "latest").symlink_to(folders[-1].name)
+    assert profile_train.main(["--compare", *map(str, folders), str(tmp_path / "latest")]) == 0
+    printed, err = capsys.readouterr()
+    assert f"{tmp_path / 'latest'} is {folders[-1]}, counted once" in err
+    assert printed.startswith("# 4 sweeps of one setup")
 
     # naive failed at n_layer=3 in the first: its inplace saving is fitted over L1,2 only,
     # another quantity, shown marked and left out of the median.
