@@ -36,8 +36,11 @@ demo: setup
 	$(PY) scripts/demo.py
 
 # Prepares the standard-library corpus (reused when unchanged), trains, saves, prints a sample.
-# Again into the same run: make train ARGS=--resume. Any override: ARGS="--model.attention=naive".
+# Again into the same run: make train ARGS=--resume. Another run: ARGS="--model.attention=naive
+# --out runs/naive". A resume keeps the corpus it trained on: prepared again after the Python
+# changed, it would be another standard library's, and the run could not resume on it.
 train: setup
+	$(if $(findstring --resume,$(ARGS)),test -f data/stdlib/meta.json ||) \
 	$(PY) data/prepare.py --name stdlib --stdlib
 	$(PY) train.py --config configs/default.toml --out runs/default $(ARGS)
 

@@ -435,8 +435,9 @@ def _write_outputs(
 
 def _say_what_is_replaced(out_dir: Path, settings: dict[str, Any], content_sha256: str) -> None:
     """A corpus prepared there before with other settings or inputs is about to be replaced:
-    say so, and what differs, since runs trained on it can no longer resume or sample where
-    the tokenizer changes (not all settings change it: --max-bytes past the corpus's size)."""
+    say so, and what differs, since runs trained on it can no longer resume where the
+    tokenizer changes (not all settings change it: --max-bytes past the corpus's size). They
+    still sample: each run keeps its own tokenizer.json."""
     try:
         meta = json.loads((out_dir / "meta.json").read_text())
         if meta["content_sha256"] == content_sha256:
@@ -451,7 +452,8 @@ def _say_what_is_replaced(out_dir: Path, settings: dict[str, Any], content_sha25
     ]
     print(
         f"replacing the corpus in {out_dir} ({', '.join(differ) or 'its source text changed'}): "
-        "runs trained on the one there now cannot resume or sample if its tokenizer changes",
+        "runs trained on the one there now cannot resume if its tokenizer changes (they still "
+        "sample, with their own copy of it)",
         file=sys.stderr,
     )
 
