@@ -49,7 +49,7 @@ from cpu_linear import use_onednn_linears, wants_onednn
 from data.loader import TokenBatches
 from data.meta import DataError, check_vocab, load_meta
 from metrics import MetricsLog, start_metrics
-from model import GPT, GPTConfig, VariantUnavailable, check_variant
+from model import GPT, GPTConfig, VariantUnavailable, available_variants, check_variant
 from rundir import RunDirError, lock_run_dir, open_run, run_config
 from runtime import (
     OtherLoad,
@@ -239,12 +239,24 @@ def build_model(
     return model, optimizer
 
 
-def check_attention(config: Config, device: torch.device, amp_dtype: torch.dtype | None) -> None:
-    """Fail early, naming the variant and why, if it cannot train here."""
-    mc = config.model
+def check_attention(
+    config: Config, device: torch.device, amp_dtype: torch.dtype | None, resume: bool = False
+) -> None:
+    """Fail early, naming the variant and why, if it cannot train here, and the ones that can
+    (a resume may change variant: attention holds no weights)."""
+    mc, dtype = config.model, amp_dtype or torch.float32
     try:
-        check_variant(mc.attention, device, amp_dtype or torch.float32, mc.head_size, mc.dropout)
-    except (VariantUnavailable, ValueError) as e:  # ValueError: a name the registry lacks
+        check_variant(mc.attention, device, dtype, mc.head_size, mc.dropout)
+    except VariantUnavailable as e:
+        runs = available_variants(device, dtype, mc.head_size, mc.dropout)
+        if not runs:
+            raise TrainError(str(e)) from None
+        what = "the run can go on with another" if resume else "choose another"
+        suggest = "sdpa" if "sdpa" in runs else runs[0]
+        raise TrainError(
+            f"{e}; {what}, e.g. --model.attention={suggest} (these train here: {', '.join(runs)})"
+        ) from None
+    except ValueError as e:  # a name the registry lacks
         raise TrainError(str(e)) from None
 
 
@@ -483,7 +495,7 @@ def _train(
         ) from None
     check_vocab(meta, config.model.vocab_size, config.data.name)
     data_dir = Path(config.data.root) / config.data.name
-    check_attention(config, device, amp_dtype)
+    check_attention(config, device, amp_dtype, resume)
     onednn = linear_path(config, device, amp_dtype)
 
     ckpt_path, ckpt = open_run(out_dir, config, meta["tokenizer_sha256"], resume)

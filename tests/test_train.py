@@ -34,7 +34,7 @@ import rundir
 import runtime
 import sample
 import train
-from config import TrainConfig, load_config
+from config import TrainConfig, dump_toml, load_config
 from cpu_linear import onednn_unavailable_reason, wants_onednn
 from data.loader import TokenBatches
 from data.prepare import EOT, EOT_ID, prepare, split_documents
@@ -581,6 +581,15 @@ def test_resume_without_checkpoint_is_an_error(
     err = capsys.readouterr().err
     assert f"no checkpoint at {tmp_path / 'typo' / checkpoint.CHECKPOINT}" in err, err
     assert not (tmp_path / "typo").exists()
+    # A run killed before its first checkpoint: not "train first", but start it over, and how.
+    early = tmp_path / "early"
+    early.mkdir()
+    (early / "config.toml").write_text(dump_toml(load_config(TINY)))
+    assert run(data_root, early, "--resume") == 2
+    err = capsys.readouterr().err
+    assert f"{early} holds a run that stopped before its first checkpoint" in err, err
+    assert f"--config {early / 'config.toml'}" in err
+    assert run(data_root, early, "--config", str(early / "config.toml"), "--train.max_steps=1") == 0
 
 
 def test_resume_with_another_model_config_names_the_field(
@@ -612,6 +621,14 @@ def test_resume_may_change_the_attention_variant(
     assert load_ckpt(out)["step"] == STEPS + 1
     assert load_ckpt(out)["config"]["model"]["attention"] == "sdpa"
     assert load_config(out / "config.toml").model.attention == "sdpa"
+    # A GPU run's variant that cannot train here: the error says how the run goes on.
+    gpu = copy_run_trained_with(base_run, tmp_path / "gpu", "model", "attention", "sdpa-cudnn")
+    assert run(data_root, gpu, f"--train.max_steps={STEPS + 1}", "--resume") == 2
+    err = capsys.readouterr().err
+    assert "'sdpa-cudnn' cannot run on cpu" in err
+    assert "the run can go on with another, e.g. --model.attention=sdpa (these train here: " in err
+    assert run(data_root, tmp_path / "new", "--model.attention=flex") == 2
+    assert "; choose another, e.g. --model.attention=sdpa" in capsys.readouterr().err
 
 
 def test_resume_through_another_linear_path_says_so(
@@ -673,13 +690,13 @@ def test_extending_a_finished_run_says_the_learning_rate_climbs_again(
         f"run's own schedule gives {tc.min_lr:.3g}; to go on at min_lr instead, also give "
         f"--train.lr={tc.min_lr:g}" in err
     ), err
-    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    logged = train_lines(out)
     assert next(m["lr"] for m in logged if m["step"] == STEPS + 1) == pytest.approx(now)
     # The hint's flag: the rate stays at min_lr; a resume that keeps the schedule says nothing.
     again = copy_run(base_run, tmp_path / "again")
     argv = [f"--train.max_steps={STEPS + 2}", f"--train.lr={tc.min_lr:g}", "--resume"]
     assert run(data_root, again, *argv) == 0
-    logged = [json.loads(line) for line in (again / "metrics.jsonl").read_text().splitlines()]
+    logged = train_lines(again)
     assert next(m["lr"] for m in logged if m["step"] == STEPS + 1) == pytest.approx(tc.min_lr)
     assert "learning-rate schedule" not in capsys.readouterr().err
     split = tmp_path / "split"
