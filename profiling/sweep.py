@@ -118,6 +118,7 @@ class Sweep:
         # exception its handler raised. Called before every step.
         self.raise_if_interrupted: Callable[[], None] = lambda: None
         self.rows: list[dict[str, Any]] = []
+        self.cells_done = self.cells_total = 0  # for the progress bar; set by run
         self.unavailable: dict[str, str | None] = {}  # by variant: why it cannot run, probed once
         # Set by run: the pinned variants whose compiled cells are left out, as sdpa+compile
         # is among the cells (see _build).
@@ -273,17 +274,20 @@ class Sweep:
         )
         try:
             # The bar closes on Ctrl-C too, so the message after it starts on a line of its own.
-            # A depth's cells finish together, after their interleaved rounds: the bar counts
-            # steps instead (shown in cells), so its rate and time left do not wait for the
-            # depth's end.
+            # A depth's cells finish together, after their interleaved rounds: the bar moves
+            # by steps instead, each weighted by n_layer + 1, about what a step costs (its
+            # fixed part, embeddings, head and loss, near one layer's), so the time left holds
+            # from the first depth on; counted in cells, it read half the time still to come.
+            work = sum(
+                (n_layer + 1) * self._steps_per_cell() * len(variants) * len(compile_modes)
+                for n_layer in layers
+            )
+            self.cells_total = total
             bar = tqdm(
-                total=total * self._steps_per_cell(),
-                unit_scale=1 / self._steps_per_cell(),
-                desc="cells",
-                unit="cell",
+                total=work,
+                desc="sweep",
                 dynamic_ncols=True,
-                bar_format="{l_bar}{bar}| {n:.1f}/{total:.0f} "
-                "[{elapsed}<{remaining}, {rate_fmt}{postfix}]",
+                bar_format="{l_bar}{bar}| [{elapsed}<{remaining}{postfix}]",
             )
             with no_silent_eager, bar:
                 for n_layer in layers:
@@ -293,6 +297,8 @@ class Sweep:
                     for cell in cells:
                         self._profile_and_record(cell, flops)
                         self._advance(bar, cell, None)  # the rest: a failed cell's, all of it
+                        self.cells_done += 1
+                        self._say(bar, "")
                     synchronize(self.device)
                     if self.device.type == "cuda":
                         torch.cuda.empty_cache()
@@ -395,7 +401,7 @@ class Sweep:
             torch._dynamo.reset()
         pinned_built = False  # whether a compiled cell of a pinned variant came before
         for cell in cells:
-            bar.set_postfix_str(f"warm-up {cell.name}")
+            self._say(bar, f"warm-up {cell.name}")
             with self._guard(cell):
                 self._build(cell)
                 if cell.step is None:
@@ -428,7 +434,7 @@ class Sweep:
         gc.collect()  # what the warm-ups left, collected before the timed steps, not in them
         orders = balanced_orders(len(cells))
         for r in range(self.args.steps):
-            bar.set_postfix_str(f"L{cells[0].n_layer} round {r + 1}/{self.args.steps}")
+            self._say(bar, f"L{cells[0].n_layer} round {r + 1}/{self.args.steps}")
             # Rounds of every cell: drift hits every variant alike; each round's order from a
             # balanced Latin square, so each cell follows every other equally often and what a
             # step inherits from the one before (caches, the heap's layout) is shared too.
@@ -465,10 +471,16 @@ class Sweep:
         return self.args.warmup + self.args.steps + 2 + self.args.profile_steps
 
     def _advance(self, bar: tqdm, cell: Cell, steps: int | None) -> None:
-        """Move the bar by `steps` of the cell's steps (None: the ones it has yet to show)."""
+        """Move the bar by `steps` of the cell's steps (None: the ones it has yet to show),
+        weighted by its n_layer + 1."""
         steps = self._steps_per_cell() - cell.done if steps is None else steps
         cell.done += steps
-        bar.update(steps)
+        bar.update(steps * (cell.n_layer + 1))
+
+    def _say(self, bar: tqdm, doing: str) -> None:
+        """The bar's words: the cells recorded so far, and what it is doing now."""
+        done = f"{self.cells_done}/{self.cells_total} cells"
+        bar.set_postfix_str(f"{done}, {doing}" if doing else done)
 
     def _allocator(self) -> tuple[int, int] | None:
         """allocator_counts on CUDA; None elsewhere, where there is no caching allocator."""

@@ -431,26 +431,36 @@ def test_the_progress_bar_moves_with_the_steps_and_ends_whole(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A depth's cells all finish after its last round: the bar moves by steps, so it is not
-    still at 0 then, never goes back, and ends at the number of cells, a failed one included."""
+    still at 0 then, never goes back, and ends full, a failed cell included. A deeper cell's
+    step moves it further (its time left would otherwise read low from the first depth on),
+    and its words count the cells recorded."""
     import profiling.sweep
 
-    seen: list[float] = []  # in cells, as the bar shows them
+    seen: list[float] = []  # the bar's position
+    said: dict[str, float] = {}  # the bar's words, and its position when they were said
 
     class Recorded(profiling.sweep.tqdm):
         def update(self, n: float = 1) -> bool | None:
             out = super().update(n)
-            seen.append(self.n * self.unit_scale)
+            seen.append(self.n / self.total)
             return out
 
         def refresh(self, *args: object, **kwargs: object) -> None:
             super().refresh(*args, **kwargs)
-            seen.append(self.n * self.unit_scale)
+            seen.append(self.n / self.total)
+
+        def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
+            said[s] = self.n / self.total
+            super().set_postfix_str(s, refresh)
 
     monkeypatch.setattr(profiling.sweep, "tqdm", Recorded)
     rc, _ = sweep(tmp_path, "--variants", "naive,sdpa-efficient", "--layers", "1,2", "--no-traces")
     assert rc == 0
-    assert seen == sorted(seen) and seen[-1] == 4  # 2 variants x 2 depths; one unsupported
-    assert any(0 < n < 1 for n in seen)  # moving before the first cell is recorded
+    assert seen == sorted(seen) and seen[-1] == 1  # 2 variants x 2 depths; one unsupported
+    assert any(0 < n < 0.1 for n in seen)  # moving before the first cell is recorded
+    # Two cells of n_layer 1 (weight 2), two of 2 (weight 3): the first depth is 2/5 of it.
+    assert said["2/4 cells"] == pytest.approx(0.4) and said["4/4 cells"] == 1
+    assert "0/4 cells, warm-up naive L1" in said
 
 
 def test_a_sweep_that_measured_nothing_says_so(
