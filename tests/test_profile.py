@@ -103,6 +103,46 @@ def test_hidden_copy_through_the_profiler(naive_vs_inplace: dict) -> None:
     assert "predates these categories" not in report  # a new sweep stores the split it shows
 
 
+def test_more_profiled_steps_count_the_same_per_step(
+    naive_vs_inplace: dict, tmp_path: Path
+) -> None:
+    """--profile-steps N profiles N steps and divides by N: the counts per step are one step's,
+    exactly the fixture's, which profiled one."""
+    rc, results = sweep(tmp_path, "--variants", "naive", "--layers", "1", "--profile-steps", "3")
+    assert rc == 0 and results["meta"]["profile_steps"] == 3
+    (row,) = results["rows"]
+    one = next(r for r in naive_vs_inplace["rows"] if (r["variant"], r["n_layer"]) == ("naive", 1))
+    assert row["ops_per_step"] == one["ops_per_step"]
+
+
+def test_data_sweeps_the_named_corpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--data NAME steps on batches of that corpus's train split, not random tokens."""
+    import profiling.sweep
+    from data.prepare import prepare
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i, source in enumerate(sorted(Path(json.__file__).parent.glob("*.py"))):
+        (docs / f"{i}.py").write_text(source.read_text(encoding="utf-8") * 20, encoding="utf-8")
+    prepare("small", files=[str(docs / "*.py")], vocab_size=300, out_root=tmp_path / "root")
+    opened: list[Path] = []
+
+    class Recorded(profiling.sweep.TokenBatches):
+        def __init__(self, path: Path, *args: object, **kwargs: object) -> None:
+            opened.append(Path(path))
+            super().__init__(path, *args, **kwargs)
+
+    monkeypatch.setattr(profiling.sweep, "TokenBatches", Recorded)
+    corpus = ["--data", "small", f"--data.root={tmp_path / 'root'}", "--model.vocab_size=300"]
+    rc, results = sweep(tmp_path, "--variants", "naive", "--layers", "1", *corpus)
+    assert rc == 0 and results["rows"][0]["status"] == "ok"
+    assert results["meta"]["data"] == "small"
+    assert opened == [tmp_path / "root" / "small" / "train.bin"]
+    # A model whose vocabulary the corpus's ids overrun is refused before anything is measured.
+    rc, _ = sweep(tmp_path, "--variants", "naive", "--layers", "1", *corpus[:3], name="small-vocab")
+    assert rc == 2 and not (tmp_path / "small-vocab").exists()
+
+
 def test_results_json_contract(naive_vs_inplace: dict) -> None:
     meta = naive_vs_inplace["meta"]
     for key in (

@@ -1122,6 +1122,18 @@ def test_stop_after_must_be_positive(
     assert not (tmp_path / "run").exists()
 
 
+def test_the_last_step_is_logged_whatever_the_interval(data_root: Path, tmp_path: Path) -> None:
+    """log_interval 3 over 5 steps logs steps 3 and 5: the run's end, and a --stop-after pause,
+    always get a line (default.toml logs every 10th step)."""
+    every_3rd = ["--train.log_interval=3", "--train.max_steps=5", "--train.eval_interval=0"]
+    assert run(data_root, tmp_path / "whole", *every_3rd) == 0
+    assert [r["step"] for r in train_lines(tmp_path / "whole")] == [3, 5]
+    assert run(data_root, tmp_path / "split", *every_3rd, "--stop-after", "4") == 0
+    assert [r["step"] for r in train_lines(tmp_path / "split")] == [3, 4]
+    assert run(data_root, tmp_path / "split", "--resume") == 0
+    assert [r["step"] for r in train_lines(tmp_path / "split")] == [3, 4, 5]
+
+
 def test_step_time_excludes_evaluation(
     data_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1519,6 +1531,22 @@ def test_sample_starts_with_the_prompt_and_is_seeded(
     assert text.startswith("def ") and len(text) > len("def ")
     assert sample_text(capsys, base_run, "--seed", "0") == text
     assert sample_text(capsys, base_run, "--seed", "1") != text
+
+
+def test_sample_generates_as_many_tokens_as_asked(
+    base_run: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made: list[int] = []
+    real = GPT.generate
+
+    def counted(self: GPT, idx: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out = real(self, idx, *args, **kwargs)
+        made.append(out.size(1) - idx.size(1))
+        return out
+
+    monkeypatch.setattr(GPT, "generate", counted)
+    sample_text(capsys, base_run, "--seed", "0")  # --tokens 20
+    assert made == [20]
 
 
 def test_sample_a_run_without_config_toml_uses_the_config_its_checkpoint_records(
