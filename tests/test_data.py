@@ -126,9 +126,12 @@ def test_a_second_prepare_waits_for_the_first(
     kwargs = {"files": files, "vocab_size": VOCAB, "out_root": tmp_path}
     second = threading.Thread(target=prepare, args=("tiny",), kwargs=kwargs)
     second.start()
-    time.sleep(1.0)
+    said, deadline = "", time.monotonic() + 60  # it reads the inputs first: slow when loaded
+    while "waiting for another prepare" not in said and time.monotonic() < deadline:
+        time.sleep(0.05)
+        said += capsys.readouterr().err
+    assert "waiting for another prepare" in said
     assert second.is_alive() and not (tmp_path / "tiny").exists(), "it did not wait"
-    assert "waiting for another prepare" in capsys.readouterr().err
     os.close(holder)
     second.join(timeout=60)
     assert not second.is_alive() and (tmp_path / "tiny" / "meta.json").is_file()
