@@ -40,8 +40,7 @@ demo: setup
 # --out runs/naive". A resume keeps the corpus it trained on: prepared again after the Python
 # changed, it would be another standard library's, and the run could not resume on it.
 train: setup
-	$(if $(findstring --resume,$(ARGS)),test -f data/stdlib/meta.json ||) \
-	$(PY) data/prepare.py --name stdlib --stdlib
+	$(if $(filter --resume,$(ARGS)),test -f data/stdlib/meta.json || )$(PY) data/prepare.py --name stdlib --stdlib
 	$(PY) train.py --config configs/default.toml --out runs/default $(ARGS)
 
 sample: setup

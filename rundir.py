@@ -81,9 +81,9 @@ def open_run(
         return ckpt_path, None
     if not ckpt_path.exists() and (out_dir / "config.toml").is_file():
         raise RunDirError(
-            f"{out_dir} holds a run that stopped before its first checkpoint ({CHECKPOINT} "
-            "missing): there is nothing to resume; start it over without --resume (with "
-            f"--config {out_dir / 'config.toml'} for the same settings)"
+            f"{out_dir} holds a run but no {CHECKPOINT} (it stopped before its first "
+            "checkpoint, or the file was removed): there is nothing to resume; start it over "
+            f"without --resume (with --config {out_dir / 'config.toml'} for the same settings)"
         )
     ckpt = load_checkpoint(ckpt_path)
     check_compatible(ckpt, config, tokenizer_sha256, ckpt_path)

@@ -251,7 +251,7 @@ def check_attention(
         runs = available_variants(device, dtype, mc.head_size, mc.dropout)
         if not runs:
             raise TrainError(str(e)) from None
-        what = "the run can go on with another" if resume else "choose another"
+        what = "resume with another (attention holds no weights)" if resume else "choose another"
         suggest = "sdpa" if "sdpa" in runs else runs[0]
         raise TrainError(
             f"{e}; {what}, e.g. --model.attention={suggest} (these train here: {', '.join(runs)})"
@@ -338,7 +338,7 @@ def _say_the_schedule_changed(ckpt: dict[str, Any], tc: TrainConfig) -> None:
     torchtitan's schedules do the same without a word."""
     try:
         step = int(ckpt["step"])
-        before = {k: v for k, v in ckpt["config"]["train"].items() if k in SCHEDULE_FIELDS}
+        before = {k: ckpt["config"]["train"][k] for k in SCHEDULE_FIELDS}
         was = dataclasses.replace(tc, **before)
     except (KeyError, TypeError, ValueError, AttributeError):
         return  # a checkpoint that says too little to tell; restoring it says what is wrong
@@ -351,7 +351,8 @@ def _say_the_schedule_changed(ckpt: dict[str, Any], tc: TrainConfig) -> None:
     if math.isclose(then, now, rel_tol=1e-6):
         return
     hint = ""
-    if step >= was.max_steps and now > then:  # extending a run that had decayed to min_lr
+    # Extending a run that had decayed to min_lr, past any new warm-up: lr=min_lr holds it there
+    if step >= was.max_steps and step >= tc.warmup_steps and now > then:
         hint = f"; to go on at min_lr instead, also give --train.lr={tc.min_lr:g}"
     print(
         f"resuming with train.{', train.'.join(changed)}: the learning-rate schedule is "

@@ -275,9 +275,11 @@ class Sweep:
         try:
             # The bar closes on Ctrl-C too, so the message after it starts on a line of its own.
             # A depth's cells finish together, after their interleaved rounds: the bar moves
-            # by steps instead, each weighted by n_layer + 1, about what a step costs (its
-            # fixed part, embeddings, head and loss, near one layer's), so the time left holds
-            # from the first depth on; counted in cells, it read half the time still to come.
+            # by steps instead, each weighted by n_layer + 1, about what an eager step costs
+            # (its fixed part, embeddings, head and loss, near one layer's), so the time left
+            # holds from the first depth on; counted in cells, it read half the time still to
+            # come. (Compiling, about as long at every depth, is not weighed: a compiled
+            # sweep's first depth takes more than its share.)
             work = sum(
                 (n_layer + 1) * self._steps_per_cell() * len(variants) * len(compile_modes)
                 for n_layer in layers
@@ -404,7 +406,8 @@ class Sweep:
             self._say(bar, f"warm-up {cell.name}")
             with self._guard(cell):
                 self._build(cell)
-                if cell.step is None:
+                if cell.step is None:  # it will not run: its share of the bar is done now
+                    self._advance(bar, cell, None)
                     continue
                 # A full collection now (up to 0.2 s with the compiler's objects about), not
                 # one that lands in this first step because of what earlier cells left.

@@ -5,6 +5,7 @@ Runs go through `train.main` in-process; only SIGTERM and torchrun need a subpro
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import itertools
 import json
@@ -587,7 +588,7 @@ def test_resume_without_checkpoint_is_an_error(
     (early / "config.toml").write_text(dump_toml(load_config(TINY)))
     assert run(data_root, early, "--resume") == 2
     err = capsys.readouterr().err
-    assert f"{early} holds a run that stopped before its first checkpoint" in err, err
+    assert f"{early} holds a run but no ckpt.pt (it stopped before its first checkpoint" in err
     assert f"--config {early / 'config.toml'}" in err
     assert run(data_root, early, "--config", str(early / "config.toml"), "--train.max_steps=1") == 0
 
@@ -626,7 +627,7 @@ def test_resume_may_change_the_attention_variant(
     assert run(data_root, gpu, f"--train.max_steps={STEPS + 1}", "--resume") == 2
     err = capsys.readouterr().err
     assert "'sdpa-cudnn' cannot run on cpu" in err
-    assert "the run can go on with another, e.g. --model.attention=sdpa (these train here: " in err
+    assert "; resume with another (attention holds no weights), e.g. --model.attention=sdpa " in err
     assert run(data_root, tmp_path / "new", "--model.attention=flex") == 2
     assert "; choose another, e.g. --model.attention=sdpa" in capsys.readouterr().err
 
@@ -699,6 +700,17 @@ def test_extending_a_finished_run_says_the_learning_rate_climbs_again(
     logged = train_lines(again)
     assert next(m["lr"] for m in logged if m["step"] == STEPS + 1) == pytest.approx(tc.min_lr)
     assert "learning-rate schedule" not in capsys.readouterr().err
+    # A checkpoint lacking a schedule field says nothing rather than guess at it; a warm-up
+    # raised past the resume step gets no min_lr hint (lr=min_lr would ramp up below it).
+    fields = {k: getattr(tc, k) for k in train.SCHEDULE_FIELDS} | {"max_steps": STEPS}
+    for missing in train.SCHEDULE_FIELDS:
+        lacking = {k: v for k, v in fields.items() if k != missing}
+        train._say_the_schedule_changed({"step": STEPS, "config": {"train": lacking}}, tc)
+        assert capsys.readouterr().err == "", missing
+    warm = dataclasses.replace(tc, warmup_steps=STEPS + 5)
+    train._say_the_schedule_changed({"step": STEPS, "config": {"train": fields}}, warm)
+    err = capsys.readouterr().err
+    assert "learning-rate schedule is recomputed" in err and "min_lr instead" not in err
     split = tmp_path / "split"
     assert run(data_root, split, *SHARED_OVERRIDES, "--stop-after", "5") == 0
     assert run(data_root, split, "--resume", "--stop-after", "5") == 0
