@@ -344,6 +344,13 @@ def _compare(given: list[Path]) -> int:
     # profiles/<config>/* names each sweep and `latest`, a link to the newest: once each
     folders: dict[Path, Path] = {}
     for folder in given:
+        if folder.is_dir() and not (folder / "results.json").exists():
+            print(
+                f"--compare: {folder} holds no results.json (a sweep stopped before its first "
+                "cell?): left out",
+                file=sys.stderr,
+            )
+            continue
         real = folder.resolve()
         if real in folders:
             print(f"--compare: {folder} is {folders[real]}, counted once", file=sys.stderr)

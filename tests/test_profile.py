@@ -1110,10 +1110,14 @@ def test_compare_reads_the_savings_of_several_sweeps(
     assert "| naive |" not in fitted + measured  # the reference saves nothing against itself
     assert "2026-11-30 10:00 UTC" in printed
     # profiles/<config>/* takes `latest` too, a link to the newest sweep: counted once.
+    # A sweep stopped before its first cell left a folder with no results.json: left out.
     (tmp_path / "latest").symlink_to(folders[-1].name)
-    assert profile_train.main(["--compare", *map(str, folders), str(tmp_path / "latest")]) == 0
+    (tmp_path / "stopped").mkdir()
+    also = [str(tmp_path / "latest"), str(tmp_path / "stopped")]
+    assert profile_train.main(["--compare", *map(str, folders), *also]) == 0
     printed, err = capsys.readouterr()
     assert f"{tmp_path / 'latest'} is {folders[-1]}, counted once" in err
+    assert f"{tmp_path / 'stopped'} holds no results.json" in err
     assert printed.startswith("# 4 sweeps of one setup")
 
     # naive failed at n_layer=3 in the first: its inplace saving is fitted over L1,2 only,
