@@ -26,7 +26,8 @@ from tokenizers import Tokenizer
 
 from checkpoint import CHECKPOINT, CheckpointError, load_checkpoint, model_config_diff, restoring
 from config import Config, ConfigError, build_config, load_config
-from data.prepare import EOT, file_sha256
+from data.prepare import EOT
+from data.store import file_sha256
 from model import GPT, VARIANTS, VariantUnavailable, check_variant
 from runtime import autocast, autocast_dtype, pick_device, set_fp32_matmul_precision
 

@@ -63,8 +63,6 @@ Decisions, so that a reader need not reverse-engineer them:
 """
 
 import argparse
-import contextlib
-import fcntl
 import hashlib
 import itertools
 import json
@@ -94,7 +92,15 @@ from data.corpus import (
     sha256_text,
     stdlib_corpus,
 )
-from data.meta import token_file_problem
+from data.store import (
+    file_sha256,
+    is_complete,
+    one_at_a_time,
+    record_source,
+    remove_stale_temporaries,
+    say_what_is_replaced,
+    write_json_atomic,
+)
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -158,12 +164,12 @@ def prepare(
         corpus = hub_corpus(hub, hub_config, split, text_column, max_bytes, hub_cache)
     content_sha256 = sha256_text(json.dumps(settings, sort_keys=True) + "\n" + corpus.digest)
     # The reuse check and the writing: one prepare at a time in this out-root.
-    with _one_at_a_time(out_dir.parent):
-        if _is_complete(out_dir, content_sha256):
+    with one_at_a_time(out_dir.parent):
+        if is_complete(out_dir, content_sha256):
             print(f"reusing {out_dir}: inputs and settings unchanged ({content_sha256[:12]})")
-            _record_source(out_dir, corpus.source)
+            record_source(out_dir, corpus.source)
             return out_dir
-        _say_what_is_replaced(out_dir, settings, content_sha256)
+        say_what_is_replaced(out_dir, settings, content_sha256)
 
         # Arrow files for local corpora are only needed while tokenizing.
         with tempfile.TemporaryDirectory(prefix="prepare-datasets-") as cache_dir:
@@ -185,26 +191,6 @@ def prepare(
         f"val {counts['val']['documents']} docs / {counts['val']['tokens']} tokens"
     )
     return out_dir
-
-
-@contextlib.contextmanager
-def _one_at_a_time(root: Path) -> Iterator[None]:
-    """One prepare at a time in an out-root: a second one (two `make train`s started together)
-    waits, then finds the corpus whole and reuses it, instead of replacing its files, and
-    removing its meta.json, under a run reading them. A lock on the folder itself: no file."""
-    root.mkdir(parents=True, exist_ok=True)
-    fd = os.open(root, os.O_RDONLY)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"waiting for another prepare in {root}/ to finish ...", file=sys.stderr)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError:  # a filesystem without locks: as before, unguarded
-            pass
-        yield
-    finally:
-        os.close(fd)  # releases the lock
 
 
 class Split(NamedTuple):
@@ -366,27 +352,6 @@ def _write_tokens(tokenizer: Tokenizer, documents: "Dataset", path: Path, split:
     return {"documents": len(documents), "bytes": n_bytes, "tokens": n_tokens}
 
 
-def _remove_stale_temporaries(out_dir: Path) -> None:
-    """The temporary files of an earlier run that was killed (SIGKILL, out of memory) before it
-    could remove them: a whole corpus's size each time. Those of a process still running on
-    this machine stay (a writer on another host sharing the folder would look dead here)."""
-    for final in OUTPUT_FILES:
-        for path in out_dir.glob(f".{final}.*.tmp"):
-            pid = path.name.removeprefix(f".{final}.").removesuffix(".tmp")
-            if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
-                path.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, OverflowError):  # OverflowError: no pid is that large
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
 def _write_outputs(
     out_dir: Path,
     tokenizer: Tokenizer,
@@ -398,7 +363,7 @@ def _write_outputs(
     duplicates: int,
 ) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temporaries(out_dir)
+    remove_stale_temporaries(out_dir, OUTPUT_FILES)
     temporary = {final: out_dir / f".{final}.{os.getpid()}.tmp" for final in OUTPUT_FILES}
     try:
         tokenizer.save(str(temporary["tokenizer.json"]))
@@ -426,84 +391,11 @@ def _write_outputs(
         (out_dir / "meta.json").unlink(missing_ok=True)
         for final, path in temporary.items():
             os.replace(path, out_dir / final)
-        _write_json_atomic(out_dir / "meta.json", meta)
+        write_json_atomic(out_dir / "meta.json", meta)
     finally:
         for path in temporary.values():
             path.unlink(missing_ok=True)
     return meta
-
-
-def _say_what_is_replaced(out_dir: Path, settings: dict[str, Any], content_sha256: str) -> None:
-    """A corpus prepared there before with other settings or inputs is about to be replaced:
-    say so, and what differs, since runs trained on it can no longer resume where the
-    tokenizer changes (not all settings change it: --max-bytes past the corpus's size). They
-    still sample: each run keeps its own tokenizer.json."""
-    try:
-        meta = json.loads((out_dir / "meta.json").read_text())
-        if meta["content_sha256"] == content_sha256:
-            return  # the same corpus, its files damaged: rebuilt as it was
-        before = dict(meta["settings"])
-    except (OSError, ValueError, TypeError, KeyError):
-        return  # nothing whole there: nothing to lose
-    differ = [
-        f"{key} {before.get(key)!r} -> {value!r}"
-        for key, value in settings.items()
-        if before.get(key) != value
-    ]
-    print(
-        f"replacing the corpus in {out_dir} ({', '.join(differ) or 'its source text changed'}): "
-        "runs trained on the one there now cannot resume if its tokenizer changes (they still "
-        "sample, with their own copy of it)",
-        file=sys.stderr,
-    )
-
-
-def _is_complete(out_dir: Path, content_sha256: str) -> bool:
-    """Whether out_dir already holds whole outputs for exactly these inputs and settings."""
-    try:
-        meta = json.loads((out_dir / "meta.json").read_text())
-        if meta["content_sha256"] != content_sha256:
-            return False
-        for split in ("train", "val"):
-            if token_file_problem(out_dir / f"{split}.bin", meta["splits"][split]["tokens"]):
-                return False
-        return file_sha256(out_dir / "tokenizer.json") == meta["tokenizer_sha256"]
-    except (OSError, ValueError, KeyError, TypeError):  # missing or malformed: rebuild
-        return False
-
-
-def _record_source(out_dir: Path, source: dict[str, Any]) -> None:
-    """The same documents read from elsewhere (a folder copied or moved) are reused; meta.json
-    then says where they are now, which a rebuild command is made from. A note: where it
-    cannot be written (a read-only folder), the corpus is still reused, with a warning."""
-    meta = json.loads((out_dir / "meta.json").read_text())
-    if meta.get("source") == source:
-        return
-    try:
-        _write_json_atomic(out_dir / "meta.json", {**meta, "source": source})
-    except OSError as e:
-        print(
-            f"warning: could not record the documents' new place in {out_dir / 'meta.json'} "
-            f"({e.strerror}); the corpus is reused as it is",
-            file=sys.stderr,
-        )
-
-
-def _write_json_atomic(path: Path, obj: Any) -> None:
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        temporary.write_text(json.dumps(obj, indent=2) + "\n")
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 # --- command line -------------------------------------------------------------------------
