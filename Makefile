@@ -35,12 +35,13 @@ test: setup
 demo: setup
 	$(PY) scripts/demo.py
 
-# Prepares the standard-library corpus (reused when unchanged), trains, saves, prints a sample.
+# Prepares the standard-library corpus where there is none, trains, saves, prints a sample.
 # Again into the same run: make train ARGS=--resume. Another run: ARGS="--model.attention=naive
-# --out runs/naive". A resume keeps the corpus it trained on: prepared again after the Python
-# changed, it would be another standard library's, and the run could not resume on it.
+# --out runs/naive". A corpus that is there is kept: prepared again after the Python changed, it
+# would be another standard library's, and the runs trained on it could not resume (train.py
+# says how to rebuild one that is damaged).
 train: setup
-	$(if $(filter --resume,$(ARGS)),test -f data/stdlib/meta.json || )$(PY) data/prepare.py --name stdlib --stdlib
+	test -f data/stdlib/meta.json || $(PY) data/prepare.py --name stdlib --stdlib
 	$(PY) train.py --config configs/default.toml --out runs/default $(ARGS)
 
 sample: setup
