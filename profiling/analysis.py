@@ -91,7 +91,7 @@ def ok_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in rows if r.get("status") == "ok"]
 
 
-def _points(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[int, float]]]:
+def points_by_label(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[int, float]]]:
     """label -> metric -> {n_layer: value}, over the rows that measured."""
     points: dict[str, dict[str, dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
     for row in ok_rows(rows):
@@ -103,7 +103,7 @@ def _points(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[int, float]]
 def fits_by_label(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
     """For each variant label and metric, the fit of metric against n_layer."""
     fits: dict[str, dict[str, dict[str, float]]] = {}
-    for name, by_metric in _points(rows).items():
+    for name, by_metric in points_by_label(rows).items():
         for metric, by_layer in by_metric.items():
             fit = fit_line(list(by_layer), list(by_layer.values()))
             if fit is not None:
@@ -129,7 +129,7 @@ def savings(
     common with its baseline is left out. Where either line projects a time of zero or less
     (noisy fits over few depths), the projection is None throughout, with `why_none`.
     """
-    points = {name: by_metric[metric] for name, by_metric in _points(rows).items()}
+    points = {name: by_metric[metric] for name, by_metric in points_by_label(rows).items()}
     reference_of = baselines(rows, baseline)
     out = {}
     for name, these in points.items():
@@ -177,7 +177,7 @@ def measured_saving(
 ) -> tuple[int, float, float] | None:
     """(n_layer, the reference's median step less this label's, the reference's) at the
     deepest depth both measured; None where they have none in common. No fit: what was timed."""
-    points = _points(rows)
+    points = points_by_label(rows)
     ours, theirs = points[name]["step_ms"], points[reference]["step_ms"]
     common = ours.keys() & theirs.keys()
     if not common:

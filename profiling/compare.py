@@ -12,7 +12,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from profiling.analysis import baselines, label, labels, measured_saving, ok_rows, savings
+from profiling.analysis import baselines, labels, measured_saving, points_by_label, savings
 
 # What must be the same for savings to be one quantity, from each sweep's results.json; the
 # sweep's own knobs (steps, warm-up, commit) may differ, and each sweep's is shown.
@@ -116,6 +116,7 @@ def _step_time_table(
 ) -> list[str]:
     """Per label and depth, the median of the sweeps' median step times and their range; a
     cell measured in fewer sweeps than all (failed, or not run) says in how many."""
+    step_ms = [points_by_label(rows) for rows in sweeps]  # label -> metric -> {n_layer: ms}
     lines = [
         "| variant | " + " | ".join(f"L{n}" for n in layers) + " |",
         "|" + "---|" * (len(layers) + 1),
@@ -124,10 +125,7 @@ def _step_time_table(
         cells = []
         for n_layer in layers:
             got = sorted(
-                r["step_ms"]["median"]
-                for rows in sweeps
-                for r in ok_rows(rows)
-                if label(r["variant"], r["compile"]) == name and r["n_layer"] == n_layer
+                ms for points in step_ms if (ms := points[name]["step_ms"].get(n_layer)) is not None
             )
             if not got:
                 cells.append("–")

@@ -118,7 +118,6 @@ class Sweep:
         # exception its handler raised. Called before every step.
         self.raise_if_interrupted: Callable[[], None] = lambda: None
         self.rows: list[dict[str, Any]] = []
-        self.cells_done = self.cells_total = 0  # for the progress bar; set by run
         self.unavailable: dict[str, str | None] = {}  # by variant: why it cannot run, probed once
         # Set by run: the pinned variants whose compiled cells are left out, as sdpa+compile
         # is among the cells (see _build).
@@ -284,7 +283,6 @@ class Sweep:
                 (n_layer + 1) * self._steps_per_cell() * len(variants) * len(compile_modes)
                 for n_layer in layers
             )
-            self.cells_total = total
             bar = tqdm(
                 total=work,
                 desc="sweep",
@@ -299,7 +297,6 @@ class Sweep:
                     for cell in cells:
                         self._profile_and_record(cell, flops)
                         self._advance(bar, cell, None)  # the rest: a failed cell's, all of it
-                        self.cells_done += 1
                         self._say(bar, "")
                     synchronize(self.device)
                     if self.device.type == "cuda":
@@ -481,8 +478,8 @@ class Sweep:
         bar.update(steps * (cell.n_layer + 1))
 
     def _say(self, bar: tqdm, doing: str) -> None:
-        """The bar's words: the cells recorded so far, and what it is doing now."""
-        done = f"{self.cells_done}/{self.cells_total} cells"
+        """The bar's words: the cells recorded so far (a row each), and what it is doing now."""
+        done = f"{len(self.rows)}/{self.meta['cells_planned']} cells"
         bar.set_postfix_str(f"{done}, {doing}" if doing else done)
 
     def _allocator(self) -> tuple[int, int] | None:
