@@ -2026,6 +2026,48 @@ def test_headline_marks_cells_timed_on_a_busy_machine() -> None:
     assert "A layer cannot cost less than nothing" in table
 
 
+def test_plots_draw_each_variant_and_its_fitted_line(
+    naive_vs_inplace: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each plot has one legend entry per variant, in the registry's names, a point per depth at
+    the cell's median, and the variant's fitted line through a + b * n_layer."""
+    import matplotlib.figure
+
+    from profiling.plots import MiB, plot_results
+
+    drawn = {}
+    save = matplotlib.figure.Figure.savefig
+
+    def keep(fig, path, **kwargs):
+        drawn[Path(path).name] = fig.axes[0]
+        save(fig, path, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", keep)
+    plot_results(tmp_path, naive_vs_inplace, "setup")
+    rows, fits = naive_vs_inplace["rows"], naive_vs_inplace["fits"]
+    variants = ["naive", "inplace", "sdpa-math"]
+    for name, metric, value, scale in (
+        ("step_time_vs_layers.png", "step_ms", lambda r: r["step_ms"]["median"], 1.0),
+        ("memory_vs_layers.png", "peak_mem_bytes", lambda r: r["peak_mem_bytes"], 1 / MiB),
+    ):
+        assert (tmp_path / name).stat().st_size > 0
+        ax = drawn[name]
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == variants
+        fitted = [line for line in ax.get_lines() if line.get_linestyle() == "--"]
+        assert len(fitted) == len(variants)
+        for variant, line in zip(variants, fitted, strict=True):
+            fit = fits[variant][metric]
+            xs, ys = line.get_data()
+            assert list(xs) == [1, 3]  # the true depths: only the points shift sideways
+            expected = [(fit["intercept"] + fit["slope"] * x) * scale for x in xs]
+            assert list(ys) == pytest.approx(expected)
+            medians = sorted(
+                (r["n_layer"], value(r) * scale) for r in rows if r["variant"] == variant
+            )
+            points = next(c for c in ax.containers if c.get_label() == variant).lines[0].get_ydata()
+            assert list(points) == pytest.approx([m for _, m in medians])
+
+
 def test_a_disturbed_cell_does_not_squash_the_step_time_plot() -> None:
     """A step ten times the median stretches its p90 bar; the axis keeps to the medians and
     the fitted lines, cutting that bar, when the bar reaches past 1.5x the highest of them."""
