@@ -30,6 +30,11 @@ SAME = {
         r["meta"]["config"]["train"].get("grad_accum", 1),
         r["meta"]["config"]["train"].get("global_batch_size", 0),
     ),
+    "the optimizer step (grad_clip, weight_decay)": lambda r: (
+        r["meta"]["config"]["train"].get("grad_clip"),
+        r["meta"]["config"]["train"].get("weight_decay"),
+    ),
+    "data (--data)": lambda r: r["meta"].get("data"),
     "host memory (--host-memory)": lambda r: r["meta"].get("host_memory"),
     "n_layer": lambda r: _layers(r),
 }

@@ -1154,6 +1154,8 @@ def test_compare_reads_the_savings_of_several_sweeps(
         (lambda m: m["config"]["model"].update(n_embd=256), "model"),
         (lambda m: m["config"]["train"].update(grad_accum=2), "micro-batches"),
         (lambda m: m.update(host_memory="release"), "host memory"),
+        (lambda m: m["config"]["train"].update(grad_clip=0.0), "the optimizer step"),
+        (lambda m: m.update(data="stdlib"), "data"),
     ]:
         changed = copy.deepcopy(results)
         change(changed["meta"])
