@@ -1913,25 +1913,31 @@ def test_allocator_counts_read_device_calls_and_retries() -> None:
     assert allocator_counts({}) == (0, 0)  # what memory_stats() gives before CUDA starts
 
 
-def test_a_sweep_records_the_allocator_calls_of_the_timed_steps_only(
+def test_a_sweep_records_the_allocator_calls_and_page_faults_of_the_timed_steps_only(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The allocator is read around each timed step, its differences summed per cell: per step
-    for the calls, in all for the retries. (Off CUDA there is no allocator: a stand-in that
-    moves by 3 calls and 1 retry between each pair of readings.)"""
-    readings = itertools.count()
+    """The allocator and the page faults are read around each timed step, their differences
+    summed per cell: per step for the calls and faults, in all for the retries. (Off CUDA there
+    is no allocator: a stand-in that moves by 3 calls and 1 retry between each pair of readings;
+    the fault counter's stand-in moves by 5.)"""
+    import profiling.sweep
+
+    readings, fault_readings = itertools.count(), itertools.count(step=5)
 
     def allocator(self: Sweep) -> tuple[int, int]:
         k = next(readings)
         return 3 * k, k
 
     monkeypatch.setattr(Sweep, "_allocator", allocator)
+    monkeypatch.setattr(profiling.sweep, "minor_faults", lambda: next(fault_readings))
     rc, results = sweep(tmp_path, "--variants", "naive,inplace", "--layers", "1", "--no-traces")
     assert rc == 0
     for row in results["rows"]:
         assert row["step_ms"]["n"] == 2
         assert row["allocator_calls_per_step"] == 3 and row["alloc_retries"] == 2
+        assert row["page_faults_per_step"] == 5
     assert next(readings) == 2 * 2 * 2  # two readings per timed step, none elsewhere
+    assert next(fault_readings) == 5 * 2 * 2 * 2
     report = (tmp_path / "sweep" / "report.md").read_text()
     assert "per timed step: median 3, at most 3 over the cells (naive L1)." in report
 
