@@ -187,7 +187,7 @@ def test_forward_only_check_passes_flex_on_cpu_and_nothing_else_new() -> None:
 @pytest.mark.parametrize(
     ("field", "value", "expect"),
     [
-        ("attention", "flash2", "valid choices: naive, inplace, sdpa"),
+        ("attention", "flash2", "valid choices: " + ", ".join(VARIANTS)),
         ("n_head", 5, "n_embd=32 is not divisible by n_head=5"),
         ("n_layer", 0, "n_layer=0"),
         ("vocab_size", -3, "vocab_size=-3"),
@@ -280,12 +280,14 @@ def test_sequence_longer_than_block_size() -> None:
 
 
 def test_only_boolean_mask_variants_hold_a_causal_mask() -> None:
-    """naive and inplace read a (block_size, block_size) mask; SDPA passes is_causal and
-    flex builds its own, so their models hold none: at block_size 32768 it would be 1 GiB."""
+    """naive and inplace (variants with no make_mask) read a (block_size, block_size) mask;
+    SDPA passes is_causal and flex builds its own, so their models hold none: at block_size
+    32768 it would be 1 GiB."""
+    assert [n for n, v in VARIANTS.items() if v.make_mask is None][:2] == ["naive", "inplace"]
     for name, variant in VARIANTS.items():
         model = GPT(tiny_config(name, block_size=128))
         held = model.causal_mask is not None
-        assert held == (name in ("naive", "inplace")), name
+        assert held == (variant.make_mask is None), name
         assert "causal_mask" not in model.state_dict()
         if variant.backend is not None or name == "sdpa":
             assert model.attention_mask(16) is None, name
