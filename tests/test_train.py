@@ -2028,6 +2028,7 @@ def test_the_demo_steps_every_variant_that_runs_here_to_one_loss() -> None:
     losses = {
         line.split()[0]: line.split()[2] for line in done.stdout.splitlines() if " loss " in line
     }
-    assert set(losses) == {"naive", "inplace", "sdpa", "sdpa-math", "sdpa-flash"}
+    cuda_only = [name for name, v in VARIANTS.items() if v.cuda_only_reason]
+    assert set(losses) == set(VARIANTS) - set(cuda_only)  # test_model lists them by name
     assert len(set(losses.values())) == 1, losses
-    assert done.stdout.count("skipped:") == 3
+    assert done.stdout.count("skipped:") == len(cuda_only)
