@@ -1,7 +1,7 @@
 """Generate text from a trained run.
 
     python sample.py --run runs/default --prompt "def" [--tokens 200] [--temperature 0.8]
-        [--top-k 50] [--top-p 0.95] [--stop-at-eot] [--attention sdpa]
+        [--top-k 50] [--top-p 0.95] [--stop-at-eot] [--attention sdpa] [--dtype float32]
 
 Reads the run's checkpoint, config and tokenizer (train.py copies it into the run directory).
 In a prompt, "<|endoftext|>" is the document separator (in the corpus the same characters were
@@ -11,7 +11,9 @@ the text there.
 
 Attention holds no weights, so a run can be sampled with another variant than it trained
 with (--attention), e.g. a GPU run's sdpa-cudnn on a CPU: every variant computes the same
-function, to rounding.
+function, to rounding. It samples in the run's precision as the device reads it (train.dtype
+"auto": bf16 autocast on CUDA, fp32 elsewhere) unless --dtype says otherwise: a CPU run's
+float32, say, on a GPU.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 from tokenizers import Tokenizer
 
 from checkpoint import CHECKPOINT, CheckpointError, load_checkpoint, model_config_diff, restoring
-from config import Config, ConfigError, build_config, load_config
+from config import DTYPES, Config, ConfigError, build_config, load_config
 from data.prepare import EOT
 from data.store import file_sha256
 from model import GPT, VARIANTS, VariantUnavailable, check_variant
@@ -41,9 +43,10 @@ USER_ERRORS = (SampleError, ConfigError, CheckpointError)
 
 
 def load_run(
-    run_dir: Path, device: torch.device, attention: str | None = None
+    run_dir: Path, device: torch.device, attention: str | None = None, dtype: str | None = None
 ) -> tuple[GPT, Tokenizer, Config]:
-    """The run's model on `device`, with its own attention variant or `attention`."""
+    """The run's model on `device`, with its own attention variant or `attention`; the config
+    returned holds the precision to sample in, the run's train.dtype or `dtype`."""
     if run_dir.is_file():
         raise SampleError(f"--run {run_dir} is a file; give the run directory ({run_dir.parent})")
     if not run_dir.is_dir():
@@ -76,6 +79,8 @@ def load_run(
             f"{tokenizer_path} is not the tokenizer {ckpt_path} was trained with (sha256 "
             f"{trained_with[:12]}); copy that corpus's back (it was {corpus}, if unchanged since)"
         )
+    if dtype is not None:
+        config = replace(config, train=replace(config.train, dtype=dtype))
     if attention is not None:
         # Dropout off too: sampling never applies it, and flex, which has none, would refuse
         # a run trained with it.
@@ -111,12 +116,15 @@ def sample_run(
     device_setting: str = "train.device",
     stop_at_eot: bool = False,
     attention: str | None = None,
+    dtype: str | None = None,
 ) -> str:
     """Text continuing `prompt`, up to the first sampled separator if `stop_at_eot`, with the
-    run's attention variant or `attention`. `device_setting` is what an error calls the device
-    choice."""
+    run's attention variant or `attention`, in its precision or `dtype` (one of config.DTYPES).
+    `device_setting` is what an error calls the device choice."""
     dev = pick_device(device, device_setting)
-    model, tokenizer, config = load_run(run_dir, dev, attention)
+    if dtype == "tf32" and dev.type != "cuda":
+        raise SampleError(f"--dtype tf32: TF32 is a CUDA mode, and this samples on {dev}")
+    model, tokenizer, config = load_run(run_dir, dev, attention, dtype)
     ids = tokenizer.encode(prompt).ids
     if not ids:
         raise SampleError("the prompt is empty; give at least one character")
@@ -185,6 +193,12 @@ def main(argv: list[str] | None = None) -> int:
         help=f"attention variant to sample with (default: the run's): {', '.join(VARIANTS)}",
     )
     parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        help="precision to sample in (default: the run's train.dtype; auto: bf16 autocast on "
+        "CUDA, fp32 elsewhere)",
+    )
+    parser.add_argument(
         "--seed", type=int, default=0, help="of the sampling (default: %(default)s)"
     )
     parser.add_argument(
@@ -217,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             device_setting="--device",
             stop_at_eot=args.stop_at_eot,
             attention=args.attention,
+            dtype=args.dtype,
         )
     except (*USER_ERRORS, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1649,6 +1649,35 @@ def test_sample_a_tf32_run_off_cuda_in_ieee_fp32(
     assert torch.get_float32_matmul_precision() == "highest"
 
 
+def test_sample_dtype_overrides_the_runs_precision(
+    base_run: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--dtype picks the precision the forward runs in, whatever the run trained with: a
+    bfloat16 run sampled in float32 runs without autocast, and float32 gives the fp32 run's
+    own text; tf32 off CUDA is refused, naming the flag."""
+    seen: list[torch.dtype | None] = []
+    real = GPT.generate
+
+    def recorded(self: GPT, *args: Any, **kwargs: Any) -> torch.Tensor:
+        on = torch.is_autocast_enabled("cpu")
+        seen.append(torch.get_autocast_dtype("cpu") if on else None)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(GPT, "generate", recorded)
+    greedy = sample_text(capsys, base_run, "--temperature", "0")
+    assert sample_text(capsys, base_run, "--temperature", "0", "--dtype", "float32") == greedy
+    sample_text(capsys, base_run, "--temperature", "0", "--dtype", "bfloat16")
+    bf16_run = copy_run_trained_with(base_run, tmp_path / "run", "train", "dtype", "bfloat16")
+    sample_text(capsys, bf16_run, "--temperature", "0")
+    assert sample_text(capsys, bf16_run, "--temperature", "0", "--dtype", "float32") == greedy
+    assert seen == [None, None, torch.bfloat16, torch.bfloat16, None]
+    assert sample.main(["--run", str(base_run), "--dtype", "tf32"]) == 2
+    assert "--dtype tf32: TF32 is a CUDA mode" in capsys.readouterr().err
+
+
 def test_sample_longer_than_the_context(base_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
     text = sample_text(capsys, base_run, "--tokens", "50")  # block_size is 32
     assert text.startswith("def ")
