@@ -456,6 +456,9 @@ ATTENTION = "attention"
 GEMM_KERNELS = "matmul kernels (linear layers; attention's too unless fused)"
 OTHER = "everything else"
 CATEGORIES = (LINEAR, ATTENTION, GEMM_KERNELS, OTHER)
+# The record_function range the profiled steps of an eager cell put around each layer's call of
+# its attention variant (measure.attention_calls_marked): all that runs inside is attention's.
+ATTENTION_CALL = "attention"
 
 _ATTENTION = re.compile(
     r"scaled_dot_product|flash|fmha|attention|sdpa"
@@ -485,6 +488,8 @@ def enclosing_category(name: str) -> str | None:
     """The category an op gives to all that runs inside it (the ops it calls, the kernels they
     launch), or None. aten::matmul only dispatches to mm or bmm; a linear layer's goes through
     aten::linear, which encloses it, so one outside a linear is attention's."""
+    if name == ATTENTION_CALL:
+        return ATTENTION
     if not name.startswith(OP_NAMESPACES):
         return None  # annotations, Python functions, autograd nodes
     if name == "aten::matmul":

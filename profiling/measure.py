@@ -21,11 +21,14 @@ from typing import Any
 
 import torch
 from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile, schedule
+from torch.profiler import ProfilerActivity, profile, record_function, schedule
 from torch.utils.flop_counter import FlopCounterMode
 
 from cpu_linear import onednn_unavailable_reason
+from model.attention import AttentionFn, Mask
+from model.gpt import CausalSelfAttention
 from profiling.analysis import (
+    ATTENTION_CALL,
     OP_NAMESPACES,
     OTHER,
     REGIONS,
@@ -303,6 +306,33 @@ def parse_events(events: list, device: torch.device) -> StepProfile:
             result.device_us[e.name()] += e.duration_ns() / 1e3
             result.device_split_us[category or time_category(e.name())] += e.duration_ns() / 1e3
     return result
+
+
+@contextlib.contextmanager
+def attention_calls_marked(model: torch.nn.Module) -> Iterator[None]:
+    """Each layer's call of its attention variant runs inside a record_function range named
+    ATTENTION_CALL while this lasts: in the time split, all that the variant runs (naive's
+    scale multiply and dropout too, which no attention op encloses) and the backward of it
+    count as attention, as they do inside SDPA's fused kernel. For an eager cell's profiled
+    steps only: a compiled block holds the call in its graph, and swapping the function would
+    recompile it."""
+    layers = [m for m in model.modules() if isinstance(m, CausalSelfAttention)]
+    originals = [m.attend for m in layers]
+
+    def marked(attend: AttentionFn) -> AttentionFn:
+        def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, p: float):
+            with record_function(ATTENTION_CALL):
+                return attend(q, k, v, mask, p)
+
+        return fn
+
+    for layer, attend in zip(layers, originals, strict=True):
+        layer.attend = marked(attend)
+    try:
+        yield
+    finally:
+        for layer, attend in zip(layers, originals, strict=True):
+            layer.attend = attend
 
 
 @contextlib.contextmanager

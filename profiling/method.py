@@ -15,7 +15,27 @@ from profiling.measure import ONE_CALL
 
 def where_time_goes_intro(meta: dict[str, Any]) -> list[str]:
     """How the time of the profiled step is split, as the sweep that wrote meta split it."""
-    if meta.get("time_categories") == "by enclosing op":
+    if meta.get("time_categories") == "by enclosing op, attention calls marked":
+        how = (
+            "Each variant's deepest cell, in one profiled step (not one of the timed steps): on "
+            "CPU the self time of every ATen operator, summed, so nothing counts twice; on CUDA "
+            "each kernel's time. Each goes to the category of the outermost operator around it "
+            "that has one, and backward work to that of the forward operator it is the gradient "
+            "of: **linear layers** (`nn.Linear`: `aten::linear` or the oneDNN linear), "
+            "**attention** and **everything else** (GELU, LayerNorm, the loss, AdamW, the "
+            "transposes into and out of the heads). In an eager cell's profiled steps each "
+            "layer's call of its attention variant runs inside a `record_function` range named "
+            "`attention` (it shows in the traces), so all that the variant runs is attention's, "
+            "forward and backward: naive's matmuls, scale multiply, mask, hidden copy, softmax "
+            "and dropout, as much as SDPA's fused kernel, and on CUDA the casts autocast adds "
+            "there. A compiled block holds the call in its graph, where no range shows: there "
+            "the attention operators name it (matmuls outside a linear, softmax, the mask, the "
+            "fused SDPA kernels), and the scale multiply and dropout count as everything else. "
+            "A kernel that no operator launched (a compiled graph's Triton code) goes by its "
+            "own name, and the GEMMs among those, whose names do not say which layer launched "
+            "them, get a category of their own (**matmul kernels**)."
+        )
+    elif meta.get("time_categories") == "by enclosing op":
         how = (
             "Each variant's deepest cell, in one profiled step (not one of the timed steps): on "
             "CPU the self time of every ATen operator, summed, so nothing counts twice; on CUDA "

@@ -48,6 +48,7 @@ from profiling.cells import (
 from profiling.measure import (
     ONE_CALL,
     TRACE_WARN_BYTES,
+    attention_calls_marked,
     backend_that_ran,
     count_flops,
     matmul_peaks,
@@ -181,7 +182,7 @@ class Sweep:
             # ...unless it compiled too; None, not 0, where the twin's excess is the larger
             "compile_netting": "eager compiles kept",
             # time_split places each op and kernel by the op around it (before: by its name)
-            "time_categories": "by enclosing op",
+            "time_categories": "by enclosing op, attention calls marked",
             "flop_count": "meta device",  # sweeps before it ran a real eager naive step
             # an op directly inside one of its name (autocast's wrapper, an overload calling
             # another) counts once; sweeps before it counted it twice
@@ -576,9 +577,13 @@ class Sweep:
         wanted = self.args.traces and (
             not self.args.trace_layers or cell.n_layer in self.args.trace_layers
         )
-        with profiled_steps(
-            self.device, active, trace if wanted else None, self.args.trace_stacks and wanted
-        ) as (advance, results):
+        marked = contextlib.nullcontext() if cell.compiled else attention_calls_marked(cell.model)
+        with (
+            marked,
+            profiled_steps(
+                self.device, active, trace if wanted else None, self.args.trace_stacks and wanted
+            ) as (advance, results),
+        ):
             for _ in range(2 + active):  # wait, warmup, active
                 cell.step()
                 synchronize(self.device)

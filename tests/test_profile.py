@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import csv
 import dataclasses
@@ -1527,6 +1528,70 @@ def test_operator_self_time_counts_under_the_operator_around_it() -> None:
     assert seen.per_step(1)["time_split"] == pytest.approx(
         {"attention": 120 / 280, "linear layers": 100 / 280, "everything else": 60 / 280}
     )
+
+
+def test_a_marked_attention_call_is_attentions_forward_and_backward() -> None:
+    """Inside the `attention` range an eager cell's profiled steps put around each call of the
+    variant, every op is attention's, and so is its backward: naive's scale multiply, which no
+    attention op encloses. The same op outside the range is not."""
+    cpu = DeviceType.CPU
+    events = [
+        FakeEvent("forward", cpu, 0, 1000),
+        FakeEvent("attention", cpu, 100, 300, annotation=True),
+        FakeEvent("aten::bmm", cpu, 110, 150, seq=1),
+        FakeEvent("aten::mul", cpu, 160, 190, seq=2),  # the scale
+        FakeEvent("aten::mul", cpu, 400, 420, seq=3),  # elementwise work elsewhere
+        FakeEvent("backward", cpu, 1000, 2000),
+        FakeEvent("MulBackward0", cpu, 1100, 1200, seq=2, fwd=1),
+        FakeEvent("aten::mul", cpu, 1110, 1150),
+        FakeEvent("MulBackward0", cpu, 1300, 1400, seq=3, fwd=1),
+        FakeEvent("aten::mul", cpu, 1310, 1360),
+    ]
+    seen = parse_events(events, torch.device("cpu"))
+    assert seen.cpu_split_us == pytest.approx({"attention": 0.11, "everything else": 0.07})
+    assert sum(seen.ops["forward"].values()) == 3  # the range itself is not an op
+
+
+def test_marking_attention_calls_changes_no_count_and_is_undone() -> None:
+    """A naive model's profiled training step with its attention calls marked: the ranges show,
+    one per layer, the scale multiply and its backward count as attention, the op counts are
+    those of an unmarked step, and afterwards each layer calls its variant directly again."""
+    from torch.profiler import profile
+
+    from config import TrainConfig
+    from model import GPT, GPTConfig
+    from profiling.measure import _categorised, attention_calls_marked
+    from train import build_optimizer, train_step
+
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16))
+    optimizer = build_optimizer(model, TrainConfig(), torch.device("cpu"))
+    xy = torch.randint(64, (2, 17))
+    micro = [(xy[:, :-1], xy[:, 1:])]
+    train_step(model, optimizer, micro, grad_clip=1.0)  # the first makes AdamW's state
+    attends = [block.attn.attend for block in model.blocks]
+
+    def profiled(marked: bool) -> list:
+        mark = attention_calls_marked(model) if marked else contextlib.nullcontext()
+        with mark, profile(acc_events=True) as prof:
+            train_step(model, optimizer, micro, grad_clip=1.0)
+        return [
+            e for e in prof.profiler.kineto_results.events() if e.device_type() == DeviceType.CPU
+        ]
+
+    plain, marked = profiled(False), profiled(True)
+    assert [block.attn.attend for block in model.blocks] == attends
+    assert sum(e.name() == "attention" for e in marked) == 2
+    assert sum(e.name() == "attention" for e in plain) == 0
+    device = torch.device("cpu")
+    assert parse_events(marked, device).ops == parse_events(plain, device).ops
+
+    def scale_muls(events: list) -> Counter:  # the categories of each aten::mul and its backward
+        names = ("aten::mul", "MulBackward0")
+        return Counter((e.name(), c) for e, c, _, _ in _categorised(events) if e.name() in names)
+
+    assert scale_muls(marked)[("aten::mul", "attention")] >= 2  # one per layer, and its backward's
+    assert scale_muls(marked)[("MulBackward0", "attention")] == 2
+    assert scale_muls(plain)[("MulBackward0", "attention")] == 0
 
 
 def test_a_compiled_graphs_backward_is_its_own() -> None:
