@@ -8,6 +8,7 @@ import csv
 import dataclasses
 import datetime as dt
 import errno
+import gzip
 import itertools
 import json
 import math
@@ -225,6 +226,9 @@ def test_results_json_contract(naive_vs_inplace: dict) -> None:
     ):
         assert (out / name).stat().st_size > 0, name
     assert len(list((out / "traces").glob("*.json.gz"))) == 9
+    # The profiled step (one) marked each layer's attention call, for the time split.
+    events = json.loads(gzip.decompress((out / "traces" / "naive_L3.json.gz").read_bytes()))
+    assert sum(e.get("name") == "attention" for e in events["traceEvents"]) == 3
 
 
 def test_pinned_backend_is_verified(naive_vs_inplace: dict) -> None:
