@@ -96,7 +96,9 @@ def load_run(
         )
     except VariantUnavailable as e:
         other = "naive" if config.model.attention == "sdpa" else "sdpa"
-        hint = "" if attention is not None else f"; sample with another, e.g. --attention {other}"
+        ways = [f"another variant, e.g. --attention {other}"] if attention is None else []
+        ways += [f"another --dtype than {dtype}"] if dtype is not None else []
+        hint = f"; sample with {' or '.join(ways)}" if ways else ""
         raise SampleError(f"{e}{hint}") from None
     model = GPT(config.model)
     with restoring(ckpt_path, "model"):
@@ -122,9 +124,9 @@ def sample_run(
     run's attention variant or `attention`, in its precision or `dtype` (one of config.DTYPES).
     `device_setting` is what an error calls the device choice."""
     dev = pick_device(device, device_setting)
+    model, tokenizer, config = load_run(run_dir, dev, attention, dtype)
     if dtype == "tf32" and dev.type != "cuda":
         raise SampleError(f"--dtype tf32: TF32 is a CUDA mode, and this samples on {dev}")
-    model, tokenizer, config = load_run(run_dir, dev, attention, dtype)
     ids = tokenizer.encode(prompt).ids
     if not ids:
         raise SampleError("the prompt is empty; give at least one character")

@@ -30,9 +30,10 @@ SAME = {
         r["meta"]["config"]["train"].get("grad_accum", 1),
         r["meta"]["config"]["train"].get("global_batch_size", 0),
     ),
-    "the optimizer step (grad_clip, weight_decay)": lambda r: (
-        r["meta"]["config"]["train"].get("grad_clip"),
-        r["meta"]["config"]["train"].get("weight_decay"),
+    # Any clip norm or decay rate does the same work; on or off does not.
+    "the optimizer step (clipping, weight decay: on or off)": lambda r: (
+        r["meta"]["config"]["train"].get("grad_clip", 0) > 0,
+        r["meta"]["config"]["train"].get("weight_decay", 0) > 0,
     ),
     "data (--data)": lambda r: r["meta"].get("data"),
     "host memory (--host-memory)": lambda r: r["meta"].get("host_memory"),

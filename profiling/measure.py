@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile, record_function, schedule
 from torch.utils.flop_counter import FlopCounterMode
 
 from cpu_linear import onednn_unavailable_reason
-from model.attention import AttentionFn, Mask
+from model.attention import AttentionFn
 from model.gpt import CausalSelfAttention
 from profiling.analysis import (
     ATTENTION_CALL,
@@ -320,9 +320,9 @@ def attention_calls_marked(model: torch.nn.Module) -> Iterator[None]:
     originals = [m.attend for m in layers]
 
     def marked(attend: AttentionFn) -> AttentionFn:
-        def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, p: float):
+        def fn(*args: Any, **kwargs: Any) -> torch.Tensor:
             with record_function(ATTENTION_CALL):
-                return attend(q, k, v, mask, p)
+                return attend(*args, **kwargs)
 
         return fn
 
