@@ -12,17 +12,27 @@ from typing import Any
 from profiling.analysis import label, ok_rows
 from profiling.measure import ONE_CALL
 
+# How the split reads since ops and kernels went to the category of the operator around them.
+_BY_ENCLOSING_OP = (
+    "Each variant's deepest cell, in one profiled step (not one of the timed steps): on "
+    "CPU the self time of every ATen operator, summed, so nothing counts twice; on CUDA "
+    "each kernel's time. Each goes to the category of the outermost operator around it "
+    "that has one, and backward work to that of the forward operator it is the gradient "
+    "of: **linear layers** (`nn.Linear`: `aten::linear` or the oneDNN linear), "
+)
+_UNLAUNCHED_KERNELS = (
+    "A kernel that no operator launched (a compiled graph's Triton code) goes by its own name, "
+    "and the GEMMs among those, whose names do not say which layer launched them, get a "
+    "category of their own (**matmul kernels**)."
+)
+
 
 def where_time_goes_intro(meta: dict[str, Any]) -> list[str]:
     """How the time of the profiled step is split, as the sweep that wrote meta split it."""
     if meta.get("time_categories") == "by enclosing op, attention calls marked":
         how = (
-            "Each variant's deepest cell, in one profiled step (not one of the timed steps): on "
-            "CPU the self time of every ATen operator, summed, so nothing counts twice; on CUDA "
-            "each kernel's time. Each goes to the category of the outermost operator around it "
-            "that has one, and backward work to that of the forward operator it is the gradient "
-            "of: **linear layers** (`nn.Linear`: `aten::linear` or the oneDNN linear), "
-            "**attention** and **everything else** (GELU, LayerNorm, the loss, AdamW, the "
+            _BY_ENCLOSING_OP
+            + "**attention** and **everything else** (GELU, LayerNorm, the loss, AdamW, the "
             "transposes into and out of the heads, the residual, MLP and embedding dropout). "
             "In an eager cell's profiled steps each "
             "layer's call of its attention variant runs inside a `record_function` range named "
@@ -35,29 +45,19 @@ def where_time_goes_intro(meta: dict[str, Any]) -> list[str]:
             "call, which runs eager at a graph break), Inductor's fused CUDA kernels go by the "
             "ops their names list (the scale multiply usually joins the softmax's kernel), and "
             "on CPU Inductor's fused code is not an ATen operator, so its time falls outside "
-            "the categories. A kernel that no operator launched (a compiled graph's Triton code) "
-            "goes by its "
-            "own name, and the GEMMs among those, whose names do not say which layer launched "
-            "them, get a category of their own (**matmul kernels**)."
+            "the categories. " + _UNLAUNCHED_KERNELS
         )
     elif meta.get("time_categories") == "by enclosing op":
         how = (
-            "Each variant's deepest cell, in one profiled step (not one of the timed steps): on "
-            "CPU the self time of every ATen operator, summed, so nothing counts twice; on CUDA "
-            "each kernel's time. Each goes to the category of the outermost operator around it "
-            "that has one, and backward work to that of the forward operator it is the gradient "
-            "of: **linear layers** (`nn.Linear`: `aten::linear` or the oneDNN linear), "
-            "**attention** (matmuls outside a linear, softmax, the mask, the fused SDPA kernels: "
+            _BY_ENCLOSING_OP
+            + "**attention** (matmuls outside a linear, softmax, the mask, the fused SDPA kernels: "
             "the same work whichever variant does it) "
             "and **everything else** (GELU, LayerNorm, the loss, AdamW, and elementwise ops "
             "outside attention's operators: the transposes of q, k and v, dropout, and naive's "
             "scale multiply, though that one is a pass over the T×T scores that the fused kernels "
             "do inside). So what runs inside an attention operator counts as attention, in the "
             "forward and the backward: naive's hidden copy, and on CUDA the casts autocast adds "
-            "for softmax and the second matmul. A kernel that no "
-            "operator launched (a compiled graph's Triton code) goes by its own name, and the "
-            "GEMMs among those, whose names do not say which layer launched them, get a category "
-            "of their own (**matmul kernels**)."
+            "for softmax and the second matmul. " + _UNLAUNCHED_KERNELS
         )
     else:  # sweeps before the enclosing op was used: by each op's or kernel's own name
         how = (
