@@ -222,6 +222,8 @@ def rng_states(device: torch.device, world_size: int) -> list[dict[str, Tensor]]
     state = {"torch": torch.get_rng_state()}
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
+    elif device.type == "mps":  # dropout on an Apple GPU draws from the MPS generator
+        state["mps"] = torch.mps.get_rng_state()
     if world_size == 1:
         return [state]
     states: list[Any] = [None] * world_size
@@ -251,4 +253,6 @@ def restore_rng(
     torch.set_rng_state(states[rank]["torch"])
     if device.type == "cuda" and "cuda" in states[rank]:
         torch.cuda.set_rng_state(states[rank]["cuda"], device)
+    elif device.type == "mps" and "mps" in states[rank]:
+        torch.mps.set_rng_state(states[rank]["mps"])
     return saved

@@ -89,8 +89,9 @@ def build_optimizer(
     ]
     # Fused: one op updates all of a group's tensors (on CUDA, a few multi-tensor kernels) in
     # place of a loop of small ops per tensor. On CPU each tensor's step count is still
-    # bumped, cast and read on its own: a handful of small ops per parameter tensor.
-    fused = device.type in ("cuda", "cpu")
+    # bumped, cast and read on its own: a handful of small ops per parameter tensor. MPS has
+    # the fused kernel too; elsewhere, the multi-tensor (foreach) loop.
+    fused = device.type in ("cuda", "cpu", "mps")
     optimizer = torch.optim.AdamW(groups, lr=cfg.lr, fused=fused, foreach=None if fused else True)
     apply_optimizer_settings(optimizer, cfg)
     return optimizer
@@ -169,7 +170,9 @@ def train_step(
     grad_norm = None
     with record_function("optimizer"):
         if grad_clip > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip, foreach=True)
+            # foreach=None: the multi-tensor norm where the device has one (CPU, CUDA), a loop
+            # elsewhere (MPS, meta), where foreach=True raises.
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip, foreach=None)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return StepResult(total, grad_norm)

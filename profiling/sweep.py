@@ -383,9 +383,9 @@ class Sweep:
                 x = torch.zeros(tc.batch_size, mc.block_size, dtype=torch.long)  # ids, targets
             # The real step's count, as the tests check: FLOPs depend on neither the dtype (so
             # no autocast) nor the Linear path (cpu_linear.py counts the oneDNN op as
-            # nn.Linear). No clipping: its foreach norm refuses meta tensors, and it is
-            # elementwise work, which flop_counter does not count.
-            by_op = count_flops(lambda: train_step(model, optimizer, [(x, x)] * tc.grad_accum))
+            # nn.Linear). Clipping is in it, and adds none: flop_counter counts matmuls only.
+            micro = [(x, x)] * tc.grad_accum
+            by_op = count_flops(lambda: train_step(model, optimizer, micro, tc.grad_clip))
         except Exception as e:  # not KeyboardInterrupt: Ctrl-C stops the sweep
             tqdm.write(
                 f"warning: no FLOP count at n_layer={n_layer} ({one_line(e)}); no MFU there",

@@ -29,6 +29,7 @@ from unittest.mock import Mock
 import numpy as np
 import pytest
 import torch
+import torch.nn.utils.clip_grad as clip_grad
 
 import checkpoint
 import rundir
@@ -1993,6 +1994,19 @@ def test_train_step_clips_the_update_and_reports_the_norm_before() -> None:
     assert update.norm().item() == pytest.approx(1e-2, rel=1e-4)
 
 
+def test_train_step_clips_where_the_device_has_no_multi_tensor_norm(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As on MPS, where clip_grad_norm_(foreach=True) raises: the per-tensor loop, same norm."""
+    x, y = batch(0, 4)
+    expected, _ = sgd_step(small_model(), [(x, y)], clip=1e-2)
+    monkeypatch.setattr(clip_grad, "_device_has_foreach_support", lambda device: False)
+    monkeypatch.setattr(clip_grad, "_has_foreach_support", lambda tensors, device: False)
+    result, update = sgd_step(small_model(), [(x, y)], clip=1e-2)
+    assert result.grad_norm.item() == pytest.approx(expected.grad_norm.item(), rel=1e-6)
+    assert update.norm().item() == pytest.approx(1e-2, rel=1e-4)
+
+
 def test_gradient_accumulation_matches_one_batch_of_all_the_rows() -> None:
     x, y = batch(0, 4)
     one, update_one = sgd_step(small_model(), [(x, y)], clip=1e9)
@@ -2044,6 +2058,18 @@ def test_restore_rng_takes_this_ranks_state() -> None:
     assert torch.equal(torch.get_rng_state(), states[1]["torch"])
     # The format before per-rank states kept rank 0's alone: how many ranks saved it is unknown.
     assert checkpoint.restore_rng(states[0], 0, 5, torch.device("cpu"), 0, world_size=2) is None
+
+
+def test_an_apple_gpus_generator_is_saved_and_restored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dropout on MPS draws from the MPS generator: resuming there continues its stream."""
+    generator = {"state": torch.tensor([1, 2, 3], dtype=torch.uint8)}
+    monkeypatch.setattr(torch.mps, "get_rng_state", lambda: generator["state"].clone())
+    monkeypatch.setattr(torch.mps, "set_rng_state", lambda s: generator.update(state=s))
+    mps = torch.device("mps")
+    [saved] = checkpoint.rng_states(mps, world_size=1)
+    generator["state"] = torch.tensor([9], dtype=torch.uint8)
+    checkpoint.restore_rng([saved], 0, 5, mps, rank=0, world_size=1)
+    assert torch.equal(generator["state"], torch.tensor([1, 2, 3], dtype=torch.uint8))
 
 
 def test_the_demo_steps_every_variant_that_runs_here_to_one_loss() -> None:
