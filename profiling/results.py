@@ -17,8 +17,12 @@ def write_results(
 ) -> None:
     """results.json (atomically), results.csv, summary.txt, report.md and, with `plots`, the
     PNGs, which take most of the time (a sweep draws them once, at its end)."""
-    results = write_json(out, meta, rows)
-    _write_csv(out / "results.csv", rows)
+    render_results(out, write_json(out, meta, rows), plots)
+
+
+def render_results(out: Path, results: dict[str, Any], plots: bool = True) -> None:
+    """What results.json's data makes: results.csv, summary.txt, report.md and the PNGs."""
+    _write_csv(out / "results.csv", results["rows"])
     write_report(out, results, plots)
 
 

@@ -1074,6 +1074,8 @@ def test_published_reports_are_what_the_report_code_writes(folder: Path, tmp_pat
         assert (copy / name).read_text() == (ROOT / folder / name).read_text(), (
             f"{folder / name} is stale: python profile_train.py --report {folder}"
         )
+    # The record of what was measured stays as it was: re-rendering leaves git's tree clean.
+    assert (copy / "results.json").read_bytes() == (ROOT / folder / "results.json").read_bytes()
 
 
 def test_report_rerender_and_diff(
@@ -1100,7 +1102,7 @@ def test_report_rerender_and_diff(
     assert "not --no-traces" in capsys.readouterr().err  # the flag as typed, not its dest
     # A folder the report cannot be written to: an error saying so, not a traceback.
     monkeypatch.setattr(
-        profile_train, "write_results", Mock(side_effect=PermissionError(13, "Permission denied"))
+        profile_train, "render_results", Mock(side_effect=PermissionError(13, "Permission denied"))
     )
     assert profile_train.main(["--report", out]) == 2
     assert "cannot write the report there (Permission denied)" in capsys.readouterr().err
