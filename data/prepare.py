@@ -164,6 +164,10 @@ def prepare(
         corpus = hub_corpus(hub, hub_config, split, text_column, max_bytes, hub_cache)
     content_sha256 = sha256_text(json.dumps(settings, sort_keys=True) + "\n" + corpus.digest)
     # The reuse check and the writing: one prepare at a time in this out-root.
+    try:  # what _check_out_dir cannot foresee (root ignores permissions; /proc)
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _cannot_write(out_dir, e, "give another --out-root") from None
     with one_at_a_time(out_dir.parent):
         if is_complete(out_dir, content_sha256):
             print(f"reusing {out_dir}: inputs and settings unchanged ({content_sha256[:12]})")
@@ -181,9 +185,20 @@ def prepare(
             splits = {"train": documents.select(split.train), "val": documents.select(split.val)}
             print(f"training a {vocab_size}-token byte-level BPE on {len(split.train)} documents")
             tokenizer = _train_tokenizer(splits["train"], vocab_size)
-            meta = _write_outputs(
-                out_dir, tokenizer, splits, name, corpus, content_sha256, settings, split.duplicates
-            )
+            try:
+                meta = _write_outputs(
+                    out_dir,
+                    tokenizer,
+                    splits,
+                    name,
+                    corpus,
+                    content_sha256,
+                    settings,
+                    split.duplicates,
+                )
+            except OSError as e:  # a full disk, a folder made read-only meanwhile
+                then = "no meta.json describes unfinished files, so the next run redoes them"
+                raise _cannot_write(out_dir, e, then) from None
     counts = meta["splits"]
     print(
         f"prepared {out_dir}: vocab {meta['vocab_size']}, "
@@ -273,6 +288,11 @@ def _check_out_dir(out_dir: Path) -> None:
         if path.exists():
             if not path.is_dir():
                 raise PrepareError(f"cannot write {out_dir}: {path} is a file, not a folder")
+            if not os.access(path, os.W_OK | os.X_OK):
+                raise PrepareError(
+                    f"cannot write {out_dir}: no permission to write in {path}; "
+                    "give another --out-root"
+                )
             break
     run_files = [n for n in ("ckpt.pt", "metrics.jsonl") if (out_dir / n).exists()]
     if run_files:
@@ -281,6 +301,11 @@ def _check_out_dir(out_dir: Path) -> None:
             f"{out_dir} holds a training run ({', '.join(run_files)}); give the corpus another "
             "--name or --out-root"
         )
+
+
+def _cannot_write(out_dir: Path, e: OSError, then: str) -> PrepareError:
+    where = f": {e.filename}" if e.filename else ""
+    return PrepareError(f"cannot write {out_dir} ({e.strerror or e}{where}); {then}")
 
 
 def _check_settings(

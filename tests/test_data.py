@@ -472,6 +472,39 @@ def test_a_run_directory_or_a_file_is_no_place_for_a_corpus(corpus: Path, tmp_pa
         prepare("c", files=files, vocab_size=VOCAB, out_root=tmp_path / "afile")
 
 
+def test_an_out_root_that_cannot_be_written_says_so_before_any_work(
+    corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    denied = tmp_path / "denied"  # as a folder of another user's (root ignores permissions)
+    denied.mkdir()
+    monkeypatch.setattr(prepare_module.os, "access", lambda path, mode: Path(path) != denied)
+    read = []
+    monkeypatch.setattr(prepare_module, "files_corpus", lambda *a: read.append(a))
+    argv = ["--name", "c", "--files", str(corpus / "*.txt"), "--out-root", str(denied / "x")]
+    assert prepare_module.main(argv) == 2
+    assert f"cannot write {denied / 'x' / 'c'}: no permission to write in {denied}; give " in (
+        capsys.readouterr().err
+    )
+    assert not read and not any(denied.iterdir())
+
+
+def test_a_full_disk_leaves_the_corpus_there_before_whole(
+    corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    files = [str(corpus / "*.txt")]
+    out = prepare("c", files=files, vocab_size=VOCAB, out_root=tmp_path)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def full(*args: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(prepare_module, "_write_tokens", full)
+    argv = ["--name", "c", "--files", *files, "--out-root", str(tmp_path), "--vocab-size", "300"]
+    assert prepare_module.main(argv) == 2
+    assert f"cannot write {out} (No space left on device); no meta.json" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
 def test_identical_documents_share_a_split_and_are_counted(tmp_path: Path) -> None:
     texts = {f"{i:02}.txt": f"document {i}\nsecond line\n" for i in range(12)}
     # Each copy has Windows line endings: the same document once read with universal newlines.
