@@ -65,8 +65,11 @@ class MetricsLog:
 
     def write(self, record: dict[str, Any]) -> None:
         if self.enabled:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            try:
+                with open(self.path, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+            except OSError as e:  # a failed write names no file: this one does
+                raise OSError(e.errno, e.strerror, str(self.path)) from e
 
     def step(
         self,

@@ -810,6 +810,15 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    except OSError as e:  # a full disk, a run folder made read-only: not this program's bug
+        where = f": {e.filename}" if e.filename else ""
+        print(
+            f"error: {e.strerror or e}{where}; the last checkpoint, if any, is as it was: fix "
+            "that (free space, the folder's permissions) and run again (--resume continues "
+            "from the checkpoint)",
+            file=sys.stderr,
+        )
+        return 2
     except KeyboardInterrupt as e:  # a second SIGTERM too (StopNow): its own status
         print(
             "interrupted: stopped without saving; the last checkpoint, if any, is as it was",

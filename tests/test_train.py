@@ -32,6 +32,7 @@ import torch
 import torch.nn.utils.clip_grad as clip_grad
 
 import checkpoint
+import metrics
 import rundir
 import runtime
 import sample
@@ -886,6 +887,29 @@ def test_interrupted_save_leaves_the_previous_checkpoint_whole(
     assert run(data_root, out, "--train.max_steps=4", "--train.eval_interval=2", "--resume") == 0
     assert load_ckpt(out)["step"] == 4
     assert [r["step"] for r in train_lines(out)] == [1, 2, 3, 4]
+
+
+def test_a_log_that_cannot_be_written_is_an_error_naming_it(
+    data_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """A full disk while logging a line: the error names metrics.jsonl, the checkpoint stays."""
+    out = tmp_path / "run"
+    assert run(data_root, out, "--train.max_steps=2", "--train.eval_interval=2") == 0
+    saved = (out / checkpoint.CHECKPOINT).read_bytes()
+    real_open = open
+
+    def full_disk(path: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        f = real_open(path, mode, *args, **kwargs)
+        if "a" in mode:
+            f.write = Mock(side_effect=OSError(27, "File too large"))
+        return f
+
+    monkeypatch.setattr(metrics, "open", full_disk, raising=False)
+    capsys.readouterr()
+    assert run(data_root, out, "--train.max_steps=4", "--train.eval_interval=2", "--resume") == 2
+    err = error_of(capsys.readouterr().err)
+    assert f"File too large: {out / 'metrics.jsonl'}; the last checkpoint, if any, is as it" in err
+    assert (out / checkpoint.CHECKPOINT).read_bytes() == saved
 
 
 @pytest.mark.parametrize(
