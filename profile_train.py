@@ -268,6 +268,15 @@ def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a full disk, a folder made read-only while the sweep ran
+        where = f": {e.filename}" if e.filename else ""
+        kept = args.out is not None and (args.out / "results.json").exists()
+        print(
+            f"error: {e.strerror or e}{where}"
+            + (f"; the cells measured so far are in {args.out / 'results.json'}" if kept else ""),
+            file=sys.stderr,
+        )
+        return 2
     except KeyboardInterrupt as stop:
         if args.out is not None and (args.out / "results.json").exists():
             print(f"interrupted; the cells measured so far are in {args.out}", file=sys.stderr)

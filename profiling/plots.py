@@ -91,5 +91,9 @@ def plot_results(out: Path, results: dict[str, Any], setup: str) -> None:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
         fig.tight_layout()
-        fig.savefig(out / filename, dpi=110)
-        plt.close(fig)
+        try:
+            fig.savefig(out / filename, dpi=110)
+        except OSError as e:  # Pillow's failed write names no file: this one does
+            raise OSError(e.errno, e.strerror, str(out / filename)) from e
+        finally:
+            plt.close(fig)

@@ -746,6 +746,23 @@ def test_ctrl_c_before_any_cell_of_a_default_folder_sweep_leaves_no_profiles_fol
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_plot_that_cannot_be_written_is_an_error_naming_it_and_the_cells_stay(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import matplotlib.figure
+
+    def full_disk(self: object, *args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", full_disk)
+    out = tmp_path / "s"
+    argv = ["--variants", "naive", "--layers", "1", "--out", str(out), "--steps", "1"]
+    assert profile_train.main([*argv, *TINY]) == 2
+    err = capsys.readouterr().err
+    assert f"No space left on device: {out / 'step_time_vs_layers.png'}; the cells measured" in err
+    assert [r["status"] for r in json.loads((out / "results.json").read_text())["rows"]] == ["ok"]
+
+
 def test_damaged_results_json_is_an_error_not_a_traceback(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
