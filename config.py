@@ -215,8 +215,9 @@ def _build(
                 f"{where}unknown key {section}.{key!s}; valid keys in [{section}]: "
                 f"{', '.join(sorted(known))}"
             )
+        label = f"--{section}.{key}" if key in overridden else f"{section}.{key}"
         try:
-            kwargs[key] = _check_type(f"{section}.{key}", value, hints[key])
+            kwargs[key] = _check_type(label, value, hints[key])
         except ConfigError as e:
             raise ConfigError(where + str(e)) from None
     try:
@@ -226,12 +227,23 @@ def _build(
             raise ConfigError(str(e)) from None
         if not overridden:
             raise ConfigError(in_file + str(e)) from None
-        given = ", ".join(f"--{section}.{k}" for k in sorted(overridden))
-        try:  # the file's values alone: where they fail too, the file is named as well
-            _build(cls, file_values or {}, section)
-        except ConfigError:
-            raise ConfigError(f"{in_file}{e} (with {given})") from None
-        raise ConfigError(f"{e} (with {given})") from None
+        file_values = file_values or {}
+
+        def error_without(keys: set[str]) -> str | None:
+            kept = {k: v for k, v in values.items() if k not in keys}
+            kept |= {k: file_values[k] for k in keys if k in file_values}
+            try:
+                _build(cls, kept, section)
+            except ConfigError as error:
+                return str(error)
+            return None
+
+        # The overrides this error depends on: without one, it goes or changes. Where the
+        # file's values alone fail too, the file is named as well.
+        involved = [k for k in sorted(overridden) if error_without({k}) != str(e)]
+        named = in_file if error_without(overridden) is not None else ""
+        given = ", ".join(f"--{section}.{k}" for k in involved)
+        raise ConfigError(named + str(e) + (f" (with {given})" if given else "")) from None
 
 
 def parse_override(arg: str) -> tuple[str, str, Any]:

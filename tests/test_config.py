@@ -251,7 +251,7 @@ def test_an_error_names_the_file_or_the_override_its_value_came_from(tmp_path: P
     with pytest.raises(ConfigError, match=f"^{re.escape(str(path))}: unknown key train.max_step;"):
         load_config(path)
     path = write(tmp_path, "[train]\nlr = 0.01\n")
-    with pytest.raises(ConfigError, match=r"^train\.lr: expected float") as info:
+    with pytest.raises(ConfigError, match=r"^--train\.lr: expected float") as info:
         load_config(path, ["--train.lr=fast"])
     assert str(path) not in str(info.value)
     # A section's own checks: the file, with the overrides that went in, where the file's
@@ -263,6 +263,15 @@ def test_an_error_names_the_file_or_the_override_its_value_came_from(tmp_path: P
     path = write(tmp_path, "[model]\nn_layer = 2\n")
     with pytest.raises(ConfigError, match=r"^train\.batch_size=0: must be >= 1 \(with --train\."):
         load_config(path, ["--train.batch_size=0"])
+    # Only the overrides the error depends on: not every one given for the section.
+    with pytest.raises(ConfigError) as info:
+        load_config(path, ["--train.batch_size=0", "--train.max_steps=4"])
+    assert str(info.value) == "train.batch_size=0: must be >= 1 (with --train.batch_size)"
+    path = write(tmp_path, "[model]\nn_head = 5\n")
+    with pytest.raises(ConfigError) as info:  # the file's own error, whatever else is given
+        load_config(path, ["--model.vocab_size=2048"])
+    assert str(info.value).startswith(f"{path}: ") and "(with" not in str(info.value)
+    path = write(tmp_path, "[model]\nn_layer = 2\n")
     with pytest.raises(
         ConfigError, match=r"^model\.n_embd=90 is not divisible by n_head=4"
     ) as info:
