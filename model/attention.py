@@ -21,6 +21,7 @@ The layer resolves its variant once, when it is built; forward has no branch on 
 from __future__ import annotations
 
 import functools
+import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -223,6 +224,9 @@ class VariantUnavailable(RuntimeError):
     """An attention variant that cannot run (train, or infer) on a device and dtype."""
 
 
+_TRIGGERED = re.compile(r"\s*\(Triggered internally at [^)]*\)")
+
+
 def unavailable_reason(
     name: str,
     device: torch.device | str,
@@ -267,10 +271,15 @@ def unavailable_reason(
             if backward:
                 out.sum().backward()
         except (RuntimeError, NotImplementedError, ValueError) as e:
-            # torch explains why a pinned kernel refused the inputs in warnings; keep them.
-            why = [str(w.message).strip() for w in caught if "kernel" in str(w.message)]
-            first_line = str(e).strip().splitlines()[0]
-            return "; ".join([first_line, *why])
+            # torch explains why a pinned kernel refused the inputs in warnings; keep them,
+            # without the C++ source line each ends with.
+            why = [
+                _TRIGGERED.sub("", str(w.message)).strip()
+                for w in caught
+                if "kernel" in str(w.message)
+            ]
+            first_line = " ".join(str(e).strip().splitlines()[0].split())
+            return "; ".join([first_line, *why]).replace(":; ", ": ")
     return None
 
 
