@@ -273,7 +273,13 @@ def read_toml(path: str | Path) -> dict[str, Any]:
     try:
         return tomllib.loads(path.read_text(encoding="utf-8"))  # TOML is UTF-8 by spec
     except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist") from None
+        project = Path(__file__).resolve().parent
+        if path.is_absolute() or Path.cwd().resolve() == project:
+            raise ConfigError(f"config file {path} does not exist") from None
+        also = f"; the project's is {project / path}" if (project / path).is_file() else ""
+        raise ConfigError(
+            f"config file {path} does not exist, relative to {Path.cwd()}{also}"
+        ) from None
     except OSError as e:  # a directory, no permission
         raise ConfigError(f"config file {path}: cannot read it ({e.strerror})") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:

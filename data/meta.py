@@ -11,6 +11,8 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+PROJECT = Path(__file__).resolve().parents[1]
+
 
 class DataError(RuntimeError):
     """A prepared corpus that is missing or too small for the run."""
@@ -21,8 +23,8 @@ def load_meta(root: str | Path, name: str, vocab_size: int | None = None) -> dic
     path = Path(root) / name / "meta.json"
     if not path.is_file():
         raise DataError(
-            f"no prepared corpus at {path.parent}/ (missing meta.json); prepare it first, e.g. "
-            f"{prepare_command(path.parent, vocab_size)}"
+            f"no prepared corpus at {path.parent}/{_outside_note(path)} (missing meta.json); "
+            f"prepare it first, e.g. {prepare_command(path.parent, vocab_size)}"
         )
     try:
         meta = json.loads(path.read_text())
@@ -52,8 +54,25 @@ def prepare_command(corpus: Path, vocab_size: int | None = None) -> str:
 def _command(corpus: Path, args: list[str]) -> str:
     """data/prepare.py with `args`, writing the corpus folder `corpus`."""
     out_root = [] if corpus.parent == Path("data") else ["--out-root", str(corpus.parent)]
-    words = ["--name", corpus.name, *args, *out_root]
-    return "python data/prepare.py " + " ".join(map(shlex.quote, words))
+    words = [_prepare_script(), "--name", corpus.name, *args, *out_root]
+    return "python " + " ".join(map(shlex.quote, words))
+
+
+def _outside_note(path: Path) -> str:
+    """Where a relative path was looked for, when that is not the project's folder."""
+    if path.is_absolute() or Path.cwd().resolve() == PROJECT:
+        return ""
+    return f", relative to {Path.cwd()}"
+
+
+def _prepare_script() -> str:
+    """data/prepare.py as this directory reaches it: relative paths in configs (data.root)
+    are the working directory's, so the command must run from here too."""
+    script = Path(__file__).resolve().with_name("prepare.py")
+    try:
+        return str(script.relative_to(Path.cwd().resolve()))
+    except ValueError:  # run from outside the project
+        return str(script)
 
 
 def rebuild_hint(corpus: Path) -> str:

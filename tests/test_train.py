@@ -1254,6 +1254,22 @@ def test_missing_corpus_hints_at_prepare(
     assert "to resume" not in err
 
 
+def test_run_from_another_folder_the_hints_say_where_they_looked_and_what_to_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Relative paths are the working directory's: from outside the project, the errors say
+    so, and the command they suggest runs from there."""
+    monkeypatch.chdir(tmp_path)
+    assert train.main(["--config", "configs/tiny.toml"]) == 2
+    err = error_of(capsys.readouterr().err)
+    assert f"relative to {tmp_path}; the project's is {ROOT / 'configs' / 'tiny.toml'}" in err
+    assert train.main(["--config", str(TINY), "--train.max_steps=1"]) == 2
+    err = error_of(capsys.readouterr().err)
+    assert f"no prepared corpus at data/tiny/, relative to {tmp_path} (missing" in err
+    assert f"e.g. python {ROOT / 'data' / 'prepare.py'} --name tiny --stdlib" in err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_resume_without_its_corpus_says_the_tokenizer_must_be_the_runs(
     base_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
