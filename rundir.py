@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import shlex
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -65,6 +66,17 @@ def check_out_dir(out_dir: Path, config: Config, resume: bool) -> None:
         )
 
 
+MAKE_TRAIN_RUN = Path("runs/default")  # where `make train` trains (the Makefile's --out)
+
+
+def resume_hint(out_dir: Path) -> str:
+    """How to continue the run in out_dir, as the user started it: `make train` takes the
+    flags in ARGS."""
+    if os.environ.get("MAKELEVEL") and out_dir == MAKE_TRAIN_RUN:
+        return "make train ARGS=--resume"
+    return f"--resume --out {shlex.quote(str(out_dir))}"
+
+
 def open_run(
     out_dir: Path, config: Config, tokenizer_sha256: str, resume: bool
 ) -> tuple[Path, dict[str, Any] | None]:
@@ -74,8 +86,8 @@ def open_run(
     ckpt_path = out_dir / CHECKPOINT
     if ckpt_path.exists() and not resume:
         raise RunDirError(
-            f"{out_dir} already holds a checkpoint; pass --resume to continue it, or --out for a "
-            f"new run (or delete {out_dir} to start it over)"
+            f"{out_dir} already holds a checkpoint; continue it with {resume_hint(out_dir)}, or "
+            f"give --out for a new run (or delete {out_dir} to start it over)"
         )
     if not resume:
         return ckpt_path, None

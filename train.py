@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import math
 import os
-import shlex
 import shutil
 import signal
 import sys
@@ -50,7 +49,7 @@ from data.loader import TokenBatches
 from data.meta import DataError, check_vocab, load_meta
 from metrics import MetricsLog, start_metrics
 from model import GPT, GPTConfig, VariantUnavailable, available_variants, check_variant
-from rundir import RunDirError, lock_run_dir, open_run, run_config
+from rundir import RunDirError, lock_run_dir, open_run, resume_hint, run_config
 from runtime import (
     OtherLoad,
     StepReadout,
@@ -733,8 +732,8 @@ def _train(
                 note_other_load()
                 if master:
                     print(
-                        f"stopped by {stopped_by} after step {step}; resume with --resume "
-                        f"--out {shlex.quote(str(out_dir))}",
+                        f"stopped by {stopped_by} after step {step}; resume with "
+                        f"{resume_hint(out_dir)}",
                         file=sys.stderr,
                     )
                 return RunEnd(out_dir, step, step - first_step, stopped_by)
@@ -745,7 +744,7 @@ def _train(
     if master and step < tc.max_steps:
         print(
             f"paused after step {step} of {tc.max_steps} (--stop-after {stop_after}); "
-            f"resume with --resume --out {shlex.quote(str(out_dir))}",
+            f"resume with {resume_hint(out_dir)}",
             file=sys.stderr,
         )
     return RunEnd(out_dir, step, step - first_step, None)

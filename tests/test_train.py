@@ -525,7 +525,10 @@ def test_out_that_is_a_file_or_holds_corpora_is_refused(
 
 
 def test_a_new_run_goes_only_where_nothing_else_is(
-    data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    data_root: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """`--out .` in a project would write config.toml, metrics.jsonl and tokenizer.json among
     its files. A run's own files (one that stopped before its first checkpoint) are no bar."""
@@ -548,7 +551,14 @@ def test_a_new_run_goes_only_where_nothing_else_is(
     (unsaved / "notes.txt").write_text("mine")
     capsys.readouterr()
     assert run(data_root, unsaved, *one_step) == 2
-    assert "already holds a checkpoint; pass --resume" in error_of(capsys.readouterr().err)
+    err = error_of(capsys.readouterr().err)
+    assert f"already holds a checkpoint; continue it with --resume --out {unsaved}, or" in err
+    # Under `make train`, flags go in ARGS: the advice says how.
+    shutil.copytree(unsaved, tmp_path / "cwd" / "runs" / "default")
+    monkeypatch.chdir(tmp_path / "cwd")
+    monkeypatch.setenv("MAKELEVEL", "1")
+    assert run(data_root, Path("runs/default"), *one_step) == 2
+    assert "continue it with make train ARGS=--resume, or" in error_of(capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("share", [0.5, 0.0])
