@@ -246,8 +246,9 @@ def _build(
         raise ConfigError(named + str(e) + (f" (with {given})" if given else "")) from None
 
 
-def parse_override(arg: str) -> tuple[str, str, Any]:
-    """'--train.lr=3e-4' -> ('train', 'lr', 0.0003). Bare words are strings: --model.attention=sdpa"""
+def parse_override(arg: str, after: str | None = None) -> tuple[str, str, Any]:
+    """'--train.lr=3e-4' -> ('train', 'lr', 0.0003). Bare words are strings: --model.attention=sdpa
+    `after`: the argument that follows, the value where one was given apart (--train.lr 3e-4)."""
     body = arg.removeprefix("--")
     if not arg.startswith("--"):  # a stray word, or a config file given without --config
         hint = f"; did you mean --config {arg}?" if arg.endswith(".toml") else " (see --help)"
@@ -257,7 +258,9 @@ def parse_override(arg: str) -> tuple[str, str, Any]:
             f"unknown option {arg!r} (see --help); a config override reads --section.field=value"
         )
     if "=" not in body:
-        raise ConfigError(f"override {arg!r}: expected --section.field=value")
+        apart = after is not None and not after.startswith("--")
+        hint = f"; did you mean {arg}={after}?" if apart else ""
+        raise ConfigError(f"override {arg!r}: expected --section.field=value{hint}")
     dotted, raw = body.split("=", 1)
     section, key = dotted.split(".", 1)
     try:
@@ -336,8 +339,9 @@ def build_config(
             raise ConfigError(in_file + str(e)) from None
     file_raw = {section: dict(values) for section, values in raw.items()}
     overridden: dict[str, set[str]] = {}
-    for arg in overrides:
-        section, key, value = parse_override(arg)
+    for i, arg in enumerate(overrides):
+        after = overrides[i + 1] if i + 1 < len(overrides) else None
+        section, key, value = parse_override(arg, after)
         field_types = typing.get_type_hints(hints[section]) if section in sections else {}
         if field_types.get(key) is str and not isinstance(value, str):
             # --data.name=2024 or --train.sample_prompt=true: the text as typed, not a number

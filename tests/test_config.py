@@ -148,6 +148,7 @@ BAD = {
         ["--train.sample_prompt", "UTF-8"],
     ),
     "not-an-override": (None, ["--train.lr"], ["--train.lr", "--section.field=value"]),
+    "value-given-apart": (None, ["--train.lr", "0.1"], ["did you mean --train.lr=0.1?"]),
     "mistyped-option": (None, ["--variant=sdpa"], ["unknown option '--variant=sdpa'", "--help"]),
     "stray-word": (None, ["sdpa"], ["unexpected argument 'sdpa'"]),
     "config-without-flag": (
