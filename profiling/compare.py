@@ -48,8 +48,21 @@ def comparable(sweeps: list[tuple[Path, dict[str, Any]]]) -> str | None:
         values = [of(results) for _, results in sweeps]
         if any(v != values[0] for v in values):
             shown = "; ".join(f"{path}: {v}" for (path, _), v in zip(sweeps, values, strict=True))
-            return f"the sweeps differ in {what} ({shown}): their savings are not one quantity"
+            return (
+                f"the sweeps differ in {what} ({shown}): their savings are not one quantity"
+                + _stopped_early(sweeps)
+            )
     return None
+
+
+def _stopped_early(sweeps: list[tuple[Path, dict[str, Any]]]) -> str:
+    """Which of the sweeps were interrupted, the likely cause of a difference in depths."""
+    stopped = [
+        f"{path}, {len(results['rows'])} of {results['meta']['cells_planned']} cells"
+        for path, results in sweeps
+        if len(results["rows"]) < results["meta"].get("cells_planned", 0)
+    ]
+    return f"; stopped before the end: {'; '.join(stopped)}" if stopped else ""
 
 
 def _layers(results: dict[str, Any]) -> list[int]:

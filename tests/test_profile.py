@@ -1194,6 +1194,14 @@ def test_compare_reads_the_savings_of_several_sweeps(
         assert profile_train.main(["--compare", *map(str, folders)]) == 2
         err = capsys.readouterr().err
         assert f"differ in {named}" in err and str(folders[-1]) in err
+    cut = copy.deepcopy(results)  # interrupted: its depths differ, and it says why
+    cut["meta"]["cells_planned"] = planned = len(cut["rows"])
+    cut["rows"] = [r for r in cut["rows"] if r["n_layer"] == 1]
+    (folders[-1] / "results.json").write_text(json.dumps(cut))
+    assert profile_train.main(["--compare", *map(str, folders)]) == 2
+    err = capsys.readouterr().err
+    assert "differ in n_layer" in err
+    assert f"stopped before the end: {folders[-1]}, {len(cut['rows'])} of {planned} cells" in err
     other_clip = copy.deepcopy(results)  # another clip norm is the same work
     other_clip["meta"]["config"]["train"]["grad_clip"] = 0.5
     (folders[-1] / "results.json").write_text(json.dumps(other_clip))
