@@ -21,6 +21,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.flop_counter import register_flop_formula
 
+LINEAR_PATHS = {"onednn": "oneDNN", "torch": "PyTorch BLAS"}  # the CPU nn.Linear paths, by name
+
 
 def cpu_field(name: str) -> str | None:
     """A field of /proc/cpuinfo ('vendor_id', 'model name'), or None where there is none."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import math
 import os
 import shutil
@@ -44,11 +43,18 @@ from config import (
     TrainConfig,
     dump_toml,
 )
-from cpu_linear import use_onednn_linears, wants_onednn
+from cpu_linear import LINEAR_PATHS, use_onednn_linears, wants_onednn
 from data.loader import TokenBatches
 from data.meta import DataError, check_vocab, load_meta
 from metrics import MetricsLog, start_metrics
 from model import GPT, GPTConfig, VariantUnavailable, available_variants, check_variant
+from optim import build_optimizer, lr_at
+from resume import (
+    restore_state,
+    say_the_ranks_changed,
+    say_the_schedule_changed,
+    say_what_resuming_changes,
+)
 from rundir import RunDirError, lock_run_dir, open_run, resume_hint, run_config
 from runtime import (
     OtherLoad,
@@ -72,58 +78,6 @@ class TrainError(RuntimeError):
 
 # What a user can fix: printed as one "error: ..." line, exit status 2, nothing overwritten.
 USER_ERRORS = (ConfigError, TrainError, RunDirError, DataError, CheckpointError)
-
-
-# --- optimizer and schedule ---------------------------------------------------------------------
-
-
-def build_optimizer(
-    model: torch.nn.Module, cfg: TrainConfig, device: torch.device
-) -> torch.optim.AdamW:
-    """AdamW with decay on matrices (embeddings, Linear weights) only, fused where supported."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2]},
-        {"params": [p for p in params if p.dim() < 2]},
-    ]
-    # Fused: one op updates all of a group's tensors (on CUDA, a few multi-tensor kernels) in
-    # place of a loop of small ops per tensor. On CPU each tensor's step count is still
-    # bumped, cast and read on its own: a handful of small ops per parameter tensor. MPS has
-    # the fused kernel too; elsewhere, the multi-tensor (foreach) loop.
-    fused = device.type in ("cuda", "cpu", "mps")
-    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, fused=fused, foreach=None if fused else True)
-    apply_optimizer_settings(optimizer, cfg)
-    return optimizer
-
-
-def apply_optimizer_settings(optimizer: torch.optim.AdamW, cfg: TrainConfig) -> None:
-    """The config's weight decay and betas on build_optimizer's two groups. Called again after
-    resuming: load_state_dict brings back the checkpoint's, and a run resumed with
-    --train.weight_decay=... must use the value its config.toml now records. (lr is set each step.)"""
-    for group, decay in zip(optimizer.param_groups, (cfg.weight_decay, 0.0), strict=True):
-        group["weight_decay"] = decay
-        group["betas"] = (cfg.beta1, cfg.beta2)
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup over warmup_steps, then cosine decay from lr (at step warmup_steps) to
-    min_lr at max_steps. The warmup climbs in warmup_steps + 1 equal parts, so the peak is
-    reached once, where the decay starts, not held for two steps."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / (cfg.warmup_steps + 1)
-    span = max(1, cfg.max_steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
-    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
-
-
-def compile_blocks(model: GPT) -> None:
-    """torch.compile each transformer block in place; embeddings, head and loss stay eager.
-
-    The blocks are identical modules, so they share one compiled graph: compile time stays
-    flat with depth (as in torchtitan), which is what a sweep over n_layer needs.
-    """
-    for block in model.blocks:
-        block.compile()
 
 
 # --- the training step ----------------------------------------------------------------------------
@@ -199,25 +153,17 @@ def evaluate(
     return total.item() / n_batches
 
 
-# --- the loop ---------------------------------------------------------------------------------------
+# --- what a run is made of: model, optimizer, batches ------------------------------------------
 
 
-@dataclass(frozen=True)
-class RunEnd:
-    """How a call to `train` ended."""
+def compile_blocks(model: GPT) -> None:
+    """torch.compile each transformer block in place; embeddings, head and loss stay eager.
 
-    run_dir: Path
-    step: int  # the run's step count now
-    steps_taken: int  # optimizer steps taken by this call
-    stopped_by: str | None  # the signal's name (SIGINT, SIGTERM) when stopped before its last step
-
-
-class Pending(NamedTuple):
-    """A step whose values the host has not read yet."""
-
-    step: int
-    readout: StepReadout
-    peak_mem: int | None  # the CUDA allocator's peak, in bytes, since the last logged step
+    The blocks are identical modules, so they share one compiled graph: compile time stays
+    flat with depth (as in torchtitan), which is what a sweep over n_layer needs.
+    """
+    for block in model.blocks:
+        block.compile()
 
 
 def build_model(
@@ -262,9 +208,6 @@ def check_attention(
         raise TrainError(str(e)) from None
 
 
-LINEAR_PATHS = {"onednn": "oneDNN", "torch": "PyTorch BLAS"}  # CPU nn.Linear, as written_by has it
-
-
 def linear_path(config: Config, device: torch.device, amp_dtype: torch.dtype | None) -> bool:
     """Whether nn.Linear goes through oneDNN (cpu_linear.py), as train.cpu_linear asks; an
     error naming the field where it asks for what cannot run here."""
@@ -305,107 +248,25 @@ def token_batches(
     }
 
 
-def _say_what_resuming_changes(ckpt: dict[str, Any], config: Config, linear: str | None) -> None:
-    """A resume through another attention variant or nn.Linear path computes the same
-    function, rounded differently: said, as the run will not match an uninterrupted one.
-    (Checkpoints from before the path was recorded have no "linear".)"""
-    rounding = (
-        "the same function, rounded differently, so the run will not match one that never "
-        "stopped to the last bit"
-    )
-    trained_with = ckpt["config"]["model"].get("attention")
-    if trained_with not in (None, config.model.attention):
-        print(
-            f"resuming with attention {config.model.attention}; the run trained with "
-            f"{trained_with} so far (attention holds no weights; {rounding})",
-            file=sys.stderr,
-        )
-    linear_before = ckpt.get("written_by", {}).get("linear")
-    if linear is not None and linear_before not in (None, linear):
-        print(
-            f"resuming with nn.Linear through {LINEAR_PATHS[linear]} (train.cpu_linear="
-            f"{config.train.cpu_linear}); the run trained through "
-            f"{LINEAR_PATHS.get(linear_before)} so far: {rounding}",
-            file=sys.stderr,
-        )
+# --- the loop ---------------------------------------------------------------------------------------
 
 
-SCHEDULE_FIELDS = ("lr", "min_lr", "warmup_steps", "max_steps")  # all that lr_at reads
+@dataclass(frozen=True)
+class RunEnd:
+    """How a call to `train` ended."""
+
+    run_dir: Path
+    step: int  # the run's step count now
+    steps_taken: int  # optimizer steps taken by this call
+    stopped_by: str | None  # the signal's name (SIGINT, SIGTERM) when stopped before its last step
 
 
-def _say_the_schedule_changed(ckpt: dict[str, Any], tc: TrainConfig) -> None:
-    """The learning rate follows the settings given now from the resume step on: new schedule
-    settings (above all a larger max_steps, to extend a run) move it there, up the cosine
-    again where the run had decayed. Said, with the rate before and after, as nanoGPT's and
-    torchtitan's schedules do the same without a word."""
-    try:
-        step = int(ckpt["step"])
-        before = {k: ckpt["config"]["train"][k] for k in SCHEDULE_FIELDS}
-        was = dataclasses.replace(tc, **before)
-    except (KeyError, TypeError, ValueError, AttributeError):
-        return  # a checkpoint that says too little to tell; restoring it says what is wrong
-    changed = [
-        f"{k} {before[k]} -> {getattr(tc, k)}" for k in before if before[k] != getattr(tc, k)
-    ]
-    if step >= tc.max_steps or not changed:
-        return
-    then, now = lr_at(step, was), lr_at(step, tc)
-    if math.isclose(then, now, rel_tol=1e-6):
-        return
-    hint = ""
-    # Extending a run that had decayed to min_lr, past any new warm-up: lr=min_lr holds it there
-    if step >= was.max_steps and step >= tc.warmup_steps and now > then:
-        hint = f"; to go on at min_lr instead, also give --train.lr={tc.min_lr:g}"
-    print(
-        f"resuming with train.{', train.'.join(changed)}: the learning-rate schedule is "
-        f"recomputed over the new settings, so step {step + 1} trains at {now:.3g} where the "
-        f"run's own schedule gives {then:.3g}{hint}",
-        file=sys.stderr,
-    )
+class Pending(NamedTuple):
+    """A step whose values the host has not read yet."""
 
-
-def _restore(
-    ckpt: dict[str, Any],
-    ckpt_path: Path,
-    model: GPT,
-    optimizer: torch.optim.AdamW,
-    train_batches: TokenBatches,
-    tc: TrainConfig,
-) -> int:
-    """The checkpoint's weights, optimizer state (with the settings given now on top) and data
-    position; returns its step. A bad entry is an error naming it."""
-    with restoring(ckpt_path, "model"):
-        model.load_state_dict(ckpt["model"])
-    with restoring(ckpt_path, "optimizer"):
-        optimizer.load_state_dict(ckpt["optimizer"])
-        # A checkpoint follows a step, which gave every parameter AdamW's moments: fewer
-        # would restart them silently (load_state_dict accepts any subset).
-        moments = {"step", "exp_avg", "exp_avg_sq"}
-        have = sum(moments <= state.keys() for state in optimizer.state.values())
-        params = len(list(model.parameters()))
-        if have != params:
-            raise ValueError(f"it holds AdamW's moments for {have} of {params} parameters")
-    apply_optimizer_settings(optimizer, tc)
-    with restoring(ckpt_path, "data"):
-        train_batches.load_state_dict(ckpt["data"])
-    return ckpt["step"]
-
-
-def _say_the_ranks_changed(ranks_before: int, batch_before: int, ranks: int, batch: int) -> None:
-    """A resume on another number of processes reseeds dropout, and the micro-batches change
-    unless batch_size x processes does not."""
-    rows, rows_before = batch * ranks, batch_before * ranks_before  # one micro-batch, all ranks
-    batches_note = (
-        "the micro-batches are the ones it would have drawn"
-        if rows == rows_before
-        else f"a micro-batch takes {rows} rows over all processes where it took {rows_before}, "
-        "so the data differs from there on"
-    )
-    print(
-        f"resuming on {ranks} process(es); the run trained on {ranks_before} so far: dropout "
-        f"is reseeded and {batches_note}, so the run will not match one that never stopped",
-        file=sys.stderr,
-    )
+    step: int
+    readout: StepReadout
+    peak_mem: int | None  # the CUDA allocator's peak, in bytes, since the last logged step
 
 
 def _say_how_it_runs(
@@ -506,8 +367,8 @@ def _train(
     # another machine can change it.
     linear = ("onednn" if onednn else "torch") if device.type == "cpu" else None
     if master and ckpt is not None:
-        _say_what_resuming_changes(ckpt, config, linear)
-        _say_the_schedule_changed(ckpt, tc)
+        say_what_resuming_changes(ckpt, config, linear)
+        say_the_schedule_changed(ckpt, tc)
 
     # Before the model: a corpus too small for the batch is told in a second, not after a
     # model of block_size (and its memory) is built.
@@ -518,7 +379,7 @@ def _train(
     raw_model, optimizer = build_model(config.model, tc, device, onednn=onednn, compile=tc.compile)
     step = 0
     if ckpt is not None:
-        step = _restore(ckpt, ckpt_path, raw_model, optimizer, batches["train"], tc)
+        step = restore_state(ckpt, ckpt_path, raw_model, optimizer, batches["train"], tc)
         if step >= tc.max_steps:
             if master:
                 print(f"{out_dir} is complete (step {step} of train.max_steps={tc.max_steps})")
@@ -528,7 +389,7 @@ def _train(
         if master and ranks_before not in (None, world_size):
             with restoring(ckpt_path, "config"):
                 batch_before = int(ckpt["config"]["train"]["batch_size"])
-            _say_the_ranks_changed(ranks_before, batch_before, world_size, tc.batch_size)
+            say_the_ranks_changed(ranks_before, batch_before, world_size, tc.batch_size)
     resumed = ckpt is not None
     del ckpt  # its copy of the weights and optimizer state: host memory the run no longer needs
     model = wrap_ddp(raw_model, device) if world_size > 1 else raw_model

@@ -33,6 +33,8 @@ import torch.nn.utils.clip_grad as clip_grad
 
 import checkpoint
 import metrics
+import optim
+import resume
 import rundir
 import runtime
 import sample
@@ -714,13 +716,13 @@ def test_extending_a_finished_run_says_the_learning_rate_climbs_again(
     assert "learning-rate schedule" not in capsys.readouterr().err
     # A checkpoint lacking a schedule field says nothing rather than guess at it; a warm-up
     # raised past the resume step gets no min_lr hint (lr=min_lr would ramp up below it).
-    fields = {k: getattr(tc, k) for k in train.SCHEDULE_FIELDS} | {"max_steps": STEPS}
-    for missing in train.SCHEDULE_FIELDS:
+    fields = {k: getattr(tc, k) for k in optim.SCHEDULE_FIELDS} | {"max_steps": STEPS}
+    for missing in optim.SCHEDULE_FIELDS:
         lacking = {k: v for k, v in fields.items() if k != missing}
-        train._say_the_schedule_changed({"step": STEPS, "config": {"train": lacking}}, tc)
+        resume.say_the_schedule_changed({"step": STEPS, "config": {"train": lacking}}, tc)
         assert capsys.readouterr().err == "", missing
     warm = dataclasses.replace(tc, warmup_steps=STEPS + 5)
-    train._say_the_schedule_changed({"step": STEPS, "config": {"train": fields}}, warm)
+    resume.say_the_schedule_changed({"step": STEPS, "config": {"train": fields}}, warm)
     err = capsys.readouterr().err
     assert "learning-rate schedule is recomputed" in err and "min_lr instead" not in err
     split = tmp_path / "split"

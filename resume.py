@@ -1,0 +1,120 @@
+"""Resuming a run: its checkpoint's state put back, and what the settings given now change
+against the run so far (attention variant, Linear path, schedule, number of processes), said
+before the first step, since a resumed run then will not match one that never stopped."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from checkpoint import restoring
+from config import Config, TrainConfig
+from cpu_linear import LINEAR_PATHS
+from data.loader import TokenBatches
+from model import GPT
+from optim import SCHEDULE_FIELDS, apply_optimizer_settings, lr_at
+
+
+def say_what_resuming_changes(ckpt: dict[str, Any], config: Config, linear: str | None) -> None:
+    """A resume through another attention variant or nn.Linear path computes the same
+    function, rounded differently: said, as the run will not match an uninterrupted one.
+    (Checkpoints from before the path was recorded have no "linear".)"""
+    rounding = (
+        "the same function, rounded differently, so the run will not match one that never "
+        "stopped to the last bit"
+    )
+    trained_with = ckpt["config"]["model"].get("attention")
+    if trained_with not in (None, config.model.attention):
+        print(
+            f"resuming with attention {config.model.attention}; the run trained with "
+            f"{trained_with} so far (attention holds no weights; {rounding})",
+            file=sys.stderr,
+        )
+    linear_before = ckpt.get("written_by", {}).get("linear")
+    if linear is not None and linear_before not in (None, linear):
+        print(
+            f"resuming with nn.Linear through {LINEAR_PATHS[linear]} (train.cpu_linear="
+            f"{config.train.cpu_linear}); the run trained through "
+            f"{LINEAR_PATHS.get(linear_before)} so far: {rounding}",
+            file=sys.stderr,
+        )
+
+
+def say_the_schedule_changed(ckpt: dict[str, Any], tc: TrainConfig) -> None:
+    """The learning rate follows the settings given now from the resume step on: new schedule
+    settings (above all a larger max_steps, to extend a run) move it there, up the cosine
+    again where the run had decayed. Said, with the rate before and after, as nanoGPT's and
+    torchtitan's schedules do the same without a word."""
+    try:
+        step = int(ckpt["step"])
+        before = {k: ckpt["config"]["train"][k] for k in SCHEDULE_FIELDS}
+        was = dataclasses.replace(tc, **before)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return  # a checkpoint that says too little to tell; restoring it says what is wrong
+    changed = [
+        f"{k} {before[k]} -> {getattr(tc, k)}" for k in before if before[k] != getattr(tc, k)
+    ]
+    if step >= tc.max_steps or not changed:
+        return
+    then, now = lr_at(step, was), lr_at(step, tc)
+    if math.isclose(then, now, rel_tol=1e-6):
+        return
+    hint = ""
+    # Extending a run that had decayed to min_lr, past any new warm-up: lr=min_lr holds it there
+    if step >= was.max_steps and step >= tc.warmup_steps and now > then:
+        hint = f"; to go on at min_lr instead, also give --train.lr={tc.min_lr:g}"
+    print(
+        f"resuming with train.{', train.'.join(changed)}: the learning-rate schedule is "
+        f"recomputed over the new settings, so step {step + 1} trains at {now:.3g} where the "
+        f"run's own schedule gives {then:.3g}{hint}",
+        file=sys.stderr,
+    )
+
+
+def restore_state(
+    ckpt: dict[str, Any],
+    ckpt_path: Path,
+    model: GPT,
+    optimizer: torch.optim.AdamW,
+    train_batches: TokenBatches,
+    tc: TrainConfig,
+) -> int:
+    """The checkpoint's weights, optimizer state (with the settings given now on top) and data
+    position; returns its step. A bad entry is an error naming it."""
+    with restoring(ckpt_path, "model"):
+        model.load_state_dict(ckpt["model"])
+    with restoring(ckpt_path, "optimizer"):
+        optimizer.load_state_dict(ckpt["optimizer"])
+        # A checkpoint follows a step, which gave every parameter AdamW's moments: fewer
+        # would restart them silently (load_state_dict accepts any subset).
+        moments = {"step", "exp_avg", "exp_avg_sq"}
+        have = sum(moments <= state.keys() for state in optimizer.state.values())
+        params = len(list(model.parameters()))
+        if have != params:
+            raise ValueError(f"it holds AdamW's moments for {have} of {params} parameters")
+    apply_optimizer_settings(optimizer, tc)
+    with restoring(ckpt_path, "data"):
+        train_batches.load_state_dict(ckpt["data"])
+    return ckpt["step"]
+
+
+def say_the_ranks_changed(ranks_before: int, batch_before: int, ranks: int, batch: int) -> None:
+    """A resume on another number of processes reseeds dropout, and the micro-batches change
+    unless batch_size x processes does not."""
+    rows, rows_before = batch * ranks, batch_before * ranks_before  # one micro-batch, all ranks
+    batches_note = (
+        "the micro-batches are the ones it would have drawn"
+        if rows == rows_before
+        else f"a micro-batch takes {rows} rows over all processes where it took {rows_before}, "
+        "so the data differs from there on"
+    )
+    print(
+        f"resuming on {ranks} process(es); the run trained on {ranks_before} so far: dropout "
+        f"is reseeded and {batches_note}, so the run will not match one that never stopped",
+        file=sys.stderr,
+    )
