@@ -173,6 +173,8 @@ def prepare(
             print(f"reusing {out_dir}: inputs and settings unchanged ({content_sha256[:12]})")
             record_source(out_dir, corpus.source)
             return out_dir
+        if out_dir.exists():  # not reused: it will be written, before the tokenizer is trained
+            _check_writable(out_dir, out_dir)
         say_what_is_replaced(out_dir, settings, content_sha256)
 
         # Arrow files for local corpora are only needed while tokenizing.
@@ -288,11 +290,8 @@ def _check_out_dir(out_dir: Path) -> None:
         if path.exists():
             if not path.is_dir():
                 raise PrepareError(f"cannot write {out_dir}: {path} is a file, not a folder")
-            if not os.access(path, os.W_OK | os.X_OK):
-                raise PrepareError(
-                    f"cannot write {out_dir}: no permission to write in {path}; "
-                    "give another --out-root"
-                )
+            if path != out_dir:  # one there already may be a read-only corpus to reuse
+                _check_writable(out_dir, path)
             break
     run_files = [n for n in ("ckpt.pt", "metrics.jsonl") if (out_dir / n).exists()]
     if run_files:
@@ -300,6 +299,13 @@ def _check_out_dir(out_dir: Path) -> None:
         raise PrepareError(
             f"{out_dir} holds a training run ({', '.join(run_files)}); give the corpus another "
             "--name or --out-root"
+        )
+
+
+def _check_writable(out_dir: Path, folder: Path) -> None:
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise PrepareError(
+            f"cannot write {out_dir}: no permission to write in {folder}; give another --out-root"
         )
 
 
@@ -391,7 +397,8 @@ def _write_outputs(
     remove_stale_temporaries(out_dir, OUTPUT_FILES)
     temporary = {final: out_dir / f".{final}.{os.getpid()}.tmp" for final in OUTPUT_FILES}
     try:
-        tokenizer.save(str(temporary["tokenizer.json"]))
+        # Written by Python, not Tokenizer.save: its errors (a full disk) are plain Exceptions.
+        temporary["tokenizer.json"].write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
         counts = {
             split: _write_tokens(tokenizer, documents, temporary[f"{split}.bin"], split)
             for split, documents in splits.items()

@@ -488,6 +488,21 @@ def test_an_out_root_that_cannot_be_written_says_so_before_any_work(
     assert not read and not any(denied.iterdir())
 
 
+def test_a_read_only_corpus_is_reused_and_not_rebuilt(
+    corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    files = [str(corpus / "*.txt")]
+    out = prepare("c", files=files, vocab_size=VOCAB, out_root=tmp_path)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    monkeypatch.setattr(prepare_module.os, "access", lambda path, mode: Path(path) != out)
+    assert prepare("c", files=files, vocab_size=VOCAB, out_root=tmp_path) == out
+    trained = []
+    monkeypatch.setattr(prepare_module, "_train_tokenizer", lambda *a: trained.append(a))
+    with pytest.raises(PrepareError, match=f"no permission to write in {re.escape(str(out))};"):
+        prepare("c", files=files, vocab_size=300, out_root=tmp_path)  # other settings
+    assert not trained and {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
 def test_a_full_disk_leaves_the_corpus_there_before_whole(
     corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
