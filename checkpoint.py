@@ -8,6 +8,7 @@ wrote it (`provenance()`).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import platform
 import re
@@ -93,6 +94,23 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
             f"could not write {path} ({cause.strerror or cause}); the checkpoint there before, "
             "if any, is untouched: free space (or fix the folder) and continue with --resume"
         ) from e
+
+
+# What a failed write needs, by its errno; other errors get no advice beyond their own words.
+_WRITE_FIXES = {
+    errno.ENOSPC: "free space",
+    errno.EDQUOT: "free space",
+    errno.EFBIG: "free space or raise the file-size limit (ulimit -f)",
+    errno.EACCES: "fix the folder's permissions",
+    errno.EPERM: "fix the folder's permissions",
+    errno.EROFS: "write to a filesystem that is not read-only",
+}
+
+
+def describe_os_error(e: OSError) -> tuple[str, str | None]:
+    """What went wrong, with the file where known, and what fixes it where the errno says."""
+    where = f": {e.filename}" if e.filename else ""
+    return f"{e.strerror or e or type(e).__name__}{where}", _WRITE_FIXES.get(e.errno)
 
 
 def _os_error_behind(error: BaseException) -> OSError | None:

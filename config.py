@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shlex
 import tomllib
 import types
 import typing
@@ -242,6 +243,8 @@ def _build(
         # file's values alone fail too, the file is named as well.
         involved = [k for k in sorted(overridden) if error_without({k}) != str(e)]
         named = in_file if error_without(overridden) is not None else ""
+        if not (involved or named):  # only together (each alone would fail it the same way)
+            involved = sorted(overridden)
         given = ", ".join(f"--{section}.{k}" for k in involved)
         raise ConfigError(named + str(e) + (f" (with {given})" if given else "")) from None
 
@@ -259,7 +262,7 @@ def parse_override(arg: str, after: str | None = None) -> tuple[str, str, Any]:
         )
     if "=" not in body:
         apart = after is not None and not after.startswith("--")
-        hint = f"; did you mean {arg}={after}?" if apart else ""
+        hint = f"; did you mean {shlex.quote(f'{arg}={after}')}?" if apart else ""
         raise ConfigError(f"override {arg!r}: expected --section.field=value{hint}")
     dotted, raw = body.split("=", 1)
     section, key = dotted.split(".", 1)

@@ -69,7 +69,7 @@ class MetricsLog:
                 with open(self.path, "a") as f:
                     f.write(json.dumps(record) + "\n")
             except OSError as e:  # a failed write names no file: this one does
-                raise OSError(e.errno, e.strerror, str(self.path)) from e
+                raise OSError(e.errno, e.strerror or str(e), str(self.path)) from e
 
     def step(
         self,

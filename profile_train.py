@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from checkpoint import describe_os_error
 from config import ConfigError, load_config
 from model import VARIANTS, available_variants, unavailable_reason
 from profiling.analysis import fits_by_label
@@ -269,10 +270,11 @@ def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a full disk, a folder made read-only while the sweep ran
-        where = f": {e.filename}" if e.filename else ""
+        what, fix = describe_os_error(e)
         kept = args.out is not None and (args.out / "results.json").exists()
         print(
-            f"error: {e.strerror or e}{where}"
+            f"error: {what}"
+            + (f" ({fix})" if fix else "")
             + (f"; the cells measured so far are in {args.out / 'results.json'}" if kept else ""),
             file=sys.stderr,
         )

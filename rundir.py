@@ -70,11 +70,12 @@ MAKE_TRAIN_RUN = Path("runs/default")  # where `make train` trains (the Makefile
 
 
 def resume_hint(out_dir: Path) -> str:
-    """How to continue the run in out_dir, as the user started it: `make train` takes the
-    flags in ARGS."""
-    if os.environ.get("MAKELEVEL") and out_dir == MAKE_TRAIN_RUN:
-        return "make train ARGS=--resume"
-    return f"--resume --out {shlex.quote(str(out_dir))}"
+    """How to continue the run in out_dir, as the user started it: `make train` (which sets
+    MAKE_TRAIN=1) takes the flags in ARGS."""
+    flags = f"--resume --out {shlex.quote(str(out_dir))}"
+    if os.environ.get("MAKE_TRAIN") != "1":
+        return flags
+    return f"make train ARGS={shlex.quote('--resume' if out_dir == MAKE_TRAIN_RUN else flags)}"
 
 
 def open_run(

@@ -29,7 +29,9 @@ from torch.profiler import record_function
 from tqdm import tqdm
 
 from checkpoint import (
+    CHECKPOINT,
     CheckpointError,
+    describe_os_error,
     provenance,
     restore_rng,
     restoring,
@@ -639,6 +641,7 @@ def main(argv: list[str] | None = None) -> int:
         help="stop (and save) after N more steps, e.g. to split a run across sessions",
     )
     args, overrides = parser.parse_known_args(argv)
+    out: Path | None = None
     try:
         if args.stop_after is not None and args.stop_after < 1:
             raise TrainError(f"--stop-after {args.stop_after}: must be at least 1 step")
@@ -671,11 +674,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     except OSError as e:  # a full disk, a run folder made read-only: not this program's bug
-        where = f": {e.filename}" if e.filename else ""
+        what, fix = describe_os_error(e)
+        saved = out is not None and (out / CHECKPOINT).is_file()
+        then = f"continue with {resume_hint(out)}" if saved else "run again"
         print(
-            f"error: {e.strerror or e}{where}; the last checkpoint, if any, is as it was: fix "
-            "that (free space, the folder's permissions) and run again (--resume continues "
-            "from the checkpoint)",
+            f"error: {what}; the last checkpoint, if any, is as it was: {fix or 'fix that'}, "
+            f"then {then}",
             file=sys.stderr,
         )
         return 2

@@ -279,7 +279,7 @@ def unavailable_reason(
                 if "kernel" in str(w.message)
             ]
             first_line = " ".join(str(e).strip().splitlines()[0].split())
-            return "; ".join([first_line, *why]).replace(":; ", ": ")
+            return "; ".join(part.rstrip(".") for part in [first_line, *why]).replace(":; ", ": ")
     return None
 
 

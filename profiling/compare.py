@@ -48,9 +48,8 @@ def comparable(sweeps: list[tuple[Path, dict[str, Any]]]) -> str | None:
         values = [of(results) for _, results in sweeps]
         if any(v != values[0] for v in values):
             shown = "; ".join(f"{path}: {v}" for (path, _), v in zip(sweeps, values, strict=True))
-            return (
-                f"the sweeps differ in {what} ({shown}): their savings are not one quantity"
-                + _stopped_early(sweeps)
+            return f"the sweeps differ in {what} ({shown}): their savings are not one quantity" + (
+                _stopped_early(sweeps) if what == "n_layer" else ""
             )
     return None
 

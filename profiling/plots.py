@@ -94,6 +94,6 @@ def plot_results(out: Path, results: dict[str, Any], setup: str) -> None:
         try:
             fig.savefig(out / filename, dpi=110)
         except OSError as e:  # Pillow's failed write names no file: this one does
-            raise OSError(e.errno, e.strerror, str(out / filename)) from e
+            raise OSError(e.errno, e.strerror or str(e), str(out / filename)) from e
         finally:
             plt.close(fig)

@@ -114,7 +114,8 @@ def clones_in_one_training_step(variant: str, n_layer: int, device: str = "cpu")
     from torch.profiler import ProfilerActivity, profile
 
     from config import TrainConfig
-    from train import build_optimizer, train_step
+    from optim import build_optimizer
+    from train import train_step
 
     torch.manual_seed(0)
     model = GPT(tiny_config(variant, n_layer=n_layer)).to(device)

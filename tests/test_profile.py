@@ -759,7 +759,8 @@ def test_a_plot_that_cannot_be_written_is_an_error_naming_it_and_the_cells_stay(
     argv = ["--variants", "naive", "--layers", "1", "--out", str(out), "--steps", "1"]
     assert profile_train.main([*argv, *TINY]) == 2
     err = capsys.readouterr().err
-    assert f"No space left on device: {out / 'step_time_vs_layers.png'}; the cells measured" in err
+    png = out / "step_time_vs_layers.png"
+    assert f"No space left on device: {png} (free space); the cells measured so far" in err
     assert [r["status"] for r in json.loads((out / "results.json").read_text())["rows"]] == ["ok"]
 
 
@@ -1342,8 +1343,9 @@ def test_every_op_of_a_training_step_is_in_a_region(grad_accum: int) -> None:
 
     from config import TrainConfig
     from model import GPT, GPTConfig
+    from optim import build_optimizer
     from profiling.analysis import REGIONS
-    from train import build_optimizer, train_step
+    from train import train_step
 
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16))
     optimizer = build_optimizer(model, TrainConfig(), torch.device("cpu"))
@@ -1368,8 +1370,9 @@ def test_ops_autocast_wraps_count_once_per_call() -> None:
 
     from config import TrainConfig
     from model import GPT, GPTConfig
+    from optim import build_optimizer
     from profiling.measure import parse_events
-    from train import build_optimizer, train_step
+    from train import train_step
 
     def forward_ops(amp_dtype: torch.dtype | None) -> Counter:
         torch.manual_seed(0)
@@ -1603,8 +1606,9 @@ def test_marking_attention_calls_changes_no_count_and_is_undone() -> None:
 
     from config import TrainConfig
     from model import GPT, GPTConfig
+    from optim import build_optimizer
     from profiling.measure import _categorised, attention_calls_marked
-    from train import build_optimizer, train_step
+    from train import train_step
 
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16))
     optimizer = build_optimizer(model, TrainConfig(), torch.device("cpu"))
@@ -1668,8 +1672,9 @@ def test_self_times_match_the_profilers_own() -> None:
 
     from config import TrainConfig
     from model import GPT, GPTConfig
+    from optim import build_optimizer
     from profiling.analysis import OP_NAMESPACES
-    from train import build_optimizer, train_step
+    from train import train_step
 
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16))
     optimizer = build_optimizer(model, TrainConfig(), torch.device("cpu"))

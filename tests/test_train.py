@@ -555,12 +555,18 @@ def test_a_new_run_goes_only_where_nothing_else_is(
     assert run(data_root, unsaved, *one_step) == 2
     err = error_of(capsys.readouterr().err)
     assert f"already holds a checkpoint; continue it with --resume --out {unsaved}, or" in err
-    # Under `make train`, flags go in ARGS: the advice says how.
+    # Under `make train`, flags go in ARGS: the advice says how; any other make is no matter.
     shutil.copytree(unsaved, tmp_path / "cwd" / "runs" / "default")
     monkeypatch.chdir(tmp_path / "cwd")
     monkeypatch.setenv("MAKELEVEL", "1")
     assert run(data_root, Path("runs/default"), *one_step) == 2
+    assert "continue it with --resume --out runs/default, or" in error_of(capsys.readouterr().err)
+    monkeypatch.setenv("MAKE_TRAIN", "1")
+    assert run(data_root, Path("runs/default"), *one_step) == 2
     assert "continue it with make train ARGS=--resume, or" in error_of(capsys.readouterr().err)
+    assert run(data_root, unsaved, *one_step) == 2  # make train ARGS="--out ..."
+    err = error_of(capsys.readouterr().err)
+    assert f"continue it with make train ARGS='--resume --out {unsaved}', or" in err
 
 
 @pytest.mark.parametrize("share", [0.5, 0.0])
@@ -697,7 +703,7 @@ def test_extending_a_finished_run_says_the_learning_rate_climbs_again(
     assert run(data_root, out, f"--train.max_steps={STEPS + 10}", "--resume") == 0
     err = capsys.readouterr().err
     tc = load_config(out / "config.toml").train
-    now = train.lr_at(STEPS, tc)
+    now = optim.lr_at(STEPS, tc)
     assert now > 2 * tc.min_lr  # the case this is about: well up the cosine again
     assert (
         f"resuming with train.max_steps {STEPS} -> {STEPS + 10}: the learning-rate schedule is "
@@ -921,6 +927,7 @@ def test_a_log_that_cannot_be_written_is_an_error_naming_it(
     assert run(data_root, out, "--train.max_steps=4", "--train.eval_interval=2", "--resume") == 2
     err = error_of(capsys.readouterr().err)
     assert f"File too large: {out / 'metrics.jsonl'}; the last checkpoint, if any, is as it" in err
+    assert f"raise the file-size limit (ulimit -f), then continue with --resume --out {out}" in err
     assert (out / checkpoint.CHECKPOINT).read_bytes() == saved
 
 
@@ -1101,7 +1108,7 @@ def test_resume_with_config_keeps_the_runs_own_settings_and_names_those_that_dif
     assert "model." not in err, "only the fields that differ are named"
     kept = load_config(out / "config.toml").train
     assert (kept.max_steps, kept.lr, load_ckpt(out)["step"]) == (8, 0.01, 3)
-    assert train_lines(out)[-1]["lr"] == pytest.approx(train.lr_at(2, kept))
+    assert train_lines(out)[-1]["lr"] == pytest.approx(optim.lr_at(2, kept))
 
     assert run(data_root, out, "--resume", "--train.max_steps=9") == 0
     assert load_ckpt(out)["step"] == 9
@@ -1935,7 +1942,7 @@ def test_sigterm_to_one_rank_stops_both_after_rank_0_saved(
 
 def test_lr_warms_up_to_the_peak_once_then_decays_to_min_lr() -> None:
     tc = TrainConfig(lr=1e-3, min_lr=1e-4, warmup_steps=4, max_steps=20)
-    lrs = [train.lr_at(step, tc) for step in range(tc.max_steps + 1)]
+    lrs = [optim.lr_at(step, tc) for step in range(tc.max_steps + 1)]
     assert lrs[:4] == pytest.approx([2e-4, 4e-4, 6e-4, 8e-4])  # linear, from above zero
     assert lrs[4] == pytest.approx(1e-3) and lrs.count(max(lrs)) == 1
     assert all(a > b for a, b in itertools.pairwise(lrs[4:]))  # cosine: falls every step
@@ -1993,9 +2000,9 @@ def test_every_param_group_follows_the_schedule(base_run: Path) -> None:
     tc = load_config(base_run / "config.toml").train
     groups = load_ckpt(base_run)["optimizer"]["param_groups"]
     assert len(groups) == 2
-    assert all(g["lr"] == pytest.approx(train.lr_at(STEPS - 1, tc)) for g in groups)
+    assert all(g["lr"] == pytest.approx(optim.lr_at(STEPS - 1, tc)) for g in groups)
     for r in train_lines(base_run):  # the lr that step ran with: step s is lr_at(s - 1)
-        assert r["lr"] == pytest.approx(train.lr_at(r["step"] - 1, tc))
+        assert r["lr"] == pytest.approx(optim.lr_at(r["step"] - 1, tc))
 
 
 # --- the optimizer and the step, by themselves ------------------------------------------------------
@@ -2013,7 +2020,7 @@ def small_model(seed: int = 0) -> GPT:
 def test_weight_decay_on_matrices_only() -> None:
     model = small_model()
     tc = TrainConfig(weight_decay=0.25, beta1=0.8, beta2=0.9)
-    decayed, plain = train.build_optimizer(model, tc, torch.device("cpu")).param_groups
+    decayed, plain = optim.build_optimizer(model, tc, torch.device("cpu")).param_groups
     matrices = {id(p) for p in model.parameters() if p.dim() == 2}
     assert {id(p) for p in decayed["params"]} == matrices
     assert {id(p) for p in plain["params"]} == {id(p) for p in model.parameters()} - matrices
