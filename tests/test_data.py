@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -46,6 +47,24 @@ def _write(folder: Path, documents: dict[str, str | bytes]) -> Path:
 @pytest.fixture
 def corpus(tmp_path: Path) -> Path:
     return _write(tmp_path / "corpus", {f"{word}.txt": _document(word) for word in WORDS})
+
+
+def _contents(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
+class Prepared(NamedTuple):
+    files: list[str]  # the globs it was prepared from
+    out: Path
+    before: dict[str, bytes]  # its files, by name
+
+
+@pytest.fixture
+def prepared(corpus: Path, tmp_path: Path) -> Prepared:
+    """A corpus prepared in tmp_path/tiny, for tests of what a later prepare does to it."""
+    files = [str(corpus / "*.txt")]
+    out = prepare("tiny", files=files, vocab_size=VOCAB, out_root=tmp_path)
+    return Prepared(files, out, _contents(out))
 
 
 def _decode_split(out_dir: Path, split: str) -> list[str]:
@@ -198,11 +217,9 @@ def test_truncated_output_is_rebuilt(
 
 
 def test_interrupted_rebuild_keeps_previous_outputs(
-    corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    prepared: Prepared, corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    files = [str(corpus / "*.txt")]
-    out = prepare("tiny", files=files, vocab_size=VOCAB, out_root=tmp_path)
-    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    files, out, before = prepared
     real_write_tokens = prepare_module._write_tokens
 
     def interrupted(tokenizer: Tokenizer, documents: object, path: Path, split: str) -> dict:
@@ -214,7 +231,7 @@ def test_interrupted_rebuild_keeps_previous_outputs(
     (corpus / "fjord.txt").write_text("changed\n")
     with pytest.raises(KeyboardInterrupt):
         prepare("tiny", files=files, vocab_size=VOCAB, out_root=tmp_path)
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before, "no temp files left"
+    assert _contents(out) == before, "no temp files left"
 
 
 def test_a_killed_runs_temporary_files_go_with_the_next_build(corpus: Path, tmp_path: Path) -> None:
@@ -453,7 +470,7 @@ def test_bad_input_fails_clearly_and_keeps_prepared_data(
     }
     with pytest.raises(PrepareError, match=message):
         prepare(**({"name": "tiny"} | kwargs | change))
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert _contents(out) == before
 
 
 def test_a_run_directory_or_a_file_is_no_place_for_a_corpus(corpus: Path, tmp_path: Path) -> None:
@@ -489,35 +506,34 @@ def test_an_out_root_that_cannot_be_written_says_so_before_any_work(
 
 
 def test_a_read_only_corpus_is_reused_and_not_rebuilt(
-    corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    prepared: Prepared, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    files = [str(corpus / "*.txt")]
-    out = prepare("c", files=files, vocab_size=VOCAB, out_root=tmp_path)
-    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    files, out, before = prepared
     monkeypatch.setattr(prepare_module.os, "access", lambda path, mode: Path(path) != out)
-    assert prepare("c", files=files, vocab_size=VOCAB, out_root=tmp_path) == out
+    assert prepare("tiny", files=files, vocab_size=VOCAB, out_root=tmp_path) == out
     trained = []
     monkeypatch.setattr(prepare_module, "_train_tokenizer", lambda *a: trained.append(a))
     with pytest.raises(PrepareError, match=f"no permission to write in {re.escape(str(out))};"):
-        prepare("c", files=files, vocab_size=300, out_root=tmp_path)  # other settings
-    assert not trained and {p.name: p.read_bytes() for p in out.iterdir()} == before
+        prepare("tiny", files=files, vocab_size=300, out_root=tmp_path)  # other settings
+    assert not trained and _contents(out) == before
 
 
 def test_a_full_disk_leaves_the_corpus_there_before_whole(
-    corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+    prepared: Prepared,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
 ) -> None:
-    files = [str(corpus / "*.txt")]
-    out = prepare("c", files=files, vocab_size=VOCAB, out_root=tmp_path)
-    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    files, out, before = prepared
 
     def full(*args: object) -> None:
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(prepare_module, "_write_tokens", full)
-    argv = ["--name", "c", "--files", *files, "--out-root", str(tmp_path), "--vocab-size", "300"]
+    argv = ["--name", "tiny", "--files", *files, "--out-root", str(tmp_path), "--vocab-size", "300"]
     assert prepare_module.main(argv) == 2
     assert f"cannot write {out} (No space left on device); no meta.json" in capsys.readouterr().err
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert _contents(out) == before
 
 
 def test_identical_documents_share_a_split_and_are_counted(tmp_path: Path) -> None:
