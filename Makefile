@@ -37,9 +37,10 @@ demo: setup
 
 # Prepares the standard-library corpus where there is none, trains, saves, prints a sample.
 # Again into the same run: make train ARGS=--resume. Another run: ARGS="--model.attention=naive
-# --out runs/naive" (MAKE_TRAIN=1: train.py's advice to resume then reads as make's). A corpus that is there is kept: prepared again after the Python changed, it
-# would be another standard library's, and the runs trained on it could not resume (train.py
-# says how to rebuild one that is damaged).
+# --out runs/naive" (MAKE_TRAIN=1: train.py's advice to resume then reads as make's). A corpus
+# that is there is kept: prepared again after the Python changed, it would be another standard
+# library's, and the runs trained on it could not resume (train.py says how to rebuild one that
+# is damaged).
 train: setup
 	test -f data/stdlib/meta.json || $(PY) data/prepare.py --name stdlib --stdlib
 	MAKE_TRAIN=1 $(PY) train.py --config configs/default.toml --out runs/default $(ARGS)

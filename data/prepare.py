@@ -163,8 +163,8 @@ def prepare(
         hub_cache = out_dir / HF_CACHE_DIR
         corpus = hub_corpus(hub, hub_config, split, text_column, max_bytes, hub_cache)
     content_sha256 = sha256_text(json.dumps(settings, sort_keys=True) + "\n" + corpus.digest)
-    # The reuse check and the writing: one prepare at a time in this out-root.
-    try:  # what _check_out_dir cannot foresee (root ignores permissions; /proc)
+    # The out-root, then the reuse check and the writing: one prepare at a time in it.
+    try:  # failing as _check_out_dir cannot foresee (root ignores permissions; /proc)
         out_dir.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise _cannot_write(out_dir, e, "give another --out-root") from None

@@ -24,8 +24,8 @@ from data.meta import token_file_problem
 def one_at_a_time(root: Path) -> Iterator[None]:
     """One prepare at a time in an out-root: a second one (two `make train`s started together)
     waits, then finds the corpus whole and reuses it, instead of replacing its files, and
-    removing its meta.json, under a run reading them. A lock on the folder itself: no file."""
-    root.mkdir(parents=True, exist_ok=True)
+    removing its meta.json, under a run reading them. A lock on the folder itself, which must
+    exist (prepare makes it, saying so when it cannot): no file."""
     fd = os.open(root, os.O_RDONLY)
     try:
         try:
