@@ -15,6 +15,7 @@ import resource
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any, Self
 
 import torch
@@ -90,13 +91,16 @@ class OtherLoad:
     """The share of the machine's CPU time that went elsewhere while a run or measurement goes on.
 
     Busy time of all CPUs (Linux /proc/stat, steal included: a VM's neighbours count) minus
-    this process's own CPU time, over wall time x cores, from construction to `share()`.
+    this process's own CPU time, over wall time x cores. It counts from construction to
+    `share()`, or, made with `running=False`, only inside its `counting()` windows, summed.
     Another job on the machine shows here before it shows as noise in the step times.
     Inductor's compile workers (--compile) are other processes, so they count too.
     """
 
-    def __init__(self) -> None:
-        self.start = self._read()
+    def __init__(self, running: bool = True) -> None:
+        self.linux = self._read() is not None
+        self._closed = (0.0, 0.0, 0.0)  # busy, own and wall seconds of the windows closed
+        self._open = self._read() if running else None
 
     @staticmethod
     def _read() -> tuple[float, float, float] | None:
@@ -111,11 +115,27 @@ class OtherLoad:
         own = resource.getrusage(resource.RUSAGE_SELF)
         return busy, own.ru_utime + own.ru_stime, time.monotonic()
 
+    def _counted(self) -> tuple[float, float, float]:
+        """The closed windows' seconds and, if one is open, its seconds so far."""
+        end = self._read() if self._open is not None else None
+        if end is None:
+            return self._closed
+        return tuple(c + e - s for c, e, s in zip(self._closed, end, self._open, strict=True))
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        """Count the time inside this block, adding it to what earlier blocks counted."""
+        self._open = self._read()
+        try:
+            yield
+        finally:
+            self._closed = self._counted()
+            self._open = None
+
     def share(self) -> float | None:
-        end = self._read()
-        if self.start is None or end is None or end[2] <= self.start[2]:
+        busy, own, wall = self._counted()
+        if not self.linux or wall <= 0:
             return None
-        busy, own, wall = (e - s for e, s in zip(end, self.start, strict=True))
         return max(0.0, (busy - own) / (wall * (os.cpu_count() or 1)))
 
 

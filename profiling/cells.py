@@ -63,6 +63,7 @@ class Cell:
     compile_cache: str | None = None  # compiled cells: what Inductor's cache held (see below)
     # Eager cells: their first step compiled something all the same (flex compiles its kernel)
     first_step_compiled: bool = False
+    compiles_while_timed: int = 0  # timed steps in which something was compiled
     status: str = "ok"
     reason: str | None = None
     done: int = 0  # of its warm-up, timed and profiled steps, how many the progress bar shows

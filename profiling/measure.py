@@ -259,17 +259,13 @@ def _nest(
             yield stack.pop().closed()
 
 
-# How parse_events counts an op directly inside one of its own name (meta.op_calls).
-ONE_CALL = "re-dispatch counted once"
-
-
 def parse_events(events: list, device: torch.device) -> StepProfile:
     """Count ops and kernels by region, and time them by name and by category, from the
     profiler's kineto events.
 
-    Regions are the record_function ranges of the main thread; an op belongs to the region
-    its start falls in (the autograd engine runs CUDA backward ops on another thread, so
-    parent links would miss them). A kernel belongs to the region of the CPU runtime call
+    Regions are the record_function ranges `forward`, `backward` and `optimizer`; an op, on
+    whichever thread, belongs to the region its start falls in (the autograd engine runs CUDA
+    backward ops on another thread, so parent links would miss them). A kernel belongs to the region of the CPU runtime call
     that launched it (cudaLaunchKernel, cuLaunchKernelEx, cudaMemcpyAsync, ...), found by
     correlation id, since GPU timestamps run behind the CPU's; its category is that call's,
     from the ops around it, else its own name's.

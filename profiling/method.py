@@ -10,7 +10,30 @@ import statistics
 from typing import Any
 
 from profiling.analysis import label, ok_rows
-from profiling.measure import ONE_CALL
+
+# How this code's sweeps measure, written into results.json's meta (the sweep adds `startup`
+# once its warm-up has run). The notes below test these keys: a sweep written before a change
+# lacks its key, or holds another value, and is described as it was measured.
+METHOD = {
+    # balanced_orders; sweeps before it rotated one order
+    "round_order": "balanced",
+    # what the resident part of peak memory counts (sweeps before it: no buffers)
+    "resident": "parameters, buffers and optimizer state",
+    # compile_s nets out the eager twin's first step...
+    "compile_time": "less eager",
+    # ...unless it compiled too; None, not 0, where the twin's excess is the larger
+    "compile_netting": "eager compiles kept",
+    # time_split places each op and kernel by the op around it (before: by its name)
+    "time_categories": "by enclosing op, attention calls marked",
+    # sweeps before it ran a real eager naive step
+    "flop_count": "meta device",
+    # an op directly inside one of its name (autocast's wrapper, an overload calling another)
+    # counts once; sweeps before it counted it twice
+    "op_calls": "re-dispatch counted once",
+    # other_cpu_share over the timed rounds (before: the whole sweep, compiling included)
+    "other_cpu_window": "timed rounds",
+}
+STARTUP = "tiny model"  # the warm-up's model (sweeps before it: a tiny compiled function)
 
 # How the split reads since ops and kernels went to the category of the operator around them.
 _BY_ENCLOSING_OP = (
@@ -29,7 +52,7 @@ _UNLAUNCHED_KERNELS = (
 
 def where_time_goes_intro(meta: dict[str, Any]) -> list[str]:
     """How the time of the profiled step is split, as the sweep that wrote meta split it."""
-    if meta.get("time_categories") == "by enclosing op, attention calls marked":
+    if meta.get("time_categories") == METHOD["time_categories"]:
         how = (
             _BY_ENCLOSING_OP
             + "**attention** and **everything else** (GELU, LayerNorm, the loss, AdamW, the "
@@ -109,7 +132,7 @@ def serialised_text(meta: dict[str, Any]) -> str:
 
 def doubled_ops(meta: dict[str, Any]) -> str | None:
     """For a sweep made before an op that calls itself again counted once: what that means."""
-    if meta.get("op_calls") == ONE_CALL:
+    if meta.get("op_calls") == METHOD["op_calls"]:
         return None
     if meta.get("autocast"):
         return (
@@ -141,7 +164,7 @@ def one_call_text(meta: dict[str, Any]) -> str:
 
 
 def eager_excess_text(meta: dict[str, Any]) -> str:
-    if meta.get("compile_time") != "less eager":
+    if meta.get("compile_time") != METHOD["compile_time"]:
         return ""
     return (
         ", less the same difference of the eager cell of that variant and depth where the "
@@ -151,14 +174,14 @@ def eager_excess_text(meta: dict[str, Any]) -> str:
             ", unless that eager first step compiled something itself (eager `flex` compiles "
             "its kernel); – where the eager cell's difference was the larger: each is one "
             "first step, so the compile time is within their noise"
-            if meta.get("compile_netting") == "eager compiles kept"
+            if meta.get("compile_netting") == METHOD["compile_netting"]
             else ""
         )
     )
 
 
 def flop_count_text(meta: dict[str, Any]) -> str:
-    if meta.get("flop_count") != "meta device":
+    if meta.get("flop_count") != METHOD["flop_count"]:
         return ""
     return (
         " on the meta device (shapes without data: no memory or compute, so a depth where "
@@ -167,7 +190,7 @@ def flop_count_text(meta: dict[str, Any]) -> str:
 
 
 def round_order_text(meta: dict[str, Any]) -> str:
-    if meta.get("round_order") == "balanced":
+    if meta.get("round_order") == METHOD["round_order"]:
         return (
             "each round in an order of a balanced Latin square (Williams design; for three: "
             "A B C, B C A, C A B, A C B, C B A, B A C), so over each full set of orders every "
@@ -210,7 +233,7 @@ def reused_text(rows: list[dict[str, Any]]) -> str:
 
 def startup_text(meta: dict[str, Any]) -> str:
     """The compiler's one-time start-up, paid before the first cell (absent before it was)."""
-    if meta.get("startup") == "tiny model":
+    if meta.get("startup") == STARTUP:
         compiled = meta.get("compiler_startup_s")
         how = (
             f"eager and then compiled ({compiled:.1f} s: the compiler's imports and workers, "
@@ -222,9 +245,9 @@ def startup_text(meta: dict[str, Any]) -> str:
             " The process's one-time start-up was paid before the first cell, on a training "
             f"step of a tiny model, {how}, so the first cell's first step does not carry "
             "it (what is particular to a shape still falls to the first cell of that shape). "
-            "A full garbage "
-            "collection runs before each cell's first step and before the timed rounds, so "
-            "none lands in them by chance."
+            "A full garbage collection runs before each cell's first step and before the "
+            "timed rounds, so what came before is not collected in them; the collector stays "
+            "on during them, as in training."
         )
     if meta.get("compiler_startup_s") is None:
         return ""

@@ -18,6 +18,7 @@ from profiling.analysis import (
 from profiling.findings import findings, where_time_goes
 from profiling.method import (
     KERNEL_LABELS,
+    METHOD,
     causal_note,
     compile_mark,
     device_memory_lines,
@@ -67,6 +68,24 @@ def _completeness(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]
     ]
 
 
+def _compiled_while_timed(rows: list[dict[str, Any]]) -> list[str]:
+    """A warning naming the cells whose timed steps compiled something (a recompile)."""
+    cells = [
+        f"{label(r['variant'], r['compile'])} L{r['n_layer']} "
+        f"({r['compiles_while_timed']} of {r['step_ms']['n']})"
+        for r in rows
+        if r.get("compiles_while_timed") and r.get("step_ms")
+    ]
+    if not cells:
+        return []
+    return [
+        f"**Warning**: timed steps compiled something (a recompile: a guard failed, a shape "
+        f"was made dynamic) in {', '.join(cells)}; those steps' times are in the figures, and "
+        "the p90 above all shows them.",
+        "",
+    ]
+
+
 def _steps(n: int, what: str) -> str:
     return f"{n} {what}{'' if n == 1 else 's'}"
 
@@ -111,11 +130,8 @@ def _fmt(x: float | None, spec: str = ".1f", none: str = "–") -> str:
     return none if x is None else format(x, spec)
 
 
-def _total(counts: dict[str, dict[str, float]] | None, region: str | None = None) -> float | None:
-    if not counts:
-        return None
-    regions = [region] if region else list(counts)
-    return sum(sum(counts.get(r, {}).values()) for r in regions)
+def _total(counts: dict[str, dict[str, float]], region: str) -> float:
+    return sum(counts.get(region, {}).values())
 
 
 def headline_table(results: dict[str, Any]) -> list[str]:
@@ -289,7 +305,11 @@ def _peak_paths(meta: dict[str, Any]) -> str:
 def _machine_line(meta: dict[str, Any]) -> str:
     extra = f", CUDA {meta['cuda']}" if meta.get("cuda") else ""
     other = meta.get("other_cpu_share")
-    load = "" if other is None else f"; other processes used {other:.0%} of the CPUs meanwhile"
+    load = (
+        ""
+        if other is None
+        else f"; other processes used {other:.0%} of the CPUs {_while(meta, 'meanwhile')}"
+    )
     return (
         f"{meta['device']} ({meta['device_name']}), {meta['cpu_count']} logical CPUs, "
         f"{meta['torch_threads']} torch threads, torch {meta['torch_version']}{extra}, "
@@ -310,10 +330,18 @@ def _busy_warning(meta: dict[str, Any]) -> list[str]:
     if other is None or other <= BUSY_SHARE:
         return []
     return [
-        f"**Warning**: other processes used {other:.0%} of the CPUs during this sweep; its "
+        f"**Warning**: other processes used {other:.0%} of the CPUs {_while(meta, 'during this sweep')}; its "
         "times are slower and noisier than this machine's. Rerun on a quiet machine.",
         "",
     ]
+
+
+def _while(meta: dict[str, Any], before: str) -> str:
+    """When other processes' share of the CPUs was counted; `before` for sweeps that counted
+    it over the whole sweep, compiling and profiling too."""
+    if meta.get("other_cpu_window") == METHOD["other_cpu_window"]:
+        return "during the timed steps"
+    return before
 
 
 def write_report(out: Path, results: dict[str, Any], plots: bool = True) -> None:
@@ -332,6 +360,7 @@ def write_report(out: Path, results: dict[str, Any], plots: bool = True) -> None
         "",
         *_completeness(meta, rows),
         *_busy_warning(meta),
+        *_compiled_while_timed(rows),
         *headline_table(results),
         *(["", "Did not run:", *not_run] if not_run else []),
     ]
@@ -411,6 +440,7 @@ def _report_md(results: dict[str, Any]) -> str:
             "",
             *_completeness(meta, rows),
             *_busy_warning(meta),
+            *_compiled_while_timed(rows),
             f"- **Machine**: {_machine_line(meta)}",
             f"- **Setup**: {_setup_line(meta)}; {_steps(meta['steps'], 'timed step')} per cell after {_steps(meta['warmup'], 'warm-up step')}",
             f"- **Matmul peak** ({meta['dtype']}): {_peak_readings(meta)}{_peak_paths(meta)}",

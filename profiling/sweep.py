@@ -46,7 +46,6 @@ from profiling.cells import (
     out_of_memory,
 )
 from profiling.measure import (
-    ONE_CALL,
     TRACE_WARN_BYTES,
     attention_calls_marked,
     backend_that_ran,
@@ -59,6 +58,7 @@ from profiling.measure import (
     timed,
     verify_backend,
 )
+from profiling.method import METHOD, STARTUP
 from profiling.results import write_json, write_results
 from runtime import (
     OtherLoad,
@@ -73,6 +73,23 @@ from train import build_model, train_step
 BATCH_POOL = 4  # distinct batches cycled through, drawn before timing so no I/O is timed
 HEAP_RESERVE = 256 << 20  # CPU, memory kept: heap faulted in before each depth's timed steps
 
+
+# A row's measured numbers, cleared where another backend than the variant's ran
+MEASURED = (
+    "step_ms",
+    "tokens_per_s",
+    "peak_mem_bytes",
+    "compile_s",
+    "first_step_ms",
+    "eager_excess_s",
+    "page_faults_per_step",
+    "compiles_while_timed",
+    "allocator_calls_per_step",
+    "alloc_retries",
+    "cpu_ms_per_step",
+    "device_ms_per_step",
+    "time_split",
+)
 
 # --compile: which of eager (False) and compiled (True) cells a sweep measures
 COMPILE_MODES = {"off": [False], "on": [True], "both": [False, True]}
@@ -174,19 +191,8 @@ class Sweep:
             "data": self.args.data,
             "steps": self.args.steps,
             "warmup": self.args.warmup,
-            "round_order": "balanced",  # balanced_orders; sweeps before it rotated one order
-            # What the resident part of peak memory counts (sweeps before it: no buffers).
-            "resident": "parameters, buffers and optimizer state",
             "compile": self.compile_mode,  # off, on or both
-            "compile_time": "less eager",  # compile_s nets out the eager twin's first step
-            # ...unless it compiled too; None, not 0, where the twin's excess is the larger
-            "compile_netting": "eager compiles kept",
-            # time_split places each op and kernel by the op around it (before: by its name)
-            "time_categories": "by enclosing op, attention calls marked",
-            "flop_count": "meta device",  # sweeps before it ran a real eager naive step
-            # an op directly inside one of its name (autocast's wrapper, an overload calling
-            # another) counts once; sweeps before it counted it twice
-            "op_calls": ONE_CALL,
+            **METHOD,
             "profile_steps": self.args.profile_steps,
             "command": "python " + shlex.join(sys.argv),
             "out": str(self.out),
@@ -252,7 +258,7 @@ class Sweep:
             tempfile.TemporaryFile(dir=self.out).close()
         except OSError as e:
             raise ConfigError(f"--out {self.out}: cannot write there ({e.strerror})") from None
-        self.other_load = OtherLoad()
+        self.other_load = OtherLoad(running=False)  # counts in the timed rounds only
         print(
             f"measuring the {self.dtype_name} matmul peak of {self.meta['device_name']} ...",
             file=sys.stderr,
@@ -357,7 +363,7 @@ class Sweep:
                 file=sys.stderr,
             )
             return
-        self.meta["startup"] = "tiny model"  # sweeps before it: a tiny compiled function
+        self.meta["startup"] = STARTUP
         if compiled:  # its graphs go with the first depth's Dynamo reset
             self.meta["compiler_startup_s"] = seconds
 
@@ -432,26 +438,11 @@ class Sweep:
             # would otherwise fault fresh pages in during the timed steps (at the profile
             # shape, up to 1,500 a step in naive at n_layer=8, where memory was kept).
             reserve_heap(HEAP_RESERVE)
-        gc.collect()  # what the warm-ups left, collected before the timed steps, not in them
-        orders = balanced_orders(len(cells))
-        for r in range(self.args.steps):
-            self._say(bar, f"L{cells[0].n_layer} round {r + 1}/{self.args.steps}")
-            # Rounds of every cell: drift hits every variant alike; each round's order from a
-            # balanced Latin square, so each cell follows every other equally often and what a
-            # step inherits from the one before (caches, the heap's layout) is shared too.
-            for cell in (cells[i] for i in orders[r % len(orders)]):
-                if cell.step is None:
-                    continue
-                with self._guard(cell):
-                    before = self._allocator()  # read outside the page faults' window
-                    faults = minor_faults()
-                    cell.times.append(timed(cell.step, self.device))
-                    cell.page_faults += minor_faults() - faults
-                    after = self._allocator()
-                    if before is not None and after is not None:
-                        cell.device_allocs = (cell.device_allocs or 0) + after[0] - before[0]
-                        cell.alloc_retries = (cell.alloc_retries or 0) + after[1] - before[1]
-                self._advance(bar, cell, 1)
+        # What the warm-ups left is collected now, not in the timed steps. The collector stays
+        # on in them, as in training.
+        gc.collect()
+        with self.other_load.counting():
+            self._timed_rounds(cells, bar)
         excess = eager_first_step_excess(cells)
         for cell in cells:
             if cell.compiled:
@@ -466,6 +457,32 @@ class Sweep:
                     f"as interleaved timing needs; alone: --variants {cell.variant} "
                     f"--layers {cell.n_layer} --compile {'on' if cell.compiled else 'off'})"
                 )
+
+    def _timed_rounds(self, cells: list[Cell], bar: tqdm) -> None:
+        orders = balanced_orders(len(cells))
+        for r in range(self.args.steps):
+            self._say(bar, f"L{cells[0].n_layer} round {r + 1}/{self.args.steps}")
+            # Rounds of every cell: drift hits every variant alike; each round's order from a
+            # balanced Latin square, so each cell follows every other equally often and what a
+            # step inherits from the one before (caches, the heap's layout) is shared too.
+            for cell in (cells[i] for i in orders[r % len(orders)]):
+                if cell.step is None:
+                    continue
+                with self._guard(cell):
+                    # read outside the step's window, as the allocator's counts are
+                    compiles = compile_counters()
+                    before = self._allocator()
+                    faults = minor_faults()
+                    cell.times.append(timed(cell.step, self.device))
+                    cell.page_faults += minor_faults() - faults
+                    after = self._allocator()
+                    # A recompile (a guard that failed, a shape made dynamic) in a timed step:
+                    # counted, so the report can say which times carry one.
+                    cell.compiles_while_timed += compile_counters() != compiles
+                    if before is not None and after is not None:
+                        cell.device_allocs = (cell.device_allocs or 0) + after[0] - before[0]
+                        cell.alloc_retries = (cell.alloc_retries or 0) + after[1] - before[1]
+                self._advance(bar, cell, 1)
 
     def _steps_per_cell(self) -> int:
         """A cell's warm-up, timed and profiled (wait, warmup, active) steps."""
@@ -490,12 +507,15 @@ class Sweep:
         return allocator_counts(torch.cuda.memory_stats(self.device))
 
     @contextlib.contextmanager
-    def _guard(self, cell: Cell):
-        """A cell that fails is recorded as failed; the sweep goes on."""
+    def _guard(self, cell: Cell, during: str | None = None):
+        """A cell that fails is recorded as failed (the reason after `during`, if given); the
+        sweep goes on."""
         try:
             yield
         except Exception as e:  # not KeyboardInterrupt: Ctrl-C stops the sweep
             cell.fail("oom" if out_of_memory(e) else "failed", e)
+            if during is not None:
+                cell.reason = f"{during}: {cell.reason}"
         if cell.status != "ok" and self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -522,6 +542,7 @@ class Sweep:
             "kernels_per_step": None,
             "kernels_unattributed_per_step": None,
             "page_faults_per_step": None,
+            "compiles_while_timed": None,
             "allocator_calls_per_step": None,
             "alloc_retries": None,
             "cpu_ms_per_step": None,
@@ -530,12 +551,18 @@ class Sweep:
             "trace": None,
         }
         if cell.step is not None:
-            with self._guard(cell):
+            # The timed steps' numbers first: a failure in the profiled steps after them (the
+            # trace's write, memory) marks the cell failed and leaves them in its row.
+            row.update(self._timing_fields(cell))
+            with self._guard(cell, "in the profiled steps, after the timed ones"):
                 row.update(self._profile(cell))
-                row.update(self._timing_fields(cell))
+                problem = self._backend_problem(cell, row)
+                if problem is not None:
+                    # Another backend ran: its numbers are not the variant's. What ran (the
+                    # backend, the ops and kernels, the trace) stays, to show why.
+                    cell.fail("failed", problem)
+                    row.update(dict.fromkeys(MEASURED))
         row["status"], row["reason"] = cell.status, cell.reason
-        if cell.status != "ok":
-            row["step_ms"] = row["tokens_per_s"] = None
         row["mfu"] = self._mfu(row)
         self.rows.append(row)
         cell.step = cell.model = cell.optimizer = None  # free it before the next depth
@@ -555,6 +582,7 @@ class Sweep:
             "step_ms": stats,
             "tokens_per_s": tokens / (stats["median"] / 1e3),
             "page_faults_per_step": cell.page_faults / len(cell.times),
+            "compiles_while_timed": cell.compiles_while_timed,
         }
         if cell.device_allocs is not None:
             fields["allocator_calls_per_step"] = cell.device_allocs / len(cell.times)
@@ -609,13 +637,22 @@ class Sweep:
             "trace": str(seen.trace.relative_to(self.out)) if seen.trace else None,
             "peak_mem_bytes": self._peak_memory(cell, seen.peak_transient_bytes),
         }
-        backend = VARIANTS[cell.variant].backend
-        if backend is not None:
-            every_kernel = counts["kernels"] | {"unattributed": counts["unattributed"]}
-            problem = verify_backend(backend.name, counts["ops"], every_kernel, self.device)
-            if problem is not None:
-                cell.fail("failed", f"backend check: asked for {backend.name}, but the {problem}")
         return fields
+
+    def _backend_problem(self, cell: Cell, row: dict[str, Any]) -> str | None:
+        """For a pinned variant, why its profiled steps do not show its backend ran, if not."""
+        backend = VARIANTS[cell.variant].backend
+        if backend is None:
+            return None
+        every_kernel = (row["kernels_per_step"] or {}) | {
+            "unattributed": row["kernels_unattributed_per_step"] or {}
+        }
+        problem = verify_backend(backend.name, row["ops_per_step"], every_kernel, self.device)
+        return (
+            None
+            if problem is None
+            else f"backend check: asked for {backend.name}, but the {problem}"
+        )
 
     def _peak_memory(self, cell: Cell, cpu_transient: int) -> int:
         """Resident state (parameters, optimizer state) plus the step's own peak above it.

@@ -209,6 +209,7 @@ def test_results_json_contract(naive_vs_inplace: dict) -> None:
         assert row["kernels_per_step"] is None  # CPU
         assert 0 < row["mfu"] < 1 and row["peak_mem_bytes"] > 0
         assert row["page_faults_per_step"] >= 0
+        assert row["compiles_while_timed"] == 0
         assert row["allocator_calls_per_step"] is None and row["alloc_retries"] is None  # CPU
         # Attention's T x T products, forward (QK^T, PV) and backward (2 each): 12 B T^2 C per
         # layer, part of the step's count. (TINY: B=2, T=32, C=32.)
@@ -254,8 +255,38 @@ def test_backend_mismatch_fails_the_cell(tmp_path: Path, monkeypatch: pytest.Mon
     assert (
         "FLASH_ATTENTION" in row["reason"] and "_scaled_dot_product_attention_math" in row["reason"]
     )
-    # It was timed before the trace caught it; a failed cell reports no time, rate or MFU.
-    assert row["step_ms"] is row["tokens_per_s"] is row["mfu"] is None
+    # It was timed before the trace caught it; what was measured is another backend's, so a
+    # failed cell reports no time, rate, MFU, memory or first step; what ran stays, to show why.
+    for key in ("step_ms", "tokens_per_s", "mfu", "peak_mem_bytes", "first_step_ms"):
+        assert row[key] is None, key
+    assert row["backend"] == "MATH" and row["ops_per_step"]["forward"]
+    assert "| sdpa-flash | 1 | failed | – |" in (tmp_path / "sweep" / "report.md").read_text()
+
+
+def test_a_failure_in_the_profiled_steps_keeps_the_timed_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The profiled steps come after the timed ones: a trace that cannot be written (a full
+    disk) fails the cell, and its step times stay in the row."""
+    import profiling.sweep
+
+    @contextlib.contextmanager
+    def full_disk(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+        yield
+
+    monkeypatch.setattr(profiling.sweep, "profiled_steps", full_disk)
+    rc, results = sweep(tmp_path, "--variants", "naive", "--layers", "1")
+    assert rc == 1  # its only cell failed
+    [row] = results["rows"]
+    assert row["status"] == "failed"
+    assert row["reason"] == (
+        "in the profiled steps, after the timed ones: OSError: [Errno 28] No space left on device"
+    )
+    assert row["step_ms"]["n"] == 2 and row["tokens_per_s"] > 0 and row["first_step_ms"] > 0
+    assert row["mfu"] is row["ops_per_step"] is row["peak_mem_bytes"] is None
+    summary = (tmp_path / "sweep" / "summary.txt").read_text()
+    assert "- naive @L1: failed: in the profiled steps, after the timed ones: OSError" in summary
 
 
 @pytest.mark.parametrize("n", range(3, 10))
@@ -352,6 +383,28 @@ def test_warm_up_is_left_out_and_the_timed_steps_summarised(
         assert float(written["mfu"]) == pytest.approx(row["mfu"])
 
 
+def test_a_timed_step_that_compiled_is_counted_and_reported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A recompile in the timed steps would put a compile in a step time: the sweep counts
+    such steps and the report warns of them."""
+    import profiling.sweep
+
+    compiles = itertools.count()  # a stand-in: every reading finds something new compiled
+    real_counters = profiling.sweep.compile_counters
+    monkeypatch.setattr(
+        profiling.sweep, "compile_counters", lambda: real_counters() | {"graphs": next(compiles)}
+    )
+    rc, results = sweep(tmp_path, "--variants", "naive", "--layers", "1")
+    assert rc == 0
+    [row] = results["rows"]
+    assert row["compiles_while_timed"] == 2
+    warning = "timed steps compiled something (a recompile: a guard failed, a shape was made"
+    for name in ("report.md", "summary.txt"):
+        text = (tmp_path / "sweep" / name).read_text()
+        assert warning in text and "in naive L1 (2 of 2)" in text, name
+
+
 def record_step_times(monkeypatch: pytest.MonkeyPatch) -> dict[int, list[float]]:
     """Each cell's step times in seconds, by its step function, first (compiling) step first."""
     import profiling.sweep
@@ -437,6 +490,7 @@ def test_every_depth_traces_its_own_graphs(tmp_path: Path, monkeypatch: pytest.M
         assert row["first_step_ms"] == pytest.approx(first * 1e3)
         assert row["eager_excess_s"] is None
         assert row["compile_cache"] in ("cold", "cached"), row["n_layer"]
+        assert row["compiles_while_timed"] == 0  # compiled in its first step, not after
     # The compiler's start-up is paid apart, so it is not charged to the first compiled cell.
     assert results["meta"]["compiler_startup_s"] > 0
     assert results["meta"]["startup"] == "tiny model"  # a training step, not a toy function
@@ -470,6 +524,7 @@ def test_compiled_sdpa_measures_the_same_steps_beside_pinned_variants(
     assert (math["status"], math["backend"]) == ("ok", "MATH")
     assert (flash["status"], flash["backend"]) == ("ok", "FLASH_ATTENTION")
     assert flash["compile_cache"] == "partly shared"
+    assert math["compiles_while_timed"] == flash["compiles_while_timed"] == 0
     # Both are given a compile time (a "shared" cell is not): first step less the timed median,
     # None where a loaded machine made a timed step the longer (compile_seconds: not 0).
     for row, (first, *steps) in zip(apart["rows"], seconds.values(), strict=True):
@@ -2205,7 +2260,7 @@ def test_a_disturbed_cell_does_not_squash_the_step_time_plot() -> None:
 def test_other_load_sees_another_busy_process() -> None:
     """The report's 'other processes used X% of the CPUs' comes from here."""
     quiet = OtherLoad()
-    if quiet.start is None:
+    if not quiet.linux:
         pytest.skip("no /proc/stat here")
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
@@ -2217,6 +2272,23 @@ def test_other_load_sees_another_busy_process() -> None:
         busy.wait()
     cores = os.cpu_count() or 1
     assert share is not None and share > 0.6 / cores  # one busy process: about 1/cores
+
+
+def test_other_load_counts_only_inside_its_windows() -> None:
+    """A sweep counts other processes' share in its timed rounds, not while it compiles."""
+    load = OtherLoad(running=False)
+    if not load.linux:
+        pytest.skip("no /proc/stat here")
+    assert load.share() is None  # no window yet
+    with load.counting():
+        time.sleep(0.05)
+    first = load.share()
+    assert first is not None
+    time.sleep(0.05)  # outside every window: nothing changes
+    assert load.share() == first
+    with load.counting():
+        time.sleep(0.05)
+    assert load._closed[2] == pytest.approx(0.1, abs=0.05)  # the two windows' wall time
 
 
 def test_a_failed_cell_leaves_the_report_honest(naive_vs_inplace: dict) -> None:
