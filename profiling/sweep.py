@@ -59,6 +59,7 @@ from profiling.measure import (
     verify_backend,
 )
 from profiling.method import METHOD, STARTUP
+from profiling.progress import Progress
 from profiling.results import write_json, write_results
 from runtime import (
     OtherLoad,
@@ -278,33 +279,19 @@ class Sweep:
         no_silent_eager = torch._dynamo.config.patch(
             recompile_limit=max(8, 2 * len(variants)), fail_on_recompile_limit_hit=True
         )
+        # A cell's warm-up, timed and profiled (wait, warmup, active) steps
+        steps = self.args.warmup + self.args.steps + 2 + self.args.profile_steps
         try:
-            # The bar closes on Ctrl-C too, so the message after it starts on a line of its own.
-            # A depth's cells finish together, after their interleaved rounds: the bar moves
-            # by steps instead, each weighted by n_layer + 1, about what an eager step costs
-            # (its fixed part, embeddings, head and loss, near one layer's), so the time left
-            # holds from the first depth on; counted in cells, it read half the time still to
-            # come. (Compiling, about as long at every depth, is not weighed: a compiled
-            # sweep's first depth takes more than its share.)
-            work = sum(
-                (n_layer + 1) * self._steps_per_cell() * len(variants) * len(compile_modes)
-                for n_layer in layers
-            )
-            bar = tqdm(
-                total=work,
-                desc="sweep",
-                dynamic_ncols=True,
-                bar_format="{l_bar}{bar}| [{elapsed}<{remaining}{postfix}]",
-            )
-            with no_silent_eager, bar:
+            self.progress = Progress(layers, len(variants) * len(compile_modes), steps, total)
+            with no_silent_eager, self.progress:
                 for n_layer in layers:
                     cells = [Cell(v, n_layer, c) for v in variants for c in compile_modes]
                     flops = self._model_flops(n_layer)
-                    self._time(cells, bar)
+                    self._time(cells)
                     for cell in cells:
                         self._profile_and_record(cell, flops)
-                        self._advance(bar, cell, None)  # the rest: a failed cell's, all of it
-                        self._say(bar, "")
+                        self.progress.advance(cell)  # the rest: a failed cell's, all of it
+                        self.progress.say(len(self.rows))
                     synchronize(self.device)
                     if self.device.type == "cuda":
                         torch.cuda.empty_cache()
@@ -400,18 +387,18 @@ class Sweep:
             return 0, 0
         return sum(by_op.values()), by_op.get("aten.bmm", 0)
 
-    def _time(self, cells: list[Cell], bar: tqdm) -> None:
+    def _time(self, cells: list[Cell]) -> None:
         if any(cell.compiled for cell in cells):
             # Every depth compiles its own graphs: identical blocks would otherwise reuse the
             # last depth's, and its compile time would read ~0.
             torch._dynamo.reset()
         pinned_built = False  # whether a compiled cell of a pinned variant came before
         for cell in cells:
-            self._say(bar, f"warm-up {cell.name}")
+            self.progress.say(len(self.rows), f"warm-up {cell.name}")
             with self._guard(cell):
                 self._build(cell)
                 if cell.step is None:  # it will not run: its share of the bar is done now
-                    self._advance(bar, cell, None)
+                    self.progress.advance(cell)
                     continue
                 # A full collection now (up to 0.2 s with the compiler's objects about), not
                 # one that lands in this first step because of what earlier cells left.
@@ -432,7 +419,7 @@ class Sweep:
                     cell.first_step_compiled = cache != "none"
                 for _ in range(self.args.warmup - 1):
                     timed(cell.step, self.device)
-                self._advance(bar, cell, self.args.warmup)
+                self.progress.advance(cell, self.args.warmup)
         if self.host_memory == "keep":
             # Room for the heap's growth as the cells' allocations interleave: fragmentation
             # would otherwise fault fresh pages in during the timed steps (at the profile
@@ -442,7 +429,7 @@ class Sweep:
         # on in them, as in training.
         gc.collect()
         with self.other_load.counting():
-            self._timed_rounds(cells, bar)
+            self._timed_rounds(cells)
         excess = eager_first_step_excess(cells)
         for cell in cells:
             if cell.compiled:
@@ -458,10 +445,12 @@ class Sweep:
                     f"--layers {cell.n_layer} --compile {'on' if cell.compiled else 'off'})"
                 )
 
-    def _timed_rounds(self, cells: list[Cell], bar: tqdm) -> None:
+    def _timed_rounds(self, cells: list[Cell]) -> None:
         orders = balanced_orders(len(cells))
         for r in range(self.args.steps):
-            self._say(bar, f"L{cells[0].n_layer} round {r + 1}/{self.args.steps}")
+            self.progress.say(
+                len(self.rows), f"L{cells[0].n_layer} round {r + 1}/{self.args.steps}"
+            )
             # Rounds of every cell: drift hits every variant alike; each round's order from a
             # balanced Latin square, so each cell follows every other equally often and what a
             # step inherits from the one before (caches, the heap's layout) is shared too.
@@ -482,23 +471,7 @@ class Sweep:
                     if before is not None and after is not None:
                         cell.device_allocs = (cell.device_allocs or 0) + after[0] - before[0]
                         cell.alloc_retries = (cell.alloc_retries or 0) + after[1] - before[1]
-                self._advance(bar, cell, 1)
-
-    def _steps_per_cell(self) -> int:
-        """A cell's warm-up, timed and profiled (wait, warmup, active) steps."""
-        return self.args.warmup + self.args.steps + 2 + self.args.profile_steps
-
-    def _advance(self, bar: tqdm, cell: Cell, steps: int | None) -> None:
-        """Move the bar by `steps` of the cell's steps (None: the ones it has yet to show),
-        weighted by its n_layer + 1."""
-        steps = self._steps_per_cell() - cell.done if steps is None else steps
-        cell.done += steps
-        bar.update(steps * (cell.n_layer + 1))
-
-    def _say(self, bar: tqdm, doing: str) -> None:
-        """The bar's words: the cells recorded so far (a row each), and what it is doing now."""
-        done = f"{len(self.rows)}/{self.meta['cells_planned']} cells"
-        bar.set_postfix_str(f"{done}, {doing}" if doing else done)
+                self.progress.advance(cell, 1)
 
     def _allocator(self) -> tuple[int, int] | None:
         """allocator_counts on CUDA; None elsewhere, where there is no caching allocator."""

@@ -565,12 +565,12 @@ def test_the_progress_bar_moves_with_the_steps_and_ends_whole(
     still at 0 then, never goes back, and ends full, a failed cell included. A deeper cell's
     step moves it further (its time left would otherwise read low from the first depth on),
     and its words count the cells recorded."""
-    import profiling.sweep
+    import profiling.progress
 
     seen: list[float] = []  # the bar's position
     said: dict[str, float] = {}  # the bar's words, and its position when they were said
 
-    class Recorded(profiling.sweep.tqdm):
+    class Recorded(profiling.progress.tqdm):
         def update(self, n: float = 1) -> bool | None:
             out = super().update(n)
             seen.append(self.n / self.total)
@@ -584,7 +584,7 @@ def test_the_progress_bar_moves_with_the_steps_and_ends_whole(
             said[s] = self.n / self.total
             super().set_postfix_str(s, refresh)
 
-    monkeypatch.setattr(profiling.sweep, "tqdm", Recorded)
+    monkeypatch.setattr(profiling.progress, "tqdm", Recorded)
     rc, _ = sweep(tmp_path, "--variants", "naive,sdpa-efficient", "--layers", "1,2", "--no-traces")
     assert rc == 0
     assert seen == sorted(seen) and seen[-1] == 1  # 2 variants x 2 depths; one unsupported
@@ -695,11 +695,11 @@ def test_interrupted_sweep_keeps_what_it_measured(
 ) -> None:
     real_time = Sweep._time
 
-    def time_then_interrupt(self, cells, bar):
+    def time_then_interrupt(self, cells):
         if cells[0].n_layer == 2:
             os.kill(os.getpid(), stop)
             time.sleep(5)  # the handler raises at once; this is never finished
-        return real_time(self, cells, bar)
+        return real_time(self, cells)
 
     monkeypatch.setattr(Sweep, "_time", time_then_interrupt)
     before = signal.getsignal(signal.SIGTERM)
@@ -721,7 +721,7 @@ def test_a_signal_whose_exception_python_drops_still_stops_the_sweep(
     handler's exception as 'Exception ignored' and goes on. The sweep stops at its next step."""
     real_time = Sweep._time
 
-    def time_after_a_dropped_signal(self, cells, bar):
+    def time_after_a_dropped_signal(self, cells):
         if cells[0].n_layer == 2:
 
             def callback(ref: weakref.ref) -> None:
@@ -732,7 +732,7 @@ def test_a_signal_whose_exception_python_drops_still_stops_the_sweep(
             referent = Sweep.__new__(Sweep)
             ref = weakref.ref(referent, callback)  # noqa: F841 (kept alive until the del)
             del referent
-        return real_time(self, cells, bar)
+        return real_time(self, cells)
 
     dropped: list[type[BaseException]] = []
     monkeypatch.setattr(sys, "unraisablehook", lambda u: dropped.append(u.exc_type))
@@ -771,7 +771,7 @@ def test_ctrl_c_before_any_cell_leaves_no_half_sweep(
 ) -> None:
     """A folder the sweep made goes; one the user made (it must be empty) stays, emptied."""
 
-    def interrupt(self, cells, bar):
+    def interrupt(self, cells):
         (self.out / "traces").mkdir()  # as if a trace had been written
         raise KeyboardInterrupt
 
@@ -790,7 +790,7 @@ def test_ctrl_c_before_any_cell_leaves_no_half_sweep(
 def test_ctrl_c_before_any_cell_of_a_default_folder_sweep_leaves_no_profiles_folder(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def interrupt(self, cells, bar):
+    def interrupt(self, cells):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(Sweep, "_time", interrupt)
