@@ -2496,3 +2496,26 @@ def test_a_gpu_check_counts_a_sweep_stopped_on_its_way_out_only_if_it_finished(
     assert done.returncode == 0, done.stderr
     got = dict(zip(calls, map(int, done.stdout.split()), strict=True))
     assert got == {(d, rc): 0 if d == "finished" and rc in (124, 137) else rc for d, rc in calls}
+
+
+def test_the_one_page_op_diff_shows_the_hidden_copy() -> None:
+    """scripts/op_diff.py, the profiler's core in one page: inplace against naive is one
+    aten::clone fewer per layer, in the forward, and nothing changes in the optimizer."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "op_diff.py"), "--layers", "3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    changed = {tuple(line.split()[:2]): line.split()[-1] for line in done.stdout.splitlines()[1:]}
+    assert changed[("forward", "aten::clone")] == "-3"
+    assert changed[("forward", "aten::masked_fill")] == "-3"
+    assert not any(region != "forward" for region, _ in changed)
+    bad = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "op_diff.py"), "--variants", "naive,sdpa-cudnn"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and "'sdpa-cudnn' cannot run on cpu" in bad.stderr
