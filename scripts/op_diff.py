@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from collections import Counter
 from pathlib import Path
@@ -65,6 +66,7 @@ def main() -> int:
     except (*USER_ERRORS, VariantUnavailable, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # no "USDT: profiler_start" lines on CPU
     a, b = (op_counts(dataclasses.replace(config, attention=v)) for v in variants)
     print(f"ATen ops in one training step at n_layer={args.layers}: {variants[0]} -> {variants[1]}")
     for region, op in sorted(a.keys() | b.keys()):
