@@ -268,7 +268,8 @@ def _interval_text(rows: list[dict[str, Any]]) -> str:
 
 
 def _not_run(rows: list[dict[str, Any]], bold: bool = False) -> list[str]:
-    """One line per label and reason for the cells that did not run, their depths together."""
+    """One line per label and reason for the cells that failed or did not run, their depths
+    together."""
     depths: dict[tuple[str, str], list[str]] = {}
     for r in rows:
         if r["status"] != "ok":
@@ -362,7 +363,7 @@ def write_report(out: Path, results: dict[str, Any], plots: bool = True) -> None
         *_busy_warning(meta),
         *_compiled_while_timed(rows),
         *headline_table(results),
-        *(["", "Did not run:", *not_run] if not_run else []),
+        *(["", "Failed or did not run:", *not_run] if not_run else []),
     ]
     (out / "summary.txt").write_text("\n".join(summary) + "\n", encoding="utf-8")
     (out / "report.md").write_text(_report_md(results), encoding="utf-8")
@@ -485,7 +486,7 @@ def _report_md(results: dict[str, Any]) -> str:
             "",
             *_cell_table(rows),
             "",
-            *(["## Cells that did not run", "", *problems, ""] if problems else []),
+            *(["## Cells that failed or did not run", "", *problems, ""] if problems else []),
             "## Fits: metric = intercept + slope × n_layer",
             "",
             *_fits_table(fits),
