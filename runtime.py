@@ -273,13 +273,15 @@ def agreed_signal(received: str | None, device: torch.device, world_size: int) -
 class StepReadout:
     """One step's time and small results (loss, flags), read without stalling the device.
 
-    Made before the step's work is queued; `finish(t)` after it, with the tensor to read. On
-    CUDA, events on the device's stream time the step there, from its first work to its
-    last, and `t` is copied to pinned memory behind that work: reading waits for this step,
-    not for any queued later, so the caller can queue the next step first. Elsewhere the
-    host's clock times it, from its start to the next step's start, or to the reading when
-    it is read at once; on the CPU work runs as it is queued, so that is the step itself (on
-    MPS reading waits for all queued work, so the lag gains nothing there).
+    Made before the step's work is queued; `finish(t)` after it, with the tensor to read.
+    A step lasts from its start to the next step's start, or, read before there is a next
+    one, to its end. On CUDA, events on the device's stream mark those points as the device
+    reaches them, so a gap in which the host left the device idle between steps counts too,
+    as it does in the run's wall time; `t` is copied to pinned memory behind the step's
+    work: reading waits for this step, not for any queued later, so the caller can queue the
+    next step first. Elsewhere the host's clock times it, to the reading for a step read at
+    once; on the CPU work runs as it is queued, so that is the step itself (on MPS reading
+    waits for all queued work, so the lag gains nothing there).
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -301,12 +303,15 @@ class StepReadout:
             self._copied = torch.cuda.Event(enable_timing=True)
             self._copied.record()
 
-    def read(self, next_began: float | None = None) -> tuple[list[float], float]:
-        """The values and the step's seconds; `next_began` is when the host began the next
-        step, if it has (used off CUDA)."""
+    def read(self, following: StepReadout | None = None) -> tuple[list[float], float]:
+        """The values and the step's seconds; `following` is the next step's readout, if the
+        host has begun that step."""
         assert self._values is not None, "finish() the step before reading it"
         if self._copied is not None:
+            end = self._copied if following is None else following._start
             self._copied.synchronize()
-            return self._values.tolist(), self._start.elapsed_time(self._copied) / 1e3
+            end.synchronize()  # the next step's start: this step's end, not the next's work
+            return self._values.tolist(), self._start.elapsed_time(end) / 1e3
         values = self._values.tolist()
-        return values, (time.perf_counter() if next_began is None else next_began) - self.began
+        end = time.perf_counter() if following is None else following.began
+        return values, end - self.began

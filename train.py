@@ -500,9 +500,9 @@ def _train(
             # with an error status, which a stopped run does.
             dist.barrier()
 
-    def report(pending: Pending, next_began: float | None) -> bool:
+    def report(pending: Pending, following: StepReadout | None) -> bool:
         """Wait for a step's values, check, show and log them; True if a rank asked to stop."""
-        (loss, stops, norm), seconds = pending.readout.read(next_began)
+        (loss, stops, norm), seconds = pending.readout.read(following)
         if not math.isfinite(loss):
             raise stopped_unsaved(f"loss is {loss} at step {pending.step}")
         if tc.grad_clip > 0 and not math.isfinite(norm):
@@ -578,7 +578,7 @@ def _train(
             # never idles while Python logs and fetches the next batch (on the CPU, where
             # nothing is queued, this gains nothing). A non-finite loss is thus caught one
             # step late; nothing is saved in between.
-            stop_requested = report(unread, readout.began) if unread is not None else False
+            stop_requested = report(unread, readout) if unread is not None else False
             unread = Pending(step, readout, peak_mem)
             # A single process knows of its signal at once; ranks learn of each other's
             # through the flags.

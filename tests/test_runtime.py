@@ -63,7 +63,9 @@ def test_readout_gives_the_values_and_the_host_time_on_cpu() -> None:
     readout = StepReadout(torch.device("cpu"))
     time.sleep(0.02)  # the step
     readout.finish(torch.tensor([1.5, 0.0, float("nan")]))
-    values, seconds = readout.read(next_began=readout.began + 0.5)
+    following = StepReadout(torch.device("cpu"))
+    following.began = readout.began + 0.5
+    values, seconds = readout.read(following)
     assert values[:2] == [1.5, 0.0] and values[2] != values[2]
     assert seconds == 0.5  # from the step's start to the next one's
     _, at_once = readout.read()
@@ -101,6 +103,28 @@ def check_waits_for_its_step_only(device: torch.device) -> None:
 @pytest.mark.cuda
 def test_readout_waits_for_its_step_not_for_later_work() -> None:
     check_waits_for_its_step_only(torch.device("cuda", 0))
+
+
+@pytest.mark.cuda
+def test_a_gap_the_host_leaves_the_gpu_idle_counts_in_the_step() -> None:
+    """Timed to the next step's start, a step includes the time the device waited for the
+    host between them (logging, the next batch): tokens/s is the run's, not the kernels'."""
+    device = torch.device("cuda", 0)
+    torch.empty(3, pin_memory=True)
+    torch.cuda.synchronize(device)
+    readout = StepReadout(device)
+    sleep_on(device)  # the step's work
+    readout.finish(torch.arange(3.0, device=device))
+    torch.cuda.synchronize(device)  # the device has finished, and idles...
+    time.sleep(0.3)  # ...while the host does something else
+    following = StepReadout(device)
+    sleep_on(device)  # the next step's work: not waited for
+    began = time.perf_counter()
+    _, with_gap = readout.read(following)
+    assert time.perf_counter() - began < 0.25, "read waited for the next step's work"
+    _, alone = readout.read()
+    assert with_gap - alone >= 0.25, (with_gap, alone)
+    torch.cuda.synchronize(device)
 
 
 @pytest.mark.cuda
