@@ -52,7 +52,7 @@ class TrainConfig:
     global_batch_size: int = 0
     max_steps: int = 1000  # optimizer steps in the run
     lr: float = 1e-3  # peak learning rate, reached after warmup
-    min_lr: float = 1e-4  # floor of the cosine decay, reached at max_steps
+    min_lr: float = 1e-4  # the cosine's floor at max_steps; the last step trained is just above
     warmup_steps: int = 100  # linear warmup, from lr/(warmup_steps+1): early Adam updates are noisy
     weight_decay: float = 0.1  # decoupled decay on matrices only; not on biases, norms
     beta1: float = 0.9  # AdamW momentum, as GPT-2/3 and nanoGPT use
