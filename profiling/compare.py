@@ -14,8 +14,9 @@ from typing import Any
 
 from profiling.analysis import baselines, labels, measured_saving, points_by_label, savings
 
-# What must be the same for savings to be one quantity, from each sweep's results.json; the
-# sweep's own knobs (steps, warm-up, commit) may differ, and each sweep's is shown.
+# What must be the same for savings to be one quantity, from each sweep's results.json, and
+# the depths (see comparable); the sweep's own knobs (steps, warm-up, commit) may differ, and
+# each sweep's is shown.
 SAME = {
     "device": lambda r: r["meta"]["device_name"],
     "threads": lambda r: r["meta"].get("torch_threads"),
@@ -37,21 +38,38 @@ SAME = {
     ),
     "data (--data)": lambda r: r["meta"].get("data"),
     "host memory (--host-memory)": lambda r: r["meta"].get("host_memory"),
-    "n_layer": lambda r: _layers(r),
 }
 
 
 def comparable(sweeps: list[tuple[Path, dict[str, Any]]]) -> str | None:
-    """None if the sweeps measured the same setup at the same depths; otherwise what differs,
-    with each sweep's value."""
+    """None if the sweeps measured the same setup at the same depths (a sweep stopped early
+    at some of them); otherwise what differs, with each sweep's value."""
     for what, of in SAME.items():
         values = [of(results) for _, results in sweeps]
         if any(v != values[0] for v in values):
-            shown = "; ".join(f"{path}: {v}" for (path, _), v in zip(sweeps, values, strict=True))
-            return f"the sweeps differ in {what} ({shown}): their savings are not one quantity" + (
-                _stopped_early(sweeps) if what == "n_layer" else ""
-            )
+            return _differ(what, sweeps, values)
+    whole = {tuple(_layers(results)) for _, results in sweeps if not _stopped(results)}
+    depths = set(_depths(sweeps))
+    if len(whole) > 1 or any(not set(_layers(r)) <= depths for _, r in sweeps):
+        return _differ("n_layer", sweeps, [_layers(r) for _, r in sweeps]) + _stopped_early(sweeps)
     return None
+
+
+def _differ(what: str, sweeps: list[tuple[Path, dict[str, Any]]], values: list[Any]) -> str:
+    shown = "; ".join(f"{path}: {v}" for (path, _), v in zip(sweeps, values, strict=True))
+    return f"the sweeps differ in {what} ({shown}): their savings are not one quantity"
+
+
+def _stopped(results: dict[str, Any]) -> bool:
+    """Whether the sweep stopped before its last cell (interrupted)."""
+    return len(results["rows"]) < results["meta"].get("cells_planned", 0)
+
+
+def _depths(sweeps: list[tuple[Path, dict[str, Any]]]) -> list[int]:
+    """The depths compared: those of the sweeps that ran to the end, or, where none did, every
+    depth any of them measured."""
+    whole = [r for _, r in sweeps if not _stopped(r)]
+    return sorted({n for r in (whole or [r for _, r in sweeps]) for n in _layers(r)})
 
 
 def _stopped_early(sweeps: list[tuple[Path, dict[str, Any]]]) -> str:
@@ -59,7 +77,7 @@ def _stopped_early(sweeps: list[tuple[Path, dict[str, Any]]]) -> str:
     stopped = [
         f"{path}, {len(results['rows'])} of {results['meta']['cells_planned']} cells"
         for path, results in sweeps
-        if len(results["rows"]) < results["meta"].get("cells_planned", 0)
+        if _stopped(results)
     ]
     return f"; stopped before the end: {'; '.join(stopped)}" if stopped else ""
 
@@ -72,10 +90,10 @@ def compare_text(sweeps: list[tuple[Path, dict[str, Any]]]) -> str:
     """Markdown: per label, the median step time at each depth across the sweeps; then the
     fitted per-layer saving (± se) and the saving measured at the deepest depth in each sweep,
     with their median, quartiles (from four sweeps) and range."""
-    layers = _layers(sweeps[0][1])
+    layers = _depths(sweeps)
     names = list(dict.fromkeys(n for _, results in sweeps for n in labels(results["rows"])))
-    # A saving fitted over fewer depths (a cell failed) is another quantity: shown, marked,
-    # and left out of the median.
+    # A saving fitted over fewer depths (a cell failed, or the sweep stopped before it) is
+    # another quantity: shown, marked, and left out of the median.
     fitted = [
         {name: {**s, "partial": s["depths"] != layers} for name, s in savings(r["rows"]).items()}
         for _, r in sweeps
@@ -91,7 +109,14 @@ def compare_text(sweeps: list[tuple[Path, dict[str, Any]]]) -> str:
     ]
     for i, (path, results) in enumerate(sweeps, 1):
         m = results["meta"]
-        lines.append(f"{i}. `{path}`: {_started(m)}, commit {m.get('commit') or 'unknown'}")
+        stopped = (
+            f", stopped after {len(results['rows'])} of {m['cells_planned']} cells"
+            if _stopped(results)
+            else ""
+        )
+        lines.append(
+            f"{i}. `{path}`: {_started(m)}, commit {m.get('commit') or 'unknown'}{stopped}"
+        )
     lines += ["", "## Step time across the sweeps (ms): median (lowest–highest)", ""]
     lines += _step_time_table(names, layers, [results["rows"] for _, results in sweeps])
     head = [str(i) for i in range(1, len(sweeps) + 1)] + ["median", "quartiles", "range"]
@@ -122,7 +147,8 @@ def compare_text(sweeps: list[tuple[Path, dict[str, Any]]]) -> str:
     if any(s["partial"] for by_label in fitted for s in by_label.values()):
         lines += [
             "",
-            "‡ Fitted over fewer depths than the sweep's (a cell failed): a step's cost is not "
+            "‡ Fitted over fewer depths than those compared (a cell failed, or the sweep "
+            "stopped before it): a step's cost is not "
             "exactly linear in depth, so it is another quantity, left out of the median, "
             "quartiles and range.",
         ]

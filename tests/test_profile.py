@@ -1250,14 +1250,34 @@ def test_compare_reads_the_savings_of_several_sweeps(
         assert profile_train.main(["--compare", *map(str, folders)]) == 2
         err = capsys.readouterr().err
         assert f"differ in {named}" in err and str(folders[-1]) in err
-    cut = copy.deepcopy(results)  # interrupted: its depths differ, and it says why
-    cut["meta"]["cells_planned"] = planned = len(cut["rows"])
-    cut["rows"] = [r for r in cut["rows"] if r["n_layer"] == 1]
+    # Interrupted after two depths: compared where it measured, its saving fitted over those
+    # two marked, and its deepest cells and the saving measured there left empty.
+    cut = copy.deepcopy(results)
+    planned = cut["meta"]["cells_planned"]
+    cut["rows"] = [r for r in cut["rows"] if r["n_layer"] <= 2]
+    (folders[-1] / "results.json").write_text(json.dumps(cut))
+    assert profile_train.main(["--compare", *map(str, folders)]) == 0
+    printed = capsys.readouterr().out
+    assert f", stopped after {len(cut['rows'])} of {planned} cells" in printed
+    # naive at L3: failed in the first sweep (above), not reached in the last
+    assert "| naive | 15.0 (15.0–15.0) | 25.1 (25.1–25.1) | 35.0 (35.0–35.0), 2 of 4 |" in printed
+    assert "| +3.00 ‡ (L1,2) |" in printed and "(a cell failed, or the sweep stopped" in printed
+    assert "| inplace | – | +12.00 | +6.00 | – |" in printed
+    # A whole sweep of other depths is another setup; a stopped one is named as the likely cause.
+    other = copy.deepcopy(results)
+    other["rows"] += [dict(r, n_layer=4) for r in other["rows"] if r["n_layer"] == 1]
+    other["meta"]["cells_planned"] = len(other["rows"])  # ran to the end, at 1, 2, 3 and 4
+    (folders[-1] / "results.json").write_text(json.dumps(other))
+    assert profile_train.main(["--compare", *map(str, folders)]) == 2
+    err = capsys.readouterr().err
+    assert "differ in n_layer" in err and "stopped before the end" not in err
+    cut["rows"] = [r for r in other["rows"] if r["n_layer"] in (1, 4)]  # stopped, at 1 and 4
+    cut["meta"]["cells_planned"] = len(other["rows"])
     (folders[-1] / "results.json").write_text(json.dumps(cut))
     assert profile_train.main(["--compare", *map(str, folders)]) == 2
     err = capsys.readouterr().err
     assert "differ in n_layer" in err
-    assert f"stopped before the end: {folders[-1]}, {len(cut['rows'])} of {planned} cells" in err
+    assert f"stopped before the end: {folders[-1]}, {len(cut['rows'])} of " in err
     other_clip = copy.deepcopy(results)  # another clip norm is the same work
     other_clip["meta"]["config"]["train"]["grad_clip"] = 0.5
     (folders[-1] / "results.json").write_text(json.dumps(other_clip))
