@@ -57,10 +57,14 @@ class _DefaultsShown(argparse.RawDescriptionHelpFormatter):
 
 
 def _csv_list(text: str, kind: type, flag: str) -> list:
-    """'a,b,c' -> [kind(a), kind(b), kind(c)]; a bad or repeated item is an error naming the
-    flag (a repeated variant or depth would be measured twice and written over its trace)."""
+    """'a,b,c' -> [kind(a), kind(b), kind(c)]; a bad, empty or repeated item is an error naming
+    the flag (a repeated variant or depth would be measured twice and written over its trace;
+    an empty one is likely a name left out). Empty text is an empty list."""
+    words = [x.strip() for x in text.split(",")] if text.strip() else []
+    if "" in words:
+        raise ConfigError(f"{flag}={text!r}: an empty item (a comma too many)")
     try:
-        items = [kind(x.strip()) for x in text.split(",") if x.strip()]
+        items = [kind(x) for x in words]
     except ValueError:
         raise ConfigError(
             f"{flag}={text!r}: expected comma-separated {kind.__name__} values"

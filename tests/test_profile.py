@@ -1037,6 +1037,8 @@ def test_bad_arguments_name_the_problem(tmp_path: Path, capsys: pytest.CaptureFi
         ("--steps", "0"),
         ("--peak-seconds", "nan"),
         ("--variants", ""),
+        ("--variants", "naive,,sdpa"),
+        ("--layers", "1,2,"),
         ("--diff", "inplace,naive"),  # needs --report
         ("--model.n_layer=3", None),  # the sweep sets n_layer itself
         ("--train.compile=true", None),  # --compile decides, per cell
