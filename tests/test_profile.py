@@ -35,7 +35,7 @@ from cpu_linear import onednn_unavailable_reason
 from model import attention
 from profiling.analysis import fit_line, fits_by_label, op_diff, savings
 from profiling.cells import Cell
-from profiling.measure import count_flops, parse_events, verify_backend
+from profiling.measure import BACKEND_OPS, count_flops, parse_events, verify_backend
 from profiling.report import headline_table
 from profiling.sweep import Sweep
 from runtime import OtherLoad
@@ -1891,6 +1891,28 @@ def test_kernel_labels_name_the_operation_and_its_dtype() -> None:
     assert len(names) >= 16
     for name, expected in names.items():
         assert kernel_label(name) == expected, name[:120]
+
+
+def test_the_backend_check_knows_each_fused_kernel_by_its_recorded_name() -> None:
+    """On a GPU the backend check also wants the backend's kernel in the trace: each pattern
+    finds the kernel an H200 run recorded for its backend, and not another backend's."""
+    names = json.loads((Path(__file__).parent / "cuda_kernel_names.json").read_text())
+    kernels = {
+        backend: next(name for name in names if marker in name)
+        for backend, marker in [
+            ("FLASH_ATTENTION", "pytorch_flash::flash_fwd_kernel"),
+            ("EFFICIENT_ATTENTION", "fmha_cutlassF"),
+            ("CUDNN_ATTENTION", "cudnn_generated_fort_native_sdpa"),
+        ]
+    }
+    cuda = torch.device("cuda")  # a device type only: nothing runs
+    for backend, kernel in kernels.items():
+        ops = {"forward": {BACKEND_OPS[backend][0]: 1}}
+        assert verify_backend(backend, ops, {"forward": {kernel: 1}}, cuda) is None, backend
+        for other, elsewhere in kernels.items():
+            if other != backend:
+                problem = verify_backend(backend, ops, {"forward": {elsewhere: 1}}, cuda)
+                assert problem and problem.startswith("no kernel name matches"), (backend, other)
 
 
 def test_renumbered_triton_kernels_are_no_difference() -> None:

@@ -225,6 +225,14 @@ def test_metrics_log_every_step_and_every_eval(base_run: Path, data_root: Path) 
     assert len(read_metrics(base_run)) == len(lines) + len(evals)  # nothing else in the file
 
 
+def job_tokens_per_s(run_dir: Path, line: dict, world_size: int = 1) -> float:
+    """The tokens every rank's micro-batches held in a step, over the step's logged time."""
+    config = load_config(run_dir / "config.toml")
+    tc, block_size = config.train, config.model.block_size
+    tokens = tc.batch_size * tc.micro_batches(world_size) * world_size * block_size
+    return tokens / (line["ms_per_step"] / 1e3)
+
+
 def test_mfu_against_a_given_peak_and_no_norm_without_clipping(
     data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -232,7 +240,13 @@ def test_mfu_against_a_given_peak_and_no_norm_without_clipping(
     assert run(data_root, tmp_path / "r", *argv, "--train.peak_tflops=0.5") == 0
     for r in train_lines(tmp_path / "r"):
         assert "grad_norm" not in r  # clip_grad_norm_ is what computes it
+        assert r["tokens_per_s"] == pytest.approx(job_tokens_per_s(tmp_path / "r", r))
         assert r["mfu"] == pytest.approx(r["tflops"] / 0.5)
+    # Accumulated micro-batches are the step's tokens too.
+    assert run(data_root, tmp_path / "acc", *argv, "--train.grad_accum=2") == 0
+    for r in train_lines(tmp_path / "acc"):
+        assert r["tokens_per_s"] == pytest.approx(job_tokens_per_s(tmp_path / "acc", r))
+        assert load_config(tmp_path / "acc" / "config.toml").train.grad_accum == 2
     assert "above 1" not in capsys.readouterr().err
     # A peak below what the run reaches (a typo, or a peak for another dtype) is pointed out once.
     assert run(data_root, tmp_path / "s", *argv, "--train.peak_tflops=1e-9") == 0
@@ -1864,7 +1878,8 @@ def test_two_ranks_match_one_process_taking_the_same_rows(
     for a, b in zip(train_lines(ddp), train_lines(single), strict=True):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)  # reduced, not summed
-        assert a["tokens_per_s"] > 0
+        # The whole job's tokens: both ranks' micro-batches.
+        assert a["tokens_per_s"] == pytest.approx(job_tokens_per_s(ddp, a, world_size=2))
         assert a["mfu"] == pytest.approx(a["tflops"] / 2)  # the job's rate over 2 devices' peak
     # Evaluation reads a step's worth of windows per eval batch: the same ones either way.
     for a, b in zip(eval_lines(ddp), eval_lines(single), strict=True):
