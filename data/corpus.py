@@ -285,7 +285,7 @@ def _load_hub(
                 raise ValueError("a folder save_to_disk wrote has no configurations (--hub-config)")
             rows = _split_of(datasets.load_from_disk(dataset), split)
         else:
-            rows = datasets.load_dataset(dataset, config, split=split, cache_dir=str(cache_dir))
+            rows = _load_dataset(datasets, dataset, config, split, str(cache_dir))
     # The Hub client, fsspec and the builders raise many types; to the user all of them mean
     # "could not load", and the chained cause keeps the detail.
     except Exception as error:
@@ -301,6 +301,21 @@ def _load_hub(
             f"--text-column {text_column!r} of {dataset!r} holds {feature}, not strings"
         )
     return rows.select_columns([text_column])
+
+
+def _load_dataset(
+    datasets: Any, dataset: str, config: str | None, split: str, cache_dir: str
+) -> Dataset:
+    """`load_dataset`, except that plain-text files are one document per file, as --files
+    reads them. `datasets`' text builder defaults to one row per line, which would drop the
+    newlines and split a file between train and val line by line."""
+    builder = datasets.load_dataset_builder(dataset, config, cache_dir=cache_dir)
+    if builder.name == "text":
+        builder = datasets.load_dataset_builder(
+            dataset, config, cache_dir=cache_dir, sample_by="document"
+        )
+    builder.download_and_prepare()
+    return builder.as_dataset(split=split)
 
 
 def _saved_to_disk(path: Path) -> bool:

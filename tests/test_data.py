@@ -285,6 +285,20 @@ def test_hub_reads_local_parquet_folder(tmp_path: Path) -> None:
         prepare("hubby", hub=str(folder), split="validation", text_column="body", out_root=tmp_path)
 
 
+def test_hub_reads_a_folder_of_text_files_one_document_per_file(tmp_path: Path) -> None:
+    """`datasets`' text builder would make each line a document: newlines lost, and one
+    file's lines split between train and val. --hub reads a file whole, as --files does."""
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    for word in WORDS:
+        (folder / f"{word}.txt").write_text(_document(word), encoding="utf-8")
+
+    out = prepare("texts", hub=str(folder), vocab_size=VOCAB, out_root=tmp_path / "out")
+    assert _meta(out)["source"]["rows"] == len(WORDS)
+    documents = _decode_split(out, "train") + _decode_split(out, "val")
+    assert sorted(documents) == sorted(_document(w) for w in WORDS)
+
+
 def test_hub_reads_a_folder_save_to_disk_wrote(tmp_path: Path) -> None:
     """`load_dataset` refuses such a folder (and names `load_from_disk`); --hub takes it."""
     import datasets
