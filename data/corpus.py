@@ -44,6 +44,7 @@ class Corpus:
     skipped: dict[str, int | list[str]] = field(default_factory=dict)
     replaced_bytes: int = 0  # undecodable bytes turned into U+FFFD (--encoding-errors replace)
     paths: list[Path] = field(default_factory=list)  # local files, loaded later
+    names: list[str] = field(default_factory=list)  # their names in the digest
     documents: Dataset | None = None  # hub rows, already loaded; column "text"
 
 
@@ -161,9 +162,7 @@ def _read_local(
         total += len(raw)
         kept.append(path)
         names.append(name)
-        # Length-prefixed so that moving bytes between files changes the hash.
-        content.update(f"{name}\0{len(raw)}\0".encode())
-        content.update(raw)
+        _hash_file(content, name, raw)
     if not kept:
         raise PrepareError(f"no usable documents under {root}: skipped {skipped}")
     file_list = "\n".join(names)
@@ -173,7 +172,14 @@ def _read_local(
         skipped=skipped,
         replaced_bytes=replaced,
         paths=kept,
+        names=names,
     )
+
+
+def _hash_file(content: Any, name: str, raw: bytes) -> None:
+    # Length-prefixed so that moving bytes between files changes the hash.
+    content.update(f"{name}\0{len(raw)}\0".encode())
+    content.update(raw)
 
 
 def _fits(max_bytes: int | None, total: int, size: int, first: bool, what: str) -> bool:
@@ -257,22 +263,54 @@ def _import_datasets() -> Any:
     return datasets
 
 
-def load_text_files(paths: list[Path], encoding_errors: str, cache_dir: Path) -> Dataset:
-    """One row per file, column "text": the file's bytes decoded as open() reads text
-    (universal newlines), streamed to an Arrow file in cache_dir. Not the `text` builder:
-    it decompresses what looks compressed (.gz, .zip, or by content), so the documents would
-    not be the bytes that were checked and hashed."""
+def load_text_files(corpus: Corpus, cache_dir: Path) -> Dataset:
+    """One row per file of a local corpus, column "text": the file's bytes decoded as open()
+    reads text (universal newlines), streamed to an Arrow file in cache_dir. Not the `text`
+    builder: it decompresses what looks compressed (.gz, .zip, or by content), so the
+    documents would not be the bytes that were checked and hashed.
+
+    Each file is read once more here; a file that changed since it was checked and hashed
+    is an error (the digest would not describe the tokens). An OSError writing the Arrow
+    file (a full disk) is raised as itself."""
     datasets = _import_datasets()
+    content = hashlib.sha256()
+    unread: list[tuple[Path, OSError]] = []
 
     def rows() -> Iterator[dict[str, str]]:
-        for path in paths:
-            yield {"text": path.read_text(encoding="utf-8", errors=encoding_errors)}
+        for path, name in zip(corpus.paths, corpus.names, strict=True):
+            try:
+                raw = path.read_bytes()
+            except OSError as error:  # raised inside datasets' writer, it would be wrapped
+                unread.append((path, error))
+                return
+            _hash_file(content, name, raw)
+            # "replace" changes nothing in a file checked as UTF-8, and a file that is no
+            # longer UTF-8 has changed, which the digest below finds.
+            text = raw.decode("utf-8", errors="replace")
+            yield {"text": text.replace("\r\n", "\n").replace("\r", "\n")}
 
     features = datasets.Features({"text": datasets.Value("string")})
-    # One file in memory at a time (by default `datasets` holds 1000 before writing them).
-    return datasets.Dataset.from_generator(
-        rows, features=features, cache_dir=str(cache_dir), writer_batch_size=1
-    )
+    try:
+        # One file in memory at a time (by default `datasets` holds 1000 before writing them).
+        documents = datasets.Dataset.from_generator(
+            rows,
+            features=features,
+            cache_dir=str(cache_dir),
+            writer_batch_size=1,
+            fingerprint=corpus.digest,  # not a hash of `rows` (a closure over a hash object)
+        )
+    except datasets.exceptions.DatasetGenerationError as error:
+        if isinstance(error.__cause__, OSError):
+            raise error.__cause__ from None
+        raise
+    if unread:
+        path, error = unread[0]
+        raise PrepareError(f"cannot read {path}: {error.strerror}") from error
+    if content.hexdigest() != corpus.digest:
+        raise PrepareError(
+            f"input files under {corpus.source['root']} changed while they were prepared; run again"
+        )
+    return documents
 
 
 def _load_hub(

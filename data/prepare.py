@@ -56,7 +56,9 @@ Decisions, so that a reader need not reverse-engineer them:
   versions) and the inputs (--files/--stdlib: relative names and raw bytes; --hub: the text of
   every kept document). If meta.json has the same hash and the files it describes are
   whole, nothing is redone. --hub has to load the dataset to hash it; the download is cached
-  in <out-root>/NAME/.hf_cache.
+  in <out-root>/NAME/.hf_cache. Local files are read twice, to check and hash them, then to
+  tokenize them (through an Arrow copy in a temporary <out-root>/.prepare-* folder, not /tmp:
+  it is as big as the corpus); a file that changed in between is an error.
 * Writing: new files go to temporary names first; the old meta.json is removed before they
   are moved into place and the new one is written last, so an interrupted run never leaves a
   meta.json that describes files it did not finish. Bad input fails before anything is written,
@@ -180,11 +182,19 @@ def prepare(
             _check_writable(out_dir, out_dir)
         say_what_is_replaced(out_dir, settings, content_sha256)
 
-        # Arrow files for local corpora are only needed while tokenizing.
-        with tempfile.TemporaryDirectory(prefix="prepare-datasets-") as cache_dir:
+        # Arrow files for local corpora are only needed while tokenizing. They are as big as
+        # the corpus, so they go by the output (not to /tmp, which may be a small tmpfs).
+        try:
+            scratch = tempfile.TemporaryDirectory(prefix=".prepare-", dir=out_dir.parent)
+        except OSError as e:
+            raise _cannot_write(out_dir.parent, e, "nothing was changed") from None
+        with scratch as cache_dir:
             documents = corpus.documents
             if documents is None:
-                documents = load_text_files(corpus.paths, encoding_errors, Path(cache_dir))
+                try:
+                    documents = load_text_files(corpus, Path(cache_dir))
+                except OSError as e:  # a full disk
+                    raise _cannot_write(Path(cache_dir), e, "nothing was changed") from None
             texts = itertools.chain.from_iterable(_text_batches(documents))
             split = split_documents(texts, val_fraction, seed)
             splits = {"train": documents.select(split.train), "val": documents.select(split.val)}

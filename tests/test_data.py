@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -548,6 +549,55 @@ def test_a_full_disk_leaves_the_corpus_there_before_whole(
     assert prepare_module.main(argv) == 2
     assert f"cannot write {out} (No space left on device); no meta.json" in capsys.readouterr().err
     assert _contents(out) == before
+
+
+def test_a_full_disk_while_copying_the_inputs_changes_nothing(
+    prepared: Prepared,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+) -> None:
+    """The Arrow copy of the inputs is written by the output, not to /tmp (which may be a
+    small tmpfs, here one that does not exist); a full disk there is said as such."""
+    import datasets
+
+    files, out, before = prepared
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "no-tmp"))
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(datasets.arrow_writer.ArrowWriter, "write", full)
+    argv = ["--name", "tiny", "--files", *files, "--out-root", str(tmp_path), "--vocab-size", "300"]
+    assert prepare_module.main(argv) == 2
+    error = capsys.readouterr().err
+    assert f"cannot write {tmp_path}{os.sep}.prepare-" in error
+    assert "(No space left on device); nothing was changed" in error
+    assert _contents(out) == before
+    assert not list(tmp_path.glob(".prepare-*")), "the copy is removed"
+
+    monkeypatch.undo()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "no-tmp"))
+    prepare("tiny", files=files, vocab_size=300, out_root=tmp_path)
+    assert _meta(out)["vocab_size"] == 300
+
+
+def test_an_input_that_changes_while_it_is_prepared_is_an_error(
+    corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Files are checked and hashed, then read again to tokenize: what meta.json's hash
+    describes must be what was tokenized."""
+    checked = prepare_module.files_corpus
+
+    def then_edited(*args: object) -> object:
+        found = checked(*args)
+        found.paths[0].write_text("edited meanwhile\n")
+        return found
+
+    monkeypatch.setattr(prepare_module, "files_corpus", then_edited)
+    with pytest.raises(PrepareError, match=f"under {re.escape(str(corpus))} changed while"):
+        prepare("c", files=[str(corpus / "*.txt")], vocab_size=VOCAB, out_root=tmp_path)
+    assert not (tmp_path / "c").exists()
 
 
 def test_identical_documents_share_a_split_and_are_counted(tmp_path: Path) -> None:
