@@ -104,6 +104,7 @@ from data.store import (
     record_source,
     remove_stale_temporaries,
     say_what_is_replaced,
+    sync,
     write_json_atomic,
 )
 
@@ -433,6 +434,8 @@ def _write_outputs(
         }
         # Old meta.json first: if we stop between the renames below, no meta.json claims a
         # mix of old and new files, and the next run rebuilds.
+        for path in temporary.values():
+            sync(path)
         (out_dir / "meta.json").unlink(missing_ok=True)
         for final, path in temporary.items():
             os.replace(path, out_dir / final)

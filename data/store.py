@@ -121,9 +121,21 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         temporary.write_text(json.dumps(obj, indent=2) + "\n")
+        sync(temporary)
         os.replace(temporary, path)
+        sync(path.parent)
     finally:
         temporary.unlink(missing_ok=True)
+
+
+def sync(path: Path) -> None:
+    """fsync a file before it is renamed into place (so that a power cut cannot leave a
+    renamed file whose data never reached the disk), or a folder after the renames in it."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 def file_sha256(path: Path) -> str:

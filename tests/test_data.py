@@ -22,6 +22,7 @@ from tokenizers import Tokenizer
 
 from data import corpus as corpus_module
 from data import prepare as prepare_module
+from data import store as store_module
 from data.loader import TokenBatches
 from data.meta import DataError
 from data.prepare import EOT, EOT_ID, PrepareError, _content_key, prepare, split_documents
@@ -531,6 +532,33 @@ def test_a_read_only_corpus_is_reused_and_not_rebuilt(
     with pytest.raises(PrepareError, match=f"no permission to write in {re.escape(str(out))};"):
         prepare("tiny", files=files, vocab_size=300, out_root=tmp_path)  # other settings
     assert not trained and _contents(out) == before
+
+
+def test_each_file_reaches_the_disk_before_it_is_renamed_into_place(
+    corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A power cut after a rename must not leave a file whose data never reached the disk;
+    the folder is synced after the renames, so that they last too."""
+    events: list[tuple[str, str]] = []
+    synced, renamed = store_module.sync, prepare_module.os.replace
+
+    def sync(path: Path) -> None:
+        events.append(("sync", Path(path).name))
+        synced(path)
+
+    def replace(source: Path, target: Path) -> None:
+        events.append(("replace", Path(source).name))
+        renamed(source, target)
+
+    monkeypatch.setattr(store_module, "sync", sync)
+    monkeypatch.setattr(prepare_module, "sync", sync)
+    monkeypatch.setattr(prepare_module.os, "replace", replace)
+    out = prepare("c", files=[str(corpus / "*.txt")], vocab_size=VOCAB, out_root=tmp_path)
+    moved = [name for kind, name in events if kind == "replace"]
+    assert len(moved) == 4, "three outputs, then meta.json"
+    for name in moved:
+        assert events.index(("sync", name)) < events.index(("replace", name))
+    assert events[-1] == ("sync", out.name), "the folder, after every rename"
 
 
 def test_a_full_disk_leaves_the_corpus_there_before_whole(
