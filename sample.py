@@ -2,12 +2,15 @@
 
     python sample.py --run runs/default --prompt "def" [--tokens 200] [--temperature 0.8]
         [--top-k 50] [--top-p 0.95] [--stop-at-eot] [--attention sdpa] [--dtype float32]
+        [--no-token-healing]
 
 Reads the run's checkpoint, config and tokenizer (train.py copies it into the run directory).
 In a prompt, "<|endoftext|>" is the document separator (in the corpus the same characters were
 plain text), so `--prompt "<|endoftext|>"` starts a new document. Generation runs on past a
 sampled separator into the next document, as training saw them, unless --stop-at-eot ends
-the text there.
+the text there. The prompt's last token is sampled again among the tokens that start with
+its text (token healing), so a prompt that ends mid-token, as "x = " does in a lone space,
+continues as the corpus would; --tokens counts that token.
 
 Attention holds no weights, so a run can be sampled with another variant than it trained
 with (--attention), e.g. a GPU run's sdpa-cudnn on a CPU: every variant computes the same
@@ -119,9 +122,11 @@ def sample_run(
     stop_at_eot: bool = False,
     attention: str | None = None,
     dtype: str | None = None,
+    token_healing: bool = True,
 ) -> str:
     """Text continuing `prompt`, up to the first sampled separator if `stop_at_eot`, with the
-    run's attention variant or `attention`, in its precision or `dtype` (one of config.DTYPES).
+    run's attention variant or `attention`, in its precision or `dtype` (one of config.DTYPES),
+    the prompt's last token healed (see `heal`) unless not `token_healing`.
     `device_setting` is what an error calls the device choice."""
     dev = pick_device(device, device_setting)
     model, tokenizer, config = load_run(run_dir, dev, attention, dtype)
@@ -130,6 +135,9 @@ def sample_run(
     ids = tokenizer.encode(prompt).ids
     if not ids:
         raise SampleError("the prompt is empty; give at least one character")
+    first_allowed = None
+    if token_healing and max_new_tokens > 0:
+        ids, first_allowed = heal(tokenizer, ids)
     generator = torch.Generator(device=dev).manual_seed(seed)
     idx = torch.tensor([ids], dtype=torch.long, device=dev)
     eot = tokenizer.token_to_id(EOT) if stop_at_eot else None
@@ -146,11 +154,29 @@ def sample_run(
             generator=generator,
             vocab_limit=tokenizer.get_vocab_size(),
             stop_id=eot,
+            first_allowed=first_allowed,
         )
     new = out[0, len(ids) :].tolist()
     if eot in new:
         new = new[: new.index(eot)]
     return tokenizer.decode(ids + new, skip_special_tokens=False)
+
+
+def heal(tokenizer: Tokenizer, ids: list[int]) -> tuple[list[int], torch.Tensor | None]:
+    """Token healing: the prompt's ids without the last token, and a mask of the tokens
+    whose text starts with that token's, among which the first one is sampled. A prompt that
+    ends mid-token otherwise puts the model where training never was: "x = " ends in a lone
+    space token, while the corpus holds " 1" or " None" as one token each. The output still
+    starts with the whole prompt. A prompt of one token (nothing would be left) or ending in
+    the separator is left as it is."""
+    eot = tokenizer.token_to_id(EOT)
+    if len(ids) < 2 or ids[-1] == eot:
+        return ids, None
+    stem = tokenizer.id_to_token(ids[-1])  # byte-level: a prefix of the text is one of the token
+    allowed = torch.zeros(tokenizer.get_vocab_size(), dtype=torch.bool)
+    for token, index in tokenizer.get_vocab().items():
+        allowed[index] = token.startswith(stem) and index != eot
+    return ids[:-1], allowed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,6 +227,12 @@ def main(argv: list[str] | None = None) -> int:
         "CUDA, fp32 elsewhere)",
     )
     parser.add_argument(
+        "--no-token-healing",
+        action="store_true",
+        help="keep the prompt's last token; by default it is sampled again among the tokens "
+        'that start with its text, so a prompt ending mid-token ("x = ") continues as text would',
+    )
+    parser.add_argument(
         "--seed", type=int, default=0, help="of the sampling (default: %(default)s)"
     )
     parser.add_argument(
@@ -234,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
             stop_at_eot=args.stop_at_eot,
             attention=args.attention,
             dtype=args.dtype,
+            token_healing=not args.no_token_healing,
         )
     except (*USER_ERRORS, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

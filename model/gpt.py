@@ -156,6 +156,7 @@ class GPT(nn.Module):
         vocab_limit: int | None = None,
         top_p: float | None = None,
         stop_id: int | None = None,
+        first_allowed: Tensor | None = None,
     ) -> Tensor:
         """Extend idx (B, T) by max_new_tokens sampled tokens; temperature 0 (or below fp32's
         smallest normal number, ~1e-38) is greedy, and an infinite one samples uniformly.
@@ -168,6 +169,9 @@ class GPT(nn.Module):
         model's (padded) vocab_size; the rows above it have no text to decode to.
         stop_id: stop once every row has sampled it (a row that has goes on sampling until
         then: cut each at its first stop_id after the prompt).
+        first_allowed: a bool mask over the ids that can be sampled (vocab_limit or vocab_size
+        of them): the first token is drawn among the True ones (token healing: the tokens
+        that start with the text of a prompt's last token, which the caller dropped).
         """
         if not temperature >= 0:  # NaN too
             raise ValueError(f"temperature={temperature}: must be >= 0")
@@ -179,8 +183,18 @@ class GPT(nn.Module):
             raise ValueError(
                 f"vocab_limit={vocab_limit}: must be in 1..vocab_size ({self.config.vocab_size})"
             )
+        sampled = vocab_limit if vocab_limit is not None else self.config.vocab_size
+        if first_allowed is not None and (
+            first_allowed.shape != (sampled,) or first_allowed.dtype != torch.bool
+        ):
+            raise ValueError(
+                f"first_allowed: must be a bool mask of shape ({sampled},), "
+                f"not {first_allowed.dtype} {tuple(first_allowed.shape)}"
+            )
+        if first_allowed is not None and not bool(first_allowed.any()):
+            raise ValueError("first_allowed: allows no token")
         stopped = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
-        for _ in range(max_new_tokens):
+        for step in range(max_new_tokens):
             context = idx[:, -self.config.block_size :]
             # Only the last position's scores are needed: (B, C) @ (C, V), not (B, T, C) @ (C, V).
             # The shift and softmax below in fp32 (under autocast the head's output is bf16:
@@ -188,13 +202,16 @@ class GPT(nn.Module):
             logits = self.lm_head(self.features(context)[:, -1, :]).float()  # (B, V)
             if vocab_limit is not None:
                 logits = logits[:, :vocab_limit]  # ids from vocab_limit up are never drawn
+            if step == 0 and first_allowed is not None:
+                logits = logits.masked_fill(~first_allowed.to(logits.device), float("-inf"))
             if temperature < torch.finfo(logits.dtype).tiny:  # 0, or too small for fp32: greedy
                 next_id = logits.argmax(dim=-1, keepdim=True)
             else:
                 # Shifted so the largest is 0: a tiny temperature then gives 0 and -inf, not inf,
                 # and an infinite one all zeros (uniform), not NaN.
                 shifted = logits - logits.amax(dim=-1, keepdim=True)
-                scaled = shifted / temperature
+                # Masked-out ids (-inf) stay -inf, where an infinite temperature would make NaN.
+                scaled = (shifted / temperature).masked_fill(shifted.isneginf(), float("-inf"))
                 # The likeliest are chosen by the model's scores, not the scaled ones: a huge
                 # temperature ties them all at 0, and top_k or top_p would then keep any.
                 if top_k is not None:

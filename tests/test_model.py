@@ -494,6 +494,40 @@ def test_generate_vocab_limit_samples_only_ids_the_tokenizer_has() -> None:
         model.generate(prompt, 1, vocab_limit=98)
 
 
+def test_generate_draws_the_first_token_among_first_allowed_only() -> None:
+    """Token healing's constraint, at every temperature (an infinite one included, where a
+    masked score would turn NaN) and with top_k/top_p; the tokens after it are free."""
+    torch.manual_seed(0)
+    model = GPT(tiny_config()).eval()  # vocab_size 97
+    prompt = torch.randint(0, 97, (8, 3))
+    allowed = torch.zeros(97, dtype=torch.bool)
+    allowed[[4, 40, 90]] = True
+    settings = [
+        {"temperature": 0},
+        {"temperature": 1.0},
+        {"temperature": float("inf")},
+        {"temperature": 1.0, "top_k": 1},
+        {"temperature": 1.0, "top_k": 5},
+        {"temperature": float("inf"), "top_p": 0.5},
+    ]
+    later = set()
+    for kwargs in settings:
+        out = model.generate(prompt, 6, first_allowed=allowed, **kwargs)
+        assert set(out[:, 3].tolist()) <= {4, 40, 90}, kwargs
+        later |= set(out[:, 4:].flatten().tolist())
+    assert len(later - {4, 40, 90}) > 10, "only the first token is constrained"
+    first = model.generate(prompt, 1, temperature=float("inf"), first_allowed=allowed)[:, 3]
+    assert len(set(first.tolist())) > 1, "sampled among the allowed, not collapsed onto one"
+    limited = allowed[:10]
+    out = model.generate(prompt % 10, 2, vocab_limit=10, first_allowed=limited)
+    assert set(out[:, 3].tolist()) == {4}
+    for bad, problem in [(allowed[:10], r"shape \(97,\)"), (allowed.int(), "bool mask")]:
+        with pytest.raises(ValueError, match=problem):
+            model.generate(prompt, 1, first_allowed=bad)
+    with pytest.raises(ValueError, match="allows no token"):
+        model.generate(prompt, 1, first_allowed=torch.zeros(97, dtype=torch.bool))
+
+
 # --- CUDA: these run only where a GPU is present -------------------------------------------
 
 

@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.utils.clip_grad as clip_grad
+from tokenizers import Tokenizer
 
 import checkpoint
 import metrics
@@ -1675,6 +1676,35 @@ def test_sample_stop_at_eot_ends_at_the_first_separator(
     assert text.count(EOT) == 2, "without the flag, generation runs on past separators"
     assert sample_text(capsys, base_run, "--stop-at-eot") == text[: text.index(EOT)]
     assert asked == [None, EOT_ID]
+
+
+def test_sample_heals_the_prompts_last_token(
+    base_run: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ "def " ends in a lone space token, which training saw rarely before a word: generate()
+    gets the prompt without it and draws first among the tokens that start with a space."""
+    tokenizer = Tokenizer.from_file(str(base_run / "tokenizer.json"))
+    ids = tokenizer.encode("def ").ids
+    assert tokenizer.id_to_token(ids[-1]) == "Ġ", "the test needs a prompt ending mid-token"
+    seen: list[tuple[list[int], torch.Tensor | None]] = []
+    real = GPT.generate
+
+    def spy(self: GPT, idx: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        seen.append((idx[0].tolist(), kwargs.get("first_allowed")))
+        return real(self, idx, *args, **kwargs)
+
+    monkeypatch.setattr(GPT, "generate", spy)
+    for temperature in ("0", "1"):
+        assert sample_text(capsys, base_run, "--temperature", temperature).startswith("def ")
+    healed, allowed = seen[0]
+    assert healed == ids[:-1] and allowed is not None
+    spaced = {i for token, i in tokenizer.get_vocab().items() if token.startswith("Ġ")}
+    assert set(allowed.nonzero().flatten().tolist()) == spaced
+    sample_text(capsys, base_run, "--no-token-healing")
+    assert seen[-1] == (ids, None)
+    for unhealed in ("d", EOT, f"def{EOT}"):  # one token; ends in the separator
+        prompt = tokenizer.encode(unhealed).ids
+        assert sample.heal(tokenizer, prompt) == (prompt, None), unhealed
 
 
 def test_sample_with_another_attention_variant_gives_the_same_text(
