@@ -174,8 +174,8 @@ def heal(tokenizer: Tokenizer, ids: list[int]) -> tuple[list[int], torch.Tensor 
         return ids, None
     stem = tokenizer.id_to_token(ids[-1])  # byte-level: a prefix of the text is one of the token
     allowed = torch.zeros(tokenizer.get_vocab_size(), dtype=torch.bool)
-    for token, index in tokenizer.get_vocab().items():
-        allowed[index] = token.startswith(stem) and index != eot
+    vocab = tokenizer.get_vocab().items()
+    allowed[[index for token, index in vocab if token.startswith(stem) and index != eot]] = True
     return ids[:-1], allowed
 
 

@@ -274,15 +274,13 @@ def load_text_files(corpus: Corpus, cache_dir: Path) -> Dataset:
     file (a full disk) is raised as itself."""
     datasets = _import_datasets()
     content = hashlib.sha256()
-    unread: list[tuple[Path, OSError]] = []
 
     def rows() -> Iterator[dict[str, str]]:
         for path, name in zip(corpus.paths, corpus.names, strict=True):
             try:
                 raw = path.read_bytes()
-            except OSError as error:  # raised inside datasets' writer, it would be wrapped
-                unread.append((path, error))
-                return
+            except OSError as error:  # not one writing the copy
+                raise PrepareError(f"cannot read {path}: {error.strerror}") from error
             _hash_file(content, name, raw)
             # "replace" changes nothing in a file checked as UTF-8, and a file that is no
             # longer UTF-8 has changed, which the digest below finds.
@@ -299,13 +297,10 @@ def load_text_files(corpus: Corpus, cache_dir: Path) -> Dataset:
             writer_batch_size=1,
             fingerprint=corpus.digest,  # not a hash of `rows` (a closure over a hash object)
         )
-    except datasets.exceptions.DatasetGenerationError as error:
-        if isinstance(error.__cause__, OSError):
+    except datasets.exceptions.DatasetGenerationError as error:  # wraps what rows() raised
+        if isinstance(error.__cause__, (PrepareError, OSError)):
             raise error.__cause__ from None
         raise
-    if unread:
-        path, error = unread[0]
-        raise PrepareError(f"cannot read {path}: {error.strerror}") from error
     if content.hexdigest() != corpus.digest:
         raise PrepareError(
             f"input files under {corpus.source['root']} changed while they were prepared; run again"

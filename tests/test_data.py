@@ -12,6 +12,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -616,15 +617,24 @@ def test_an_input_that_changes_while_it_is_prepared_is_an_error(
     """Files are checked and hashed, then read again to tokenize: what meta.json's hash
     describes must be what was tokenized."""
     checked = prepare_module.files_corpus
+    first: list[Path] = []
 
-    def then_edited(*args: object) -> object:
-        found = checked(*args)
-        found.paths[0].write_text("edited meanwhile\n")
-        return found
+    def then(change: Callable[[Path], object]) -> Callable[..., object]:
+        def files_corpus(*args: object) -> object:
+            found = checked(*args)
+            first[:] = found.paths[:1]
+            change(found.paths[0])
+            return found
 
-    monkeypatch.setattr(prepare_module, "files_corpus", then_edited)
+        return files_corpus
+
+    files = [str(corpus / "*.txt")]
+    monkeypatch.setattr(prepare_module, "files_corpus", then(lambda p: p.write_text("edited\n")))
     with pytest.raises(PrepareError, match=f"under {re.escape(str(corpus))} changed while"):
-        prepare("c", files=[str(corpus / "*.txt")], vocab_size=VOCAB, out_root=tmp_path)
+        prepare("c", files=files, vocab_size=VOCAB, out_root=tmp_path)
+    monkeypatch.setattr(prepare_module, "files_corpus", then(Path.unlink))
+    with pytest.raises(PrepareError, match=f"cannot read {re.escape(str(first[0]))}: No such"):
+        prepare("c", files=files, vocab_size=VOCAB, out_root=tmp_path)
     assert not (tmp_path / "c").exists()
 
 
