@@ -511,10 +511,14 @@ def _train(
                 f"gradient norm is {norm} at step {pending.step}, so the step's update may "
                 "have left the weights not finite"
             )
-        bar.update(1)
+        # Shown at the bar's next redraw (at most once a second), not written out every step.
         bar.set_postfix(
-            loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / seconds:,.0f}", ms=f"{seconds * 1e3:.0f}"
+            loss=f"{loss:.3f}",
+            tok_s=f"{tokens_per_step / seconds:,.0f}",
+            ms=f"{seconds * 1e3:.0f}",
+            refresh=False,
         )
+        bar.update(1)
         if logs.wants(pending.step):
             logs.step(
                 pending.step,

@@ -25,6 +25,7 @@ class Progress:
             total=sum((n_layer + 1) * steps_per_cell * cells_per_depth for n_layer in layers),
             desc="sweep",
             dynamic_ncols=True,
+            mininterval=1.0,  # a step takes ~0.1 s: redrawn at each, a log fills with bars
             bar_format="{l_bar}{bar}| [{elapsed}<{remaining}{postfix}]",
         )
 
