@@ -99,8 +99,12 @@ def load_run(
         )
     except VariantUnavailable as e:
         other = "naive" if config.model.attention == "sdpa" else "sdpa"
-        ways = [f"another variant, e.g. --attention {other}"] if attention is None else []
-        ways += [f"another --dtype than {dtype}"] if dtype is not None else []
+        # Off CUDA, a CUDA-only variant runs in no dtype: only another variant helps.
+        cuda_only = device.type != "cuda" and VARIANTS[config.model.attention].cuda_only_reason
+        ways = (
+            [f"another variant, e.g. --attention {other}"] if attention is None or cuda_only else []
+        )
+        ways += [f"another --dtype than {dtype}"] if dtype is not None and not cuda_only else []
         hint = f"; sample with {' or '.join(ways)}" if ways else ""
         raise SampleError(f"{e}{hint}") from None
     model = GPT(config.model)

@@ -294,7 +294,8 @@ def _check_arguments(
     hub_only["--text-column"] = text_column != "text"
     misused = [flag for flag, on in hub_only.items() if on]
     if misused and given != ["hub"]:
-        raise PrepareError(f"{', '.join(misused)} only apply to --hub")
+        verb = "applies" if len(misused) == 1 else "apply"
+        raise PrepareError(f"{', '.join(misused)} only {verb} to --hub")
     return given[0]
 
 

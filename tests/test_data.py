@@ -469,7 +469,7 @@ def test_a_compressed_file_is_its_bytes_not_what_it_unpacks_to(tmp_path: Path) -
         ({"max_bytes": 0}, r"--max-bytes 0 must be positive"),
         ({"name": "../escape"}, r"--name '../escape'"),
         ({"stdlib": True}, r"exactly one source"),
-        ({"hub_config": "x"}, r"--hub-config only apply to --hub"),
+        ({"hub_config": "x"}, r"--hub-config only applies to --hub"),
         ({"encoding_errors": "ignore"}, r"--encoding-errors 'ignore'"),
     ],
 )

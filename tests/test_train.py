@@ -1740,8 +1740,12 @@ def test_sample_a_run_whose_variant_cannot_run_here_names_it_and_the_way_out(
     assert sample.main(["--run", str(out), "--device", "cpu"]) == 2
     err = error_of(capsys.readouterr().err)
     assert "'sdpa-efficient' cannot run on cpu" in err and "--attention sdpa" in err
-    assert sample.main(["--run", str(out), "--device", "cpu", "--dtype", "float32"]) == 2
-    assert "--attention sdpa or another --dtype than float32" in capsys.readouterr().err
+    # No dtype makes a CUDA-only kernel run on a CPU: only another variant is offered.
+    for given in ([], ["--attention", "sdpa-cudnn"]):
+        argv = ["--run", str(out), "--device", "cpu", "--dtype", "float32", *given]
+        assert sample.main(argv) == 2
+        err = error_of(capsys.readouterr().err).rstrip()
+        assert err.endswith("; sample with another variant, e.g. --attention sdpa"), err
     assert sample_text(capsys, out, "--device", "cpu", "--attention", "sdpa").startswith("def ")
 
 
