@@ -213,7 +213,12 @@ def prepare(
                     split.duplicates,
                 )
             except OSError as e:  # a full disk, a folder made read-only meanwhile
-                then = "no meta.json describes unfinished files, so the next run redoes them"
+                # meta.json is removed just before the renames and the new one written last:
+                # one there now is the old corpus's, whose files are untouched.
+                if (out_dir / "meta.json").exists():
+                    then = "the corpus there before is as it was"
+                else:
+                    then = "no meta.json describes unfinished files, so the next run redoes them"
                 raise _cannot_write(out_dir, e, then) from None
     counts = meta["splits"]
     print(
@@ -391,7 +396,7 @@ def _write_tokens(tokenizer: Tokenizer, documents: "Dataset", path: Path, split:
             encodings = tokenizer.encode_batch(texts, add_special_tokens=False)
             ids = itertools.chain.from_iterable((*enc.ids, EOT_ID) for enc in encodings)
             array = np.fromiter(ids, dtype=np.uint16)
-            array.tofile(out)
+            out.write(memoryview(array))  # not tofile: its OSError on a full disk has no errno
             n_tokens += len(array)
             n_bytes += sum(len(text.encode("utf-8")) for text in texts)
             bar.update(len(texts))

@@ -1,5 +1,6 @@
 """data/prepare.py on tiny corpora written into tmp_path: outputs, reuse, sources, bad input."""
 
+import errno
 import fcntl
 import gzip
 import hashlib
@@ -576,8 +577,31 @@ def test_a_full_disk_leaves_the_corpus_there_before_whole(
     monkeypatch.setattr(prepare_module, "_write_tokens", full)
     argv = ["--name", "tiny", "--files", *files, "--out-root", str(tmp_path), "--vocab-size", "300"]
     assert prepare_module.main(argv) == 2
-    assert f"cannot write {out} (No space left on device); no meta.json" in capsys.readouterr().err
+    said = f"cannot write {out} (No space left on device); the corpus there before is as it was"
+    assert said in capsys.readouterr().err
     assert _contents(out) == before
+    assert prepare("tiny", files=files, vocab_size=VOCAB, out_root=tmp_path) == out  # reused
+
+    # Full after the old meta.json went, during the renames: the next run redoes the corpus.
+    monkeypatch.undo()
+    monkeypatch.setattr(prepare_module.os, "replace", full)
+    assert prepare_module.main(argv) == 2
+    said = f"cannot write {out} (No space left on device); no meta.json describes unfinished"
+    assert said in capsys.readouterr().err
+    assert not (out / "meta.json").exists()
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs Linux's /dev/full")
+def test_token_files_on_a_full_disk_fail_with_the_errno(corpus: Path, tmp_path: Path) -> None:
+    """numpy's tofile raised an OSError without one: '170540 requested and 124928 written'."""
+    out = prepare("c", files=[str(corpus / "*.txt")], vocab_size=VOCAB, out_root=tmp_path)
+    tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
+    documents = corpus_module.load_text_files(
+        corpus_module.files_corpus([str(corpus / "*.txt")], "strict", None), tmp_path / "arrow"
+    )
+    with pytest.raises(OSError) as raised:
+        prepare_module._write_tokens(tokenizer, documents, Path("/dev/full"), "train")
+    assert raised.value.errno == errno.ENOSPC
 
 
 def test_a_full_disk_while_copying_the_inputs_changes_nothing(
