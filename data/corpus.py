@@ -311,6 +311,7 @@ def load_text_files(corpus: Corpus, cache_dir: Path) -> Dataset:
 def _load_hub(
     dataset: str, config: str | None, split: str, text_column: str, cache_dir: Path
 ) -> Dataset:
+    _check_local(dataset)
     datasets = _import_datasets()
     try:
         if _saved_to_disk(Path(dataset)):  # load_dataset refuses these and names load_from_disk
@@ -319,6 +320,8 @@ def _load_hub(
             rows = _split_of(datasets.load_from_disk(dataset), split)
         else:
             rows = _load_dataset(datasets, dataset, config, split, str(cache_dir))
+    except PrepareError:
+        raise
     # The Hub client, fsspec and the builders raise many types; to the user all of them mean
     # "could not load", and the chained cause keeps the detail.
     except Exception as error:
@@ -336,6 +339,28 @@ def _load_hub(
     return rows.select_columns([text_column])
 
 
+def _check_local(dataset: str) -> None:
+    """A file, or a local folder that is not there, is an error here, before `datasets`
+    takes it for a Hub name (and retries the network for half a minute)."""
+    path = Path(dataset).expanduser()
+    if path.is_file():
+        raise PrepareError(
+            f"--hub {dataset!r} is a file; --hub takes a folder of data files, one "
+            "save_to_disk wrote, or a Hub dataset name (text files: --files)"
+        )
+    if path.exists():
+        return
+    # A Hub name is NAME or OWNER/NAME: more parts, or a leading /, . or ~, make a path, and
+    # OWNER/NAME whose OWNER is a folder here is most likely a mistyped one.
+    if dataset.startswith(("/", ".", "~")) or dataset.count("/") > 1:
+        raise PrepareError(f"--hub {dataset!r}: no such folder")
+    if path.parent != Path(".") and path.parent.is_dir():
+        raise PrepareError(
+            f"--hub {dataset!r}: no such folder in {path.parent}/ (for a Hub dataset of "
+            "that name, run from another folder)"
+        )
+
+
 def _load_dataset(
     datasets: Any, dataset: str, config: str | None, split: str, cache_dir: str
 ) -> Dataset:
@@ -343,12 +368,36 @@ def _load_dataset(
     reads them. `datasets`' text builder defaults to one row per line, which would drop the
     newlines and split a file between train and val line by line."""
     builder = datasets.load_dataset_builder(dataset, config, cache_dir=cache_dir)
-    if builder.name == "text":
-        builder = datasets.load_dataset_builder(
-            dataset, config, cache_dir=cache_dir, sample_by="document"
-        )
-    builder.download_and_prepare()
+    if builder.name != "text":
+        builder.download_and_prepare()
+        return builder.as_dataset(split=split)
+    builder = datasets.load_dataset_builder(
+        dataset, config, cache_dir=cache_dir, sample_by="document"
+    )
+    try:
+        builder.download_and_prepare()
+    except Exception as error:
+        _name_the_non_utf8_file(error, dataset, builder.config.data_files)
+        raise
     return builder.as_dataset(split=split)
+
+
+def _name_the_non_utf8_file(error: BaseException, dataset: str, data_files: Any) -> None:
+    """Raise a PrepareError naming the local text file (and byte) that stopped the text
+    builder, as --files would, if `error` came from one that is not UTF-8."""
+    cause: BaseException | None = error
+    while cause is not None and not isinstance(cause, UnicodeDecodeError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None:
+        return
+    for path in (Path(name) for files in (data_files or {}).values() for name in files):
+        bad = _invalid_utf8(path.read_bytes()) if path.is_file() else None
+        if bad is not None:
+            raise PrepareError(
+                f"{path} is not UTF-8 (first bad byte at offset {bad[0]}); fix the file, or "
+                f"prepare the folder with --files '{dataset}/**/*.txt' --encoding-errors replace"
+            ) from error
+    raise PrepareError(f"a text file of the dataset is not UTF-8: {cause}") from error
 
 
 def _saved_to_disk(path: Path) -> bool:

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
+from unittest.mock import Mock
 
 import numpy as np
 import pytest
@@ -301,6 +302,31 @@ def test_hub_reads_a_folder_of_text_files_one_document_per_file(tmp_path: Path) 
     assert _meta(out)["source"]["rows"] == len(WORDS)
     documents = _decode_split(out, "train") + _decode_split(out, "val")
     assert sorted(documents) == sorted(_document(w) for w in WORDS)
+
+    (folder / "latin1.txt").write_bytes(b"caf\xe9 au lait\n")  # named as --files names it
+    said = f"{folder / 'latin1.txt'} is not UTF-8 (first bad byte at offset 3); fix the file, or "
+    with pytest.raises(PrepareError, match=re.escape(said)):
+        prepare("texts", hub=str(folder), vocab_size=VOCAB, out_root=tmp_path / "out")
+    assert sorted(_decode_split(out, "train") + _decode_split(out, "val")) == sorted(documents)
+
+
+def test_hub_given_a_file_or_a_missing_folder_says_so_without_the_network(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not "Couldn't find any data file" for a file that is there, nor half a minute of Hub
+    retries for a mistyped folder."""
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("text\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(corpus_module, "_import_datasets", Mock(side_effect=AssertionError))
+    for hub, said in [
+        ("corpus/a.txt", r"--hub 'corpus/a.txt' is a file; --hub takes a folder"),
+        ("./corpuz", r"--hub './corpuz': no such folder$"),
+        ("corpus/sub/dir", r"--hub 'corpus/sub/dir': no such folder$"),
+        ("corpus/typo", r"--hub 'corpus/typo': no such folder in corpus/ \(for a Hub dataset"),
+    ]:
+        with pytest.raises(PrepareError, match=said):
+            prepare("x", hub=hub, out_root=tmp_path / "out")
 
 
 def test_hub_reads_a_folder_save_to_disk_wrote(tmp_path: Path) -> None:
