@@ -45,6 +45,20 @@ def say_what_resuming_changes(ckpt: dict[str, Any], config: Config, linear: str 
         )
 
 
+def say_the_corpus_changed(ckpt: dict[str, Any], meta: dict[str, Any], name: str) -> None:
+    """A corpus prepared again with the same tokenizer resumes (the token ids mean the same),
+    but on other documents: said, as the run is no longer trained on one corpus. (Checkpoints
+    from before the corpus was recorded have no "corpus_sha256".)"""
+    before, now = ckpt.get("corpus_sha256"), meta.get("content_sha256")
+    if before is not None and before != now:
+        print(
+            f"resuming on corpus '{name}' as it is now: it was prepared again since the "
+            f"checkpoint, from other documents or settings (content sha256 {str(before)[:12]} "
+            f"-> {str(now)[:12]}) but with the same tokenizer; the run goes on with the new data",
+            file=sys.stderr,
+        )
+
+
 def say_the_schedule_changed(ckpt: dict[str, Any], tc: TrainConfig) -> None:
     """The learning rate follows the settings given now from the resume step on: new schedule
     settings (above all a larger max_steps, to extend a run) move it there, up the cosine

@@ -53,6 +53,7 @@ from model import GPT, GPTConfig, VariantUnavailable, available_variants, check_
 from optim import build_optimizer, lr_at
 from resume import (
     restore_state,
+    say_the_corpus_changed,
     say_the_ranks_changed,
     say_the_schedule_changed,
     say_what_resuming_changes,
@@ -370,6 +371,7 @@ def _train(
     linear = ("onednn" if onednn else "torch") if device.type == "cpu" else None
     if master and ckpt is not None:
         say_what_resuming_changes(ckpt, config, linear)
+        say_the_corpus_changed(ckpt, meta, config.data.name)
         say_the_schedule_changed(ckpt, tc)
 
     # Before the model: a corpus too small for the batch is told in a second, not after a
@@ -484,6 +486,7 @@ def _train(
                 "data": batches["train"].state_dict(),
                 "config": asdict(config),
                 "tokenizer_sha256": meta["tokenizer_sha256"],
+                "corpus_sha256": meta["content_sha256"],  # said on resume if it changed
                 "val_loss": val_loss,
                 "written_by": written_by,
             }

@@ -691,6 +691,24 @@ def test_resume_through_another_linear_path_says_so(
     assert "nn.Linear through" not in capsys.readouterr().err
 
 
+def test_resume_on_a_corpus_prepared_again_with_the_same_tokenizer_says_so(
+    base_run: Path, data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The token ids mean the same, so it resumes; but on other documents, which is said."""
+    assert load_ckpt(base_run)["corpus_sha256"] == meta(data_root)["content_sha256"]
+    out = copy_run(base_run, tmp_path / "run")
+    ckpt = load_ckpt(out)
+    ckpt["corpus_sha256"] = "a" * 64  # as if it trained on the corpus before a re-prepare
+    torch.save(ckpt, out / checkpoint.CHECKPOINT)
+    capsys.readouterr()
+    assert run(data_root, out, f"--train.max_steps={STEPS + 1}", "--resume") == 0
+    said = "resuming on corpus 'tiny' as it is now: it was prepared again since the checkpoint"
+    assert said in capsys.readouterr().err
+    assert load_ckpt(out)["corpus_sha256"] == meta(data_root)["content_sha256"]
+    assert run(data_root, out, f"--train.max_steps={STEPS + 2}", "--resume") == 0
+    assert "resuming on corpus" not in capsys.readouterr().err
+
+
 def test_resume_with_other_optimizer_settings_uses_them(
     base_run: Path, data_root: Path, tmp_path: Path
 ) -> None:
