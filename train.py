@@ -32,6 +32,7 @@ from checkpoint import (
     CHECKPOINT,
     CheckpointError,
     describe_os_error,
+    load_checkpoint,
     provenance,
     restore_rng,
     restoring,
@@ -47,7 +48,7 @@ from config import (
 )
 from cpu_linear import LINEAR_PATHS, use_onednn_linears, wants_onednn
 from data.loader import TokenBatches
-from data.meta import DataError, check_vocab, load_meta
+from data.meta import DataError, check_vocab, load_meta, rebuild_command
 from metrics import MetricsLog, start_metrics
 from model import GPT, GPTConfig, VariantUnavailable, available_variants, check_variant
 from optim import build_optimizer, lr_at
@@ -310,6 +311,16 @@ def _say_how_it_runs(
         )
 
 
+def trained_on(ckpt_path: Path, data_dir: Path) -> str | None:
+    """The command that makes again the corpus the checkpoint trained on, into `data_dir`,
+    or None where it does not say (checkpoints from before it was recorded)."""
+    try:
+        corpus = load_checkpoint(ckpt_path, needs=("corpus",))["corpus"]
+        return rebuild_command(data_dir, corpus["source"], corpus["settings"])
+    except (CheckpointError, KeyError, TypeError, AttributeError):
+        return None
+
+
 def train(
     config: Config,
     out_dir: Path,
@@ -354,11 +365,19 @@ def _train(
         tokenizer = out_dir / "tokenizer.json"
         if not (resume and tokenizer.is_file()):
             raise
-        # The hint's stdlib command makes a corpus: not necessarily the one the run knows.
+        data_dir = Path(config.data.root) / config.data.name
+        command = trained_on(out_dir / CHECKPOINT, data_dir)
+        again = (
+            f"prepare it again as the run's was made: {command}"
+            if command is not None
+            else "prepare it again from the source and with the settings the run trained on"
+        )
+        # A missing corpus: the error's own hint, a stdlib command, makes another one.
+        problem = e if (data_dir / "meta.json").is_file() else f"no prepared corpus at {data_dir}/"
         raise DataError(
-            f"{e}; to resume {out_dir}, give --data.root=FOLDER where that corpus is now, or "
-            "prepare it again from the source and with the settings the run trained on: its "
-            f"tokenizer must be {tokenizer}"
+            f"{problem}; to resume {out_dir}, give "
+            f"--data.root=FOLDER where that corpus is now, or {again} (its tokenizer must "
+            f"come out as {tokenizer})"
         ) from None
     check_vocab(meta, config.model.vocab_size, config.data.name)
     data_dir = Path(config.data.root) / config.data.name
@@ -487,6 +506,8 @@ def _train(
                 "config": asdict(config),
                 "tokenizer_sha256": meta["tokenizer_sha256"],
                 "corpus_sha256": meta["content_sha256"],  # said on resume if it changed
+                # How it was made: said on resume if it is gone.
+                "corpus": {"source": meta["source"], "settings": meta["settings"]},
                 "val_loss": val_loss,
                 "written_by": written_by,
             }

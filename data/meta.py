@@ -81,14 +81,15 @@ def rebuild_hint(corpus: Path) -> str:
     stdlib would be another corpus), else an example."""
     try:
         meta = json.loads((corpus / "meta.json").read_text())
-        command = _rebuild_command(corpus, meta["source"], meta["settings"])
+        command = rebuild_command(corpus, meta["source"], meta["settings"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return f"prepare the corpus again from its source, e.g. {prepare_command(corpus)}"
     return f"prepare the corpus again from its source: {command}"
 
 
-def _rebuild_command(corpus: Path, source: dict[str, Any], settings: dict[str, Any]) -> str:
-    """The data/prepare.py command line that made this corpus."""
+def rebuild_command(corpus: Path, source: dict[str, Any], settings: dict[str, Any]) -> str:
+    """The data/prepare.py command line that made this corpus (meta.json's "source" and
+    "settings"), writing it to folder `corpus`."""
     kind = settings["kind"]
     if kind == "stdlib":
         args = ["--stdlib"]

@@ -42,6 +42,7 @@ import sample
 import train
 from config import TrainConfig, dump_toml, load_config
 from cpu_linear import onednn_unavailable_reason, wants_onednn
+from data import meta as data_meta
 from data.loader import TokenBatches
 from data.prepare import EOT, EOT_ID, prepare, split_documents
 from model import GPT, VARIANTS, available_variants, unavailable_reason
@@ -1322,20 +1323,32 @@ def test_run_from_another_folder_the_hints_say_where_they_looked_and_what_to_run
     assert list(tmp_path.iterdir()) == []
 
 
-def test_resume_without_its_corpus_says_the_tokenizer_must_be_the_runs(
-    base_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_resume_without_its_corpus_says_how_the_runs_was_made(
+    base_run: Path, data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The stdlib command the hint gives makes a corpus, not necessarily the one the run
-    trained on (another source, another vocabulary)."""
+    """Not the missing-corpus hint, a stdlib command, which makes a corpus but not
+    necessarily the run's (another source, another vocabulary): the checkpoint's record."""
     out = copy_run(base_run, tmp_path / "moved")
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    gone = f"--data.root={tmp_path / 'elsewhere'}"
+    elsewhere = tmp_path / "elsewhere"
+    gone = f"--data.root={elsewhere}"
     assert train.main(["--out", str(out), "--resume", gone]) == 2
     err = error_of(capsys.readouterr().err)
-    assert "no prepared corpus" in err
-    assert f"to resume {out}, give --data.root=FOLDER where that corpus is now, or" in err
-    assert f"its tokenizer must be {out / 'tokenizer.json'}" in err
+    made = meta(data_root)
+    command = data_meta.rebuild_command(elsewhere / "tiny", made["source"], made["settings"])
+    assert err.startswith(f"no prepared corpus at {elsewhere / 'tiny'}/; to resume {out}, ")
+    assert "give --data.root=FOLDER where that corpus is now, or prepare it again as the " in err
+    assert f"run's was made: {command} (its tokenizer must come out as " in err
+    assert "e.g." not in err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    # A checkpoint from before the corpus was recorded: said in words.
+    ckpt = load_ckpt(out)
+    del ckpt["corpus"]
+    torch.save(ckpt, out / checkpoint.CHECKPOINT)
+    assert train.main(["--out", str(out), "--resume", gone]) == 2
+    assert "or prepare it again from the source and with the settings the run trained on (" in (
+        error_of(capsys.readouterr().err)
+    )
     # No run there: nothing said about one.
     assert train.main(["--out", str(tmp_path / "none"), "--resume", gone]) == 2
     assert "to resume" not in error_of(capsys.readouterr().err)
