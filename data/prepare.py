@@ -181,7 +181,6 @@ def prepare(
             return out_dir
         if out_dir.exists():  # not reused: it will be written, before the tokenizer is trained
             _check_writable(out_dir, out_dir)
-        say_what_is_replaced(out_dir, settings, content_sha256)
 
         # Arrow files for local corpora are only needed while tokenizing. They are as big as
         # the corpus, so they go by the output (not to /tmp, which may be a small tmpfs).
@@ -198,6 +197,8 @@ def prepare(
                     raise _cannot_write(Path(cache_dir), e, "nothing was changed") from None
             texts = itertools.chain.from_iterable(_text_batches(documents))
             split = split_documents(texts, val_fraction, seed)
+            # Once the documents are known to make a corpus, not before an error about them.
+            say_what_is_replaced(out_dir, settings, content_sha256)
             splits = {"train": documents.select(split.train), "val": documents.select(split.val)}
             print(f"training a {vocab_size}-token byte-level BPE on {len(split.train)} documents")
             tokenizer = _train_tokenizer(splits["train"], vocab_size)

@@ -501,7 +501,7 @@ def test_a_compressed_file_is_its_bytes_not_what_it_unpacks_to(tmp_path: Path) -
     ],
 )
 def test_bad_input_fails_clearly_and_keeps_prepared_data(
-    corpus: Path, tmp_path: Path, change: dict, message: str
+    corpus: Path, tmp_path: Path, change: dict, message: str, capsys: pytest.CaptureFixture
 ) -> None:
     (corpus / "empty.md").write_bytes(b"")
     kwargs = {"files": [str(corpus / "*.txt")], "vocab_size": VOCAB, "out_root": tmp_path}
@@ -512,9 +512,11 @@ def test_bad_input_fails_clearly_and_keeps_prepared_data(
         key: [v.format(corpus=corpus) for v in value] if key == "files" else value
         for key, value in change.items()
     }
+    capsys.readouterr()
     with pytest.raises(PrepareError, match=message):
         prepare(**({"name": "tiny"} | kwargs | change))
     assert _contents(out) == before
+    assert "replacing" not in capsys.readouterr().err, "not said of what is not replaced"
 
 
 def test_a_run_directory_or_a_file_is_no_place_for_a_corpus(corpus: Path, tmp_path: Path) -> None:
