@@ -45,7 +45,8 @@ Decisions, so that a reader need not reverse-engineer them:
   undecodable bytes. Hub documents that are empty or None are skipped and counted.
 * `--hub` on plain-text files (a local folder of .txt, or a Hub repo of them) takes each
   file whole as one document, as --files does; `datasets`' text builder would make each line
-  a row, dropping the newlines and splitting a file's lines between train and val.
+  a row, dropping the newlines and splitting a file's lines between train and val. An empty
+  file there is skipped and counted, as an empty Hub row is (--files calls it an error).
 * `--max-bytes N` keeps the longest prefix of whole documents, in input order, that fits in
   N bytes (raw file bytes for --files/--stdlib, UTF-8 bytes for --hub).
 * meta.json bytes are the UTF-8 bytes of the documents as tokenized. Files are read as
