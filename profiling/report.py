@@ -430,8 +430,21 @@ def _report_md(results: dict[str, Any]) -> str:
     meta, rows, fits = results["meta"], results["rows"], results["fits"]
     doubled = doubled_ops(meta)  # a caveat for sweeps that counted re-dispatched ops twice
     saved = savings(rows)
+    reference_of = baselines(rows)
+    noisy = {  # (label, n_layer) of the cells marked *
+        (label(r["variant"], r["compile"]), r["n_layer"])
+        for r in rows
+        if r["step_ms"] and _noisy(r["step_ms"])
+    }
+    shaky = {  # projections whose lines were fitted through one
+        name
+        for name, s in saved.items()
+        if any((x, n) in noisy for x in (name, reference_of[name]) for n in s["depths"])
+    }
     projected = [
-        f"| {name} | " + " | ".join(_projected(s["projected"][str(n)]) for n in PROJECT_AT) + " |"
+        f"| {name}{'*' if name in shaky else ''} | "
+        + " | ".join(_projected(s["projected"][str(n)]) for n in PROJECT_AT)
+        + " |"
         for name, s in saved.items()
     ]
     problems = _not_run(rows, bold=True)
@@ -477,6 +490,15 @@ def _report_md(results: dict[str, Any]) -> str:
                     "| variant | " + " | ".join(f"at {n} layers" for n in PROJECT_AT) + " |",
                     "|---|" + "---|" * len(PROJECT_AT),
                     *projected,
+                    *(
+                        [
+                            "",
+                            "\\* fitted through cells marked * in the headline (they varied "
+                            "widely while timed): less certain than the ± says.",
+                        ]
+                        if shaky
+                        else []
+                    ),
                 ]
                 if projected
                 else ["(needs `naive` and another variant measured at two depths or more)"]
