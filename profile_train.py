@@ -80,8 +80,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         description=__doc__,
         formatter_class=_DefaultsShown,
         epilog="Any config field can be overridden, as in train.py: --train.cpu_linear=torch "
-        "--model.n_embd=256 (not model.n_layer, model.attention or train.compile: --layers, "
-        "--variants and --compile)",
+        "--model.n_embd=256 (not model.n_layer, model.attention, train.compile or data.name: "
+        "--layers, --variants, --compile and --data)",
         allow_abbrev=False,  # unknown --flags are config overrides; never guess a prefix
     )
     p.add_argument(
@@ -217,6 +217,11 @@ def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
             raise ConfigError(
                 "--train.compile: the sweep compiles per cell; use --compile off|on|both"
             )
+        if any(o.split("=")[0] == "--data.name" for o in overrides):
+            raise ConfigError(
+                "--data.name: the sweep reads the data --data names: --data synthetic or "
+                "--data NAME, a corpus prepared under data.root"
+            )
         layers = _csv_list(args.layers, int, "--layers")
         if not layers or min(layers) < 1:
             raise ConfigError(f"--layers={args.layers!r}: give positive integers, e.g. 1,2,4,8")
@@ -225,11 +230,13 @@ def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
                 raise ConfigError(f"--{flag.replace('_', '-')}={getattr(args, flag)}: must be >= 1")
         if not (math.isfinite(args.peak_seconds) and args.peak_seconds > 0):
             raise ConfigError(f"--peak-seconds={args.peak_seconds}: must be a positive number")
-        args.trace_layers = set(_csv_list(args.trace_layers or "", int, "--trace-layers"))
-        if args.trace_layers - set(layers):
+        traced = set(_csv_list(args.trace_layers or "", int, "--trace-layers"))
+        if traced - set(layers):
             raise ConfigError(
-                f"--trace-layers={sorted(args.trace_layers)}: not all are among --layers={layers}"
+                f"--trace-layers={args.trace_layers}: "
+                f"{','.join(map(str, sorted(traced - set(layers))))} not among --layers={args.layers}"
             )
+        args.trace_layers = traced
         device = pick_device(config.train.device)
         if device.type == "cpu":
             # libkineto prints "USDT: profiler_start/stop" to stderr for every profiled cell,

@@ -113,6 +113,7 @@ class Sweep:
                 global_batch_size=0,
                 compile=self.compile_mode != "off",
             ),
+            data=dataclasses.replace(config.data, name=args.data),  # what the sweep reads
         )
         self.config, self.args = config, args
         self.device = pick_device(config.train.device)
@@ -154,7 +155,7 @@ class Sweep:
             draw = lambda: torch.randint(mc.vocab_size, shape, generator=g).to(self.device)
             pool = [[draw() for _ in range(tc.grad_accum)] for _ in range(BATCH_POOL)]
             return [[(xy[:, :-1], xy[:, 1:]) for xy in step] for step in pool]
-        meta = load_meta(self.config.data.root, self.args.data)
+        meta = load_meta(self.config.data.root, self.args.data, mc.vocab_size)
         check_vocab(meta, mc.vocab_size, self.args.data)
         source = TokenBatches(
             Path(self.config.data.root) / self.args.data / "train.bin",

@@ -1042,12 +1042,17 @@ def test_bad_arguments_name_the_problem(tmp_path: Path, capsys: pytest.CaptureFi
         ("--diff", "inplace,naive"),  # needs --report
         ("--model.n_layer=3", None),  # the sweep sets n_layer itself
         ("--train.compile=true", None),  # --compile decides, per cell
+        ("--data.name=stdlib", None),  # --data decides
     ]
     for flag, value in bad:
         rc, _ = sweep(tmp_path, "--layers", "1", flag, *([value] if value is not None else []))
         err = capsys.readouterr().err
         assert rc == 2 and flag.split("=")[0].split(".")[-1] in err, err
         assert "Traceback" not in err, err
+    rc, _ = sweep(tmp_path, "--layers", "1,2", "--trace-layers", "2,4")
+    assert "--trace-layers=2,4: 4 not among --layers=1,2" in capsys.readouterr().err
+    rc, _ = sweep(tmp_path, "--layers", "1", "--data.name=stdlib")
+    assert "--data synthetic or --data NAME" in capsys.readouterr().err
     assert not (tmp_path / "sweep").exists(), "bad input wrote nothing"
     (tmp_path / "sweep").mkdir()
     (tmp_path / "sweep" / "notes.txt").write_text("mine")
@@ -2358,6 +2363,30 @@ def test_a_failed_cell_leaves_the_report_honest(naive_vs_inplace: dict) -> None:
     assert headline.endswith("| – |"), headline
     assert "`sdpa-math` against naive at L1,2 only, the depths both measured." in report
     assert "| sdpa-math | step_ms |" in report and "| – (2 depths) |" in report
+
+
+def test_a_projection_through_a_noisy_cell_is_marked(naive_vs_inplace: dict) -> None:
+    """The 12/24/48-layer projections extrapolate far: one fitted through a cell that varied
+    widely (marked * in the headline) is marked too, its baseline's noise included."""
+    from profiling.report import _report_md
+
+    def projection(report: str, name: str) -> str:
+        section = report.split("## Projected savings")[1].split("## Every cell")[0]
+        return next(line for line in section.splitlines() if line.startswith(f"| {name}"))
+
+    results = copy.deepcopy(naive_vs_inplace)
+    for r in results["rows"]:  # the tiny sweep's cells, calm
+        if r["step_ms"]:
+            r["step_ms"] = {**r["step_ms"], "p90": r["step_ms"]["p10"]}
+    report = _report_md(results)
+    assert projection(report, "inplace").startswith("| inplace | ")
+    assert "fitted through cells marked *" not in report
+    cell = next(r for r in results["rows"] if r["variant"] == "naive" and r["n_layer"] == 3)
+    cell["step_ms"] = {**cell["step_ms"], "p90": 3 * cell["step_ms"]["p10"]}
+    report = _report_md(results)
+    for name in ("inplace", "sdpa-math"):  # naive's noise is in every saving against it
+        assert projection(report, name).startswith(f"| {name}* | ")
+    assert "fitted through cells marked * in the headline" in report
 
 
 def test_the_report_states_the_method_its_sweep_used(naive_vs_inplace: dict) -> None:
