@@ -524,15 +524,7 @@ def _report_md(results: dict[str, Any]) -> str:
             "hits all alike, "
             + round_order_text(meta)
             + ". Median with 10th/90th percentiles over the timed steps.",
-            "- **Compile time**: for `+compile` cells, the first step's time minus the median "
-            "step"
-            + eager_excess_text(meta)
-            + ". Dynamo is reset before each depth, so every compiled cell traces its graphs "
-            "anew instead of reusing the last depth's; `(cached)` marks a cell whose compiled "
-            "graphs Inductor then found in its on-disk cache, from an earlier depth or run: its "
-            "time is mostly that tracing, not a compile from scratch."
-            + reused_text(rows)
-            + startup_text(meta),
+            *(_compile_time_lines(meta, rows) if any(r["compile"] for r in rows) else []),
             *host_memory_lines(meta, rows),
             *device_memory_lines(rows),
             "- **Ops and kernels**: separate steps under torch.profiler with a wait=1/warmup=1/active schedule; "
@@ -570,7 +562,31 @@ def _report_md(results: dict[str, Any]) -> str:
             "The slope column is what one more layer costs per training step. A variant's saving per layer, "
             "multiplied by depth and by steps, is what the change buys over a training run. Ops per layer count "
             "dispatcher calls (a rough proxy for launch overhead on GPUs); the op diff above says which ops a "
-            "variant adds or removes. Open a trace from `traces/` in https://ui.perfetto.dev or chrome://tracing.",
+            "variant adds or removes. " + _traces_text(rows),
             "",
         ]
     )
+
+
+def _compile_time_lines(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
+    return [
+        "- **Compile time**: for `+compile` cells, the first step's time minus the median "
+        "step"
+        + eager_excess_text(meta)
+        + ". Dynamo is reset before each depth, so every compiled cell traces its graphs "
+        "anew instead of reusing the last depth's; `(cached)` marks a cell whose compiled "
+        "graphs Inductor then found in its on-disk cache, from an earlier depth or run: its "
+        "time is mostly that tracing, not a compile from scratch."
+        + reused_text(rows)
+        + startup_text(meta)
+    ]
+
+
+def _traces_text(rows: list[dict[str, Any]]) -> str:
+    """Where the sweep's traces are, or that it wrote none (--no-traces, --trace-layers)."""
+    traced = sorted({r["n_layer"] for r in rows if r.get("trace")})
+    if not traced:
+        return "This sweep wrote no traces (`--no-traces`); a sweep without it writes one per cell."
+    depths = {r["n_layer"] for r in rows}
+    where = "" if set(traced) == depths else f" (cells at L{','.join(map(str, traced))} only)"
+    return f"Open a trace from `traces/`{where} in https://ui.perfetto.dev or chrome://tracing."

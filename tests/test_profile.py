@@ -2389,6 +2389,29 @@ def test_a_projection_through_a_noisy_cell_is_marked(naive_vs_inplace: dict) -> 
     assert "fitted through cells marked * in the headline" in report
 
 
+def test_the_report_points_only_to_traces_and_compile_times_it_has(
+    naive_vs_inplace: dict,
+) -> None:
+    """An eager sweep's report does not explain compile times; one without traces does not
+    send the reader to traces/, and one traced at some depths names them."""
+    from profiling.report import _report_md
+
+    report = _report_md(naive_vs_inplace)
+    assert "Open a trace from `traces/` in" in report
+    assert "**Compile time**" not in report  # the fixture's cells are all eager
+    results = copy.deepcopy(naive_vs_inplace)
+    for r in results["rows"]:
+        if r["n_layer"] != 2:
+            r["trace"] = None
+    assert "Open a trace from `traces/` (cells at L2 only) in" in _report_md(results)
+    for r in results["rows"]:
+        r["trace"] = None
+    report = _report_md(results)
+    assert "This sweep wrote no traces (`--no-traces`)" in report and "traces/" not in report
+    results["rows"][0]["compile"] = True
+    assert "**Compile time**: for `+compile` cells" in _report_md(results)
+
+
 def test_the_report_states_the_method_its_sweep_used(naive_vs_inplace: dict) -> None:
     """A sweep made before the balanced orders, before buffers counted as resident memory,
     or before ops and kernels were placed by the operator around them, is still described as
