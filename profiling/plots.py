@@ -19,6 +19,13 @@ def axis_top(drawn: list[float], bar_tops: list[float]) -> float | None:
     return 1.15 * max(drawn)
 
 
+# What plot_results draws, and the report's text for each
+PLOTS = {
+    "step_time_vs_layers.png": "step time vs layers",
+    "memory_vs_layers.png": "peak memory vs layers",
+}
+
+
 def plot_results(out: Path, results: dict[str, Any], setup: str) -> None:
     """step_time_vs_layers.png and memory_vs_layers.png: a point (p10-p90 bar) per cell, one
     colour per variant label, and each label's fitted line; `setup` goes under the title."""
@@ -61,9 +68,13 @@ def plot_results(out: Path, results: dict[str, Any], setup: str) -> None:
             shift = 0.06 * (i - (len(names) - 1) / 2)
             xs = [x + shift for x, _ in pts]
             mid = [v[0] * scale for _, v in pts]
+            # One peak per cell has no spread: no bars, and none in its legend either
             err = [[(v[0] - v[1]) * scale for _, v in pts], [(v[2] - v[0]) * scale for _, v in pts]]
+            spread = metric == "step_ms"
             color = f"C{i % 10}"
-            ax.errorbar(xs, mid, yerr=err, fmt="o", color=color, label=name, capsize=3)
+            ax.errorbar(
+                xs, mid, yerr=err if spread else None, fmt="o", color=color, label=name, capsize=3
+            )
             drawn += mid
             bar_tops += [v[2] * scale for _, v in pts]
             fit = fits.get(name, {}).get(metric)
@@ -83,6 +94,17 @@ def plot_results(out: Path, results: dict[str, Any], setup: str) -> None:
                 fontsize=7,
             )
         ax.set_xlabel("n_layer")
+        ax.set_xticks(sorted({r["n_layer"] for r in rows}))  # the depths measured, no 1.5
+        if names:
+            ax.annotate(
+                ("bars: p10 to p90 of the timed steps; " if metric == "step_ms" else "")
+                + "points shifted sideways to stay apart; dashed: fitted lines",
+                (0.99, 0.01),
+                xycoords="axes fraction",
+                ha="right",
+                va="bottom",
+                fontsize=7,
+            )
         ax.set_ylabel(ylabel)
         ax.set_title(
             f"{ylabel.split(' (')[0]} vs depth ({results['meta']['device']})\n{setup}", fontsize=9

@@ -34,7 +34,7 @@ from profiling.method import (
     unattributed_lines,
     where_time_goes_intro,
 )
-from profiling.plots import MiB, plot_results
+from profiling.plots import PLOTS, MiB, plot_results
 
 NOISY_SPREAD = 1.25  # p90/p10 of a cell's step times above which its headline cell gets a *
 
@@ -366,9 +366,12 @@ def write_report(out: Path, results: dict[str, Any], plots: bool = True) -> None
         *(["", "Failed or did not run:", *not_run] if not_run else []),
     ]
     (out / "summary.txt").write_text("\n".join(summary) + "\n", encoding="utf-8")
-    (out / "report.md").write_text(_report_md(results), encoding="utf-8")
     if plots:
         plot_results(out, results, _setup_line(results["meta"]))
+    # After the plots: it shows those drawn (none while the sweep runs; an interruption while
+    # they were drawn leaves the report before them)
+    drawn = tuple(name for name in PLOTS if (out / name).is_file())
+    (out / "report.md").write_text(_report_md(results, drawn), encoding="utf-8")
 
 
 def _cell_table(rows: list[dict[str, Any]]) -> list[str]:
@@ -426,7 +429,8 @@ def _fits_table(fits: dict[str, dict[str, dict[str, float]]]) -> list[str]:
     return lines
 
 
-def _report_md(results: dict[str, Any]) -> str:
+def _report_md(results: dict[str, Any], plots: tuple[str, ...] = tuple(PLOTS)) -> str:
+    """The report; `plots` are the PNGs it shows, those drawn."""
     meta, rows, fits = results["meta"], results["rows"], results["fits"]
     doubled = doubled_ops(meta)  # a caveat for sweeps that counted re-dispatched ops twice
     saved = savings(rows)
@@ -464,8 +468,13 @@ def _report_md(results: dict[str, Any]) -> str:
             "",
             *headline_table(results),
             "",
-            "![step time vs layers](step_time_vs_layers.png)",
-            "![peak memory vs layers](memory_vs_layers.png)",
+            *(
+                [f"![{PLOTS[name]}]({name})" for name in plots]
+                or [
+                    "(The plots are drawn when the sweep ends; "
+                    "`python profile_train.py --report DIR` draws them for one that did not.)"
+                ]
+            ),
             "",
             "## Findings: what each variant changes, per layer per step",
             "",

@@ -2292,8 +2292,38 @@ def test_plots_draw_each_variant_and_its_fitted_line(
             medians = sorted(
                 (r["n_layer"], value(r) * scale) for r in rows if r["variant"] == variant
             )
-            points = next(c for c in ax.containers if c.get_label() == variant).lines[0].get_ydata()
-            assert list(points) == pytest.approx([m for _, m in medians])
+            points = next(c for c in ax.containers if c.get_label() == variant)
+            assert list(points.lines[0].get_ydata()) == pytest.approx([m for _, m in medians])
+            assert points.has_yerr == (metric == "step_ms")  # a peak has no p10-p90 to show
+        assert list(ax.get_xticks()) == [1, 2, 3]  # the depths measured: no 1.5
+    notes = [t.get_text() for t in drawn["step_time_vs_layers.png"].texts]
+    assert any("bars: p10 to p90" in t for t in notes), notes
+
+
+def test_the_report_shows_only_plots_that_were_drawn(
+    naive_vs_inplace: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While the sweep runs its report has no plots yet, and says when they come; a Ctrl-C
+    while they are drawn leaves that report, not one showing PNGs that are not there."""
+    import profiling.report
+
+    profiling.report.write_report(tmp_path, naive_vs_inplace, plots=False)
+    report = (tmp_path / "report.md").read_text()
+    assert "![" not in report and "The plots are drawn when the sweep ends" in report
+
+    def interrupted(out: Path, results: dict, setup: str) -> None:
+        (out / "step_time_vs_layers.png").write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(profiling.report, "plot_results", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        profiling.report.write_report(tmp_path, naive_vs_inplace, plots=True)
+    assert (tmp_path / "report.md").read_text() == report
+    monkeypatch.undo()
+    profiling.report.write_report(tmp_path, naive_vs_inplace, plots=True)
+    report = (tmp_path / "report.md").read_text()
+    assert "![step time vs layers](step_time_vs_layers.png)" in report
+    assert "![peak memory vs layers](memory_vs_layers.png)" in report
 
 
 def test_a_disturbed_cell_does_not_squash_the_step_time_plot() -> None:
