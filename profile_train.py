@@ -351,6 +351,13 @@ def _alone(
 def _load_results(folder: Path, flag: str) -> dict:
     """A sweep's results.json, or an error naming the folder and what is wrong with it."""
     path = folder / "results.json"
+    if not folder.exists():
+        raise ConfigError(f"{flag} {folder}: no such folder; give a sweep's --out folder")
+    if not folder.is_dir():
+        raise ConfigError(
+            f"{flag} {folder}: a file, not a folder; give the sweep's folder"
+            + (f" ({folder.parent})" if folder.name == "results.json" else "")
+        )
     if not path.is_file():
         raise ConfigError(f"{flag} {folder}: no results.json there")
     try:

@@ -833,6 +833,14 @@ def test_damaged_results_json_is_an_error_not_a_traceback(
         assert profile_train.main(["--report", str(tmp_path)]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and expect in err and "results.json" in err, err
+    # Not a folder at all: said so, not "no results.json there"
+    results = tmp_path / "results.json"
+    for flag in (["--report"], ["--compare", str(tmp_path)]):
+        assert profile_train.main([*flag, str(tmp_path / "gone")]) == 2
+        assert f"{tmp_path / 'gone'}: no such folder" in capsys.readouterr().err
+        assert profile_train.main([*flag, str(results)]) == 2
+        err = capsys.readouterr().err
+        assert f"{results}: a file, not a folder; give the sweep's folder ({tmp_path})" in err
 
 
 @pytest.mark.parametrize("flag", ["--variants=naive,sdpa,naive", "--layers=1,2,1"])
