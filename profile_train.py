@@ -186,6 +186,7 @@ def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
     args, overrides = parse_args(argv)
     ours: Path | None = None  # --out once known to be new or empty: what it holds is this sweep's
     out_existed = default_out = False
+    made_above: list[Path] = []
     try:
         if args.report is not None:
             _alone(
@@ -207,6 +208,9 @@ def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
         if args.out.exists() and not (args.out.is_dir() and not any(args.out.iterdir())):
             raise ConfigError(f"--out {args.out} exists and is not an empty folder; choose another")
         ours, out_existed = args.out, args.out.exists()
+        # The folders the sweep will make above --out: an interruption before the first cell
+        # removes them too, where still empty
+        made_above = [p for p in args.out.parents if not p.exists()]
         if args.diff is not None:
             raise ConfigError("--diff compares two variants of an existing sweep: add --report DIR")
         if any(o.split("=")[0] in ("--model.n_layer", "--model.attention") for o in overrides):
@@ -301,10 +305,9 @@ def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
                     shutil.rmtree(path)
                 else:
                     path.unlink()
-            if default_out:  # and profiles/<config>/, profiles/ when now empty
-                for parent in ours.parents[:2]:
-                    with contextlib.suppress(OSError):  # not empty: other sweeps are there
-                        parent.rmdir()
+            for parent in made_above:  # innermost first
+                with contextlib.suppress(OSError):  # not empty: another process wrote there
+                    parent.rmdir()
             print(
                 f"interrupted before the first cell was measured; "
                 f"{'the files written in ' if out_existed else ''}{ours} removed",

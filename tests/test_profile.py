@@ -769,22 +769,26 @@ def test_ctrl_c_during_the_closing_peak_reading_still_draws_the_plots(
 def test_ctrl_c_before_any_cell_leaves_no_half_sweep(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, made_by_user: bool
 ) -> None:
-    """A folder the sweep made goes; one the user made (it must be empty) stays, emptied."""
+    """A folder the sweep made goes, with the folders it made above it; one the user made (it
+    must be empty) stays, emptied."""
 
     def interrupt(self, cells):
         (self.out / "traces").mkdir()  # as if a trace had been written
         raise KeyboardInterrupt
 
     monkeypatch.setattr(Sweep, "_time", interrupt)
-    out = tmp_path / "sweep"
+    (tmp_path / "runs").mkdir()
+    out = tmp_path / "runs" / "new" / "nested" / "sweep"
     if made_by_user:
-        out.mkdir()
+        out.mkdir(parents=True)
     rc = profile_train.main(
         ["--out", str(out), "--variants", "naive", "--layers", "1", "--peak-seconds", "0.05", *TINY]
     )
     assert rc == 130
     assert out.is_dir() == made_by_user
     assert not made_by_user or not any(out.iterdir())
+    assert (tmp_path / "runs").is_dir(), "a folder that was there before stays"
+    assert (tmp_path / "runs" / "new").exists() == made_by_user
 
 
 def test_ctrl_c_before_any_cell_of_a_default_folder_sweep_leaves_no_profiles_folder(
