@@ -511,3 +511,24 @@ def shares(times: dict[str, float]) -> dict[str, float]:
     """Each category's share (0..1) of the summed times by category."""
     total = sum(times.values()) or 1.0
     return {k: times[k] / total for k in CATEGORIES if k in times}
+
+
+def balanced_orders(n: int) -> list[list[int]]:
+    """Orders of n cells for successive rounds: a Williams design, the balanced Latin square.
+
+    Over the rows every cell takes every position equally often and, within a round, directly
+    follows every other equally often: n rows for even n, 2n for odd (the rows and their
+    reverses). Rounds run back to back, cycling through the rows, so they are chained so that
+    no round starts with the cell the one before it ended with. Two cells simply alternate.
+    Rotating one order instead (A B C, B C A, C A B) puts A after C in two rounds of three.
+    """
+    if n <= 2:
+        return [list(range(n))]
+    # 0, 1, n-1, 2, n-2, ...: its successive differences are all distinct mod n.
+    first = [0] + [(k + 1) // 2 if k % 2 else n - k // 2 for k in range(1, n)]
+    rows = [[(c + shift) % n for c in first] for shift in range(n)]
+    if n % 2 == 0:  # row s ends with s + n/2 and row s + 1 starts with s + 1
+        return rows
+    # Row s runs s ... s + (n+1)/2 and its reverse the other way: reversed rows n-2, n-3, ...,
+    # 0, n-1 after the rows never meet a round that begins where the last ended.
+    return rows + [rows[s][::-1] for s in [*range(n - 2, -1, -1), n - 1]]

@@ -7,9 +7,10 @@ described as it was measured, not as this code measures now.
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from typing import Any
 
-from profiling.analysis import label, ok_rows
+from profiling.analysis import balanced_orders, label, ok_rows
 
 # How this code's sweeps measure, written into results.json's meta (the sweep adds `startup`
 # once its warm-up has run). The notes below test these keys: a sweep written before a change
@@ -189,13 +190,21 @@ def flop_count_text(meta: dict[str, Any]) -> str:
     )
 
 
-def round_order_text(meta: dict[str, Any]) -> str:
+def round_order_text(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     if meta.get("round_order") == METHOD["round_order"]:
+        cells = max(Counter(r["n_layer"] for r in rows).values(), default=0)
+        orders = len(balanced_orders(cells))
+        partial = (
+            f" (here {meta['steps']} rounds of {cells} cells: not a whole number of its "
+            f"{orders} orders, so that balance is not complete)"
+            if meta["steps"] % orders
+            else ""
+        )
         return (
             "each round in an order of a balanced Latin square (Williams design; for three: "
             "A B C, B C A, C A B, A C B, C B A, B A C), so over each full set of orders every "
             "variant takes every position and, within a round, directly follows every other "
-            "equally often, and none runs twice in a row"
+            "equally often, and none runs twice in a row" + partial
         )
     return "each round starting one later (A B C, B C A, C A B, …)"
 

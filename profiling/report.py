@@ -531,7 +531,7 @@ def _report_md(results: dict[str, Any], plots: tuple[str, ...] = tuple(PLOTS)) -
             + serialised_text(meta)
             + "; the variants of one depth run interleaved round by round, so machine drift "
             "hits all alike, "
-            + round_order_text(meta)
+            + round_order_text(meta, rows)
             + ". Median with 10th/90th percentiles over the timed steps.",
             *(_compile_time_lines(meta, rows) if any(r["compile"] for r in rows) else []),
             *host_memory_lines(meta, rows),

@@ -32,11 +32,10 @@ from cpu_linear import cpu_field, wants_onednn
 from data.loader import TokenBatches
 from data.meta import check_vocab, load_meta
 from model import VARIANTS, unavailable_reason
-from profiling.analysis import label
+from profiling.analysis import balanced_orders, label
 from profiling.cells import (
     Cell,
     allocator_counts,
-    balanced_orders,
     compile_cache,
     compile_counters,
     compile_seconds,

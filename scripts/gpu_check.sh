@@ -21,7 +21,8 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 LAYERS=${LAYERS:-1,4,12}
 COMPILED_LAYERS=${COMPILED_LAYERS:-1,12}
-STEPS=${STEPS:-16}
+STEPS=${STEPS:-16}  # eight variants: a multiple of the 8 orders that balance 8 cells
+COMPILED_STEPS=${COMPILED_STEPS:-18}  # 3 variants eager and compiled: of the 6 orders for 6
 # No GPU, or no torch with CUDA: say so in one line, before anything is made or moved.
 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null || {
   echo "error: no CUDA GPU for $PY here (torch missing, a CPU build, or no GPU); PYTHON=... picks another python" >&2
@@ -97,7 +98,7 @@ eager_rc=$(sweep_status "$OUT/eager" $?)
 
 echo "== 3. sweep: naive, sdpa, flex compiled and not, n_layer $COMPILED_LAYERS"
 timeout -k 10 150 "$PY" profile_train.py --config configs/profile-gpu.toml --out "$OUT/compiled" \
-  --variants naive,sdpa,flex --layers "$COMPILED_LAYERS" --steps "$STEPS" --compile both --no-traces
+  --variants naive,sdpa,flex --layers "$COMPILED_LAYERS" --steps "$COMPILED_STEPS" --compile both --no-traces
 compiled_rc=$(sweep_status "$OUT/compiled" $?)
 
 echo "== $(date -u +%FT%TZ) done: tests rc=$tests_rc, eager sweep rc=$eager_rc, compiled sweep rc=$compiled_rc"

@@ -293,7 +293,7 @@ def test_a_failure_in_the_profiled_steps_keeps_the_timed_ones(
 def test_round_orders_are_balanced(n: int) -> None:
     """Every cell takes every position, and within a round directly follows every other,
     equally often; rounds run back to back, and no cell ever runs twice in a row."""
-    from profiling.cells import balanced_orders
+    from profiling.analysis import balanced_orders
 
     rows = balanced_orders(n)
     assert all(sorted(row) == list(range(n)) for row in rows)
@@ -307,7 +307,7 @@ def test_round_orders_are_balanced(n: int) -> None:
 
 
 def test_the_sweep_times_rounds_in_balanced_orders(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """What a step inherits from the one before it (page faults, caches) is shared by all."""
     import profiling.sweep
@@ -341,6 +341,18 @@ def test_the_sweep_times_rounds_in_balanced_orders(
     a, b, c = "naive", "inplace", "sdpa"
     rounds = [ran[i : i + 3] for i in range(len(ran) - 18, len(ran), 3)]  # after the warm-up
     assert rounds == [[a, b, c], [b, c, a], [c, a, b], [a, c, b], [c, b, a], [b, a, c]]
+    assert "balance is not complete" not in (tmp_path / "sweep" / "report.md").read_text()
+    assert "warning: --steps" not in capsys.readouterr().err
+    # Five rounds of three: not every order ran, and the user hears so before and after.
+    rc, _ = sweep(
+        tmp_path, "--variants", "naive,inplace,sdpa", "--layers", "1", "--steps", "5", name="5"
+    )
+    assert rc == 0
+    assert "--steps 5 is not a multiple of 6, the rounds that balance the order of 3 cells" in (
+        capsys.readouterr().err
+    )
+    report = (tmp_path / "5" / "report.md").read_text()
+    assert "here 5 rounds of 3 cells: not a whole number of its 6 orders" in report
 
 
 TIMES_MS = [10, 20, 30, 40, 100]  # median 30 (the mean is 40), p10 14, p90 76
