@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from profiling.analysis import (
     label,
     labels,
     measured_saving,
+    ok_rows,
     savings,
 )
 from profiling.findings import findings, where_time_goes
@@ -414,6 +416,47 @@ def _cell_table(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def compile_gain(rows: list[dict[str, Any]]) -> list[str]:
+    """For each variant timed both eager and compiled, at each depth both measured: the two
+    medians, the speedup, and the steps whose savings repay the compile time."""
+    timed = {(r["variant"], r["compile"], r["n_layer"]): r for r in ok_rows(rows) if r["step_ms"]}
+    pairs = [
+        (variant, n, eager, timed[(variant, True, n)])
+        for (variant, compiled, n), eager in timed.items()
+        if not compiled and (variant, True, n) in timed
+    ]
+    if not pairs:
+        return []
+    lines = [
+        "| variant | n_layer | eager ms | compiled ms | speedup | compile s | steps to repay it |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    order = list(dict.fromkeys(r["variant"] for r in rows))  # as the sweep ran them
+    cold = any(c.get("compile_s") is not None and not compile_mark(c) for *_, c in pairs)
+    for variant, n, eager, compiled in sorted(pairs, key=lambda p: (order.index(p[0]), p[1])):
+        e, c = eager["step_ms"]["median"], compiled["step_ms"]["median"]
+        paid = compiled.get("compile_s")
+        if paid is None:
+            repay = "–"
+        elif e <= c:
+            repay = "never (no faster)"
+        else:
+            repay = f"{math.ceil(paid * 1e3 / (e - c)):,}"
+        lines.append(
+            f"| {variant} | {n} | {e:.1f} | {c:.1f} | {e / c:.2f}× | "
+            f"{_fmt(paid)}{compile_mark(compiled)} | {repay} |"
+        )
+    return [
+        *lines,
+        "",
+        "Speedup: the eager median over the compiled one, timed in the same rounds. Steps to "
+        "repay it: the cell's compile time over the time a step saves. A `(cached)` cell's "
+        "graphs came from Inductor's on-disk cache (an earlier depth's blocks, or an earlier "
+        "run): what a run pays when the cache is warm; a cold compile takes longer"
+        + (", as in the cells without the mark." if cold else "."),
+    ]
+
+
 def _fits_table(fits: dict[str, dict[str, dict[str, float]]]) -> list[str]:
     lines = [
         "| variant | metric | slope (per layer) | ± se | intercept | r² |",
@@ -476,6 +519,7 @@ def _report_md(results: dict[str, Any], plots: tuple[str, ...] = tuple(PLOTS)) -
                 ]
             ),
             "",
+            *(["## What compiling buys", "", *gain, ""] if (gain := compile_gain(rows)) else []),
             "## Findings: what each variant changes, per layer per step",
             "",
             *([f"> {doubled}", ""] if meta.get("autocast") and doubled else []),

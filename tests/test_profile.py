@@ -999,6 +999,31 @@ def test_the_headline_gives_the_saving_measured_at_the_deepest_depth() -> None:
     assert sdpa.split(" | ")[column] == "+8.0 ms (+27%) @L4"
 
 
+def test_what_compiling_buys_pairs_each_variant_with_its_eager_self() -> None:
+    """Eager over compiled median at each depth both timed, and the steps whose savings pay
+    for the compile; a variant compiled only, or a failed cell, has no line."""
+    from profiling.report import compile_gain
+
+    rows = [
+        timed_row("naive", 1, 20.0),
+        timed_row("naive", 1, 16.0, compiled=True) | {"compile_s": 6.0},
+        timed_row("sdpa", 1, 15.0),
+        timed_row("sdpa", 1, 15.5, compiled=True) | {"compile_s": 3.0},
+        timed_row("flex", 1, 18.0, compiled=True) | {"compile_s": 8.0},  # no eager twin
+        timed_row("naive", 4, 80.0),
+        timed_row("naive", 4, 40.0, compiled=True) | {"compile_s": 0.3, "compile_cache": "cached"},
+        timed_row("sdpa", 4, 50.0) | {"status": "oom", "step_ms": None},
+        timed_row("sdpa", 4, 45.0, compiled=True) | {"compile_s": 0.2},
+    ]
+    table = compile_gain(rows)
+    assert table[2] == "| naive | 1 | 20.0 | 16.0 | 1.25× | 6.0 | 1,500 |"
+    assert table[3] == "| naive | 4 | 80.0 | 40.0 | 2.00× | 0.3 (cached) | 8 |"
+    assert table[4] == "| sdpa | 1 | 15.0 | 15.5 | 0.97× | 3.0 | never (no faster) |"
+    assert not any(line.startswith(("| flex", "| sdpa | 4")) for line in table)
+    assert table[-1].endswith("a cold compile takes longer, as in the cells without the mark.")
+    assert compile_gain([r for r in rows if not r["compile"]]) == []
+
+
 def test_a_standard_error_below_the_shown_precision_does_not_read_as_exact() -> None:
     from profiling.report import _pm, _projected
 
