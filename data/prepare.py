@@ -56,8 +56,10 @@ Decisions, so that a reader need not reverse-engineer them:
 * Reuse: content_sha256 covers the settings (with the output format and `tokenizers`
   versions) and the inputs (--files/--stdlib: relative names and raw bytes; --hub: the text of
   every kept document). If meta.json has the same hash and the files it describes are
-  whole, nothing is redone. --hub has to load the dataset to hash it; the download is cached
-  in <out-root>/NAME/.hf_cache. Local files are read twice, to check and hash them, then to
+  whole, nothing is redone. --hub has to load the dataset to hash it; a Hub dataset's
+  download is cached in <out-root>/NAME/.hf_cache, a local folder's Arrow copy is temporary
+  (in <out-root>/.prepare-*, or the system's temporary folder where the out-root is read-only,
+  so a corpus there is still reused). Local files are read twice, to check and hash them, then to
   tokenize them (through an Arrow copy in a temporary <out-root>/.prepare-* folder, not /tmp:
   it is as big as the corpus); a file that changed in between is an error.
 * Writing: new files go to temporary names first; the old meta.json is removed before they
@@ -69,6 +71,7 @@ Decisions, so that a reader need not reverse-engineer them:
 """
 
 import argparse
+import contextlib
 import hashlib
 import itertools
 import json
@@ -157,78 +160,109 @@ def prepare(
         "seed": seed,
         "max_bytes": max_bytes,
     }
-    # Only settings that can change the output, so unrelated ones never force a rebuild.
-    if kind == "stdlib":
-        corpus = stdlib_corpus(max_bytes)
-    elif kind == "files":
-        settings["encoding_errors"] = encoding_errors
-        corpus = files_corpus(files or [], encoding_errors, max_bytes)
-    else:
-        assert hub is not None
-        settings |= {"hub": hub, "hub_config": hub_config, "split": split}
-        settings["text_column"] = text_column
-        hub_cache = out_dir / HF_CACHE_DIR
-        corpus = hub_corpus(hub, hub_config, split, text_column, max_bytes, hub_cache)
-    content_sha256 = sha256_text(json.dumps(settings, sort_keys=True) + "\n" + corpus.digest)
-    # The out-root, then the reuse check and the writing: one prepare at a time in it.
-    try:  # failing as _check_out_dir cannot foresee (root ignores permissions; /proc)
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise _cannot_write(out_dir, e, "give another --out-root") from None
-    with one_at_a_time(out_dir.parent):
-        if is_complete(out_dir, content_sha256):
-            print(f"reusing {out_dir}: inputs and settings unchanged ({content_sha256[:12]})")
-            record_source(out_dir, corpus.source)
-            return out_dir
-        if out_dir.exists():  # not reused: it will be written, before the tokenizer is trained
-            _check_writable(out_dir, out_dir)
-
-        # Arrow files for local corpora are only needed while tokenizing. They are as big as
-        # the corpus, so they go by the output (not to /tmp, which may be a small tmpfs).
-        try:
-            scratch = tempfile.TemporaryDirectory(prefix=".prepare-", dir=out_dir.parent)
+    # A local --hub folder's Arrow copy, made to hash it, is removed at the end (cleanup)
+    with contextlib.ExitStack() as cleanup:
+        # Only settings that can change the output, so unrelated ones never force a rebuild.
+        if kind == "stdlib":
+            corpus = stdlib_corpus(max_bytes)
+        elif kind == "files":
+            settings["encoding_errors"] = encoding_errors
+            corpus = files_corpus(files or [], encoding_errors, max_bytes)
+        else:
+            assert hub is not None
+            settings |= {"hub": hub, "hub_config": hub_config, "split": split}
+            settings["text_column"] = text_column
+            hub_cache = cleanup.enter_context(_hub_cache(hub, out_dir))
+            corpus = hub_corpus(hub, hub_config, split, text_column, max_bytes, hub_cache)
+        content_sha256 = sha256_text(json.dumps(settings, sort_keys=True) + "\n" + corpus.digest)
+        # The out-root, then the reuse check and the writing: one prepare at a time in it.
+        try:  # failing as _check_out_dir cannot foresee (root ignores permissions; /proc)
+            out_dir.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise _cannot_write(out_dir.parent, e, "nothing was changed") from None
-        with scratch as cache_dir:
-            documents = corpus.documents
-            if documents is None:
-                try:
-                    documents = load_text_files(corpus, Path(cache_dir))
-                except OSError as e:  # a full disk
-                    raise _cannot_write(Path(cache_dir), e, "nothing was changed") from None
-            texts = itertools.chain.from_iterable(_text_batches(documents))
-            split = split_documents(texts, val_fraction, seed)
-            # Once the documents are known to make a corpus, not before an error about them.
-            say_what_is_replaced(out_dir, settings, content_sha256)
-            splits = {"train": documents.select(split.train), "val": documents.select(split.val)}
-            print(f"training a {vocab_size}-token byte-level BPE on {len(split.train)} documents")
-            tokenizer = _train_tokenizer(splits["train"], vocab_size)
+            raise _cannot_write(out_dir, e, "give another --out-root") from None
+        with one_at_a_time(out_dir.parent):
+            if is_complete(out_dir, content_sha256):
+                print(f"reusing {out_dir}: inputs and settings unchanged ({content_sha256[:12]})")
+                record_source(out_dir, corpus.source)
+                return out_dir
+            if out_dir.exists():  # not reused: it will be written, before the tokenizer is trained
+                _check_writable(out_dir, out_dir)
+
+            # Arrow files for local corpora are only needed while tokenizing. They are as big as
+            # the corpus, so they go by the output (not to /tmp, which may be a small tmpfs).
             try:
-                meta = _write_outputs(
-                    out_dir,
-                    tokenizer,
-                    splits,
-                    name,
-                    corpus,
-                    content_sha256,
-                    settings,
-                    split.duplicates,
+                scratch = tempfile.TemporaryDirectory(prefix=".prepare-", dir=out_dir.parent)
+            except OSError as e:
+                raise _cannot_write(out_dir.parent, e, "nothing was changed") from None
+            with scratch as cache_dir:
+                documents = corpus.documents
+                if documents is None:
+                    try:
+                        documents = load_text_files(corpus, Path(cache_dir))
+                    except OSError as e:  # a full disk
+                        raise _cannot_write(Path(cache_dir), e, "nothing was changed") from None
+                texts = itertools.chain.from_iterable(_text_batches(documents))
+                split = split_documents(texts, val_fraction, seed)
+                # Once the documents are known to make a corpus, not before an error about them.
+                say_what_is_replaced(out_dir, settings, content_sha256)
+                splits = {
+                    "train": documents.select(split.train),
+                    "val": documents.select(split.val),
+                }
+                print(
+                    f"training a {vocab_size}-token byte-level BPE on {len(split.train)} documents"
                 )
-            except OSError as e:  # a full disk, a folder made read-only meanwhile
-                # meta.json is removed just before the renames and the new one written last:
-                # one there now is the old corpus's, whose files are untouched.
-                if (out_dir / "meta.json").exists():
-                    then = "the corpus there before is as it was"
-                else:
-                    then = "no meta.json describes unfinished files, so the next run redoes them"
-                raise _cannot_write(out_dir, e, then) from None
-    counts = meta["splits"]
-    print(
-        f"prepared {out_dir}: vocab {meta['vocab_size']}, "
-        f"train {counts['train']['documents']} docs / {counts['train']['tokens']} tokens, "
-        f"val {counts['val']['documents']} docs / {counts['val']['tokens']} tokens"
-    )
-    return out_dir
+                tokenizer = _train_tokenizer(splits["train"], vocab_size)
+                try:
+                    meta = _write_outputs(
+                        out_dir,
+                        tokenizer,
+                        splits,
+                        name,
+                        corpus,
+                        content_sha256,
+                        settings,
+                        split.duplicates,
+                    )
+                except OSError as e:  # a full disk, a folder made read-only meanwhile
+                    # meta.json is removed just before the renames and the new one written last:
+                    # one there now is the old corpus's, whose files are untouched.
+                    if (out_dir / "meta.json").exists():
+                        then = "the corpus there before is as it was"
+                    else:
+                        then = (
+                            "no meta.json describes unfinished files, so the next run redoes them"
+                        )
+                    raise _cannot_write(out_dir, e, then) from None
+        counts = meta["splits"]
+        print(
+            f"prepared {out_dir}: vocab {meta['vocab_size']}, "
+            f"train {counts['train']['documents']} docs / {counts['train']['tokens']} tokens, "
+            f"val {counts['val']['documents']} docs / {counts['val']['tokens']} tokens"
+        )
+        return out_dir
+
+
+def _hub_cache(hub: str, out_dir: Path) -> contextlib.AbstractContextManager[Path]:
+    """Where `datasets` caches what --hub loads. A Hub dataset: <out_dir>/.hf_cache, kept, so a
+    rerun (or a retry after a wrong --text-column) downloads nothing. A local folder: a
+    temporary folder by the out-root (its Arrow copy is as big as the corpus, and a kept one
+    would be stale after each edit of the folder), or in the system's temporary folder where
+    the out-root cannot be written, so a corpus there can still be reused."""
+    if not Path(hub).expanduser().exists():
+        return contextlib.nullcontext(out_dir / HF_CACHE_DIR)
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        scratch = tempfile.TemporaryDirectory(prefix=".prepare-", dir=out_dir.parent)
+    except OSError:
+        scratch = tempfile.TemporaryDirectory(prefix="prepare-hub-")
+    return _as_path(scratch)
+
+
+@contextlib.contextmanager
+def _as_path(scratch: tempfile.TemporaryDirectory[str]) -> Iterator[Path]:
+    with scratch as folder:
+        yield Path(folder)
 
 
 class Split(NamedTuple):

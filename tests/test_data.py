@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 from unittest.mock import Mock
 
 import numpy as np
@@ -280,7 +280,9 @@ def test_hub_reads_local_parquet_folder(tmp_path: Path) -> None:
     assert meta["skipped"]["empty_documents"] == 2
     documents = _decode_split(out, "train") + _decode_split(out, "val")
     assert sorted(documents) == sorted(_document(w) for w in WORDS)
-    assert (out / prepare_module.HF_CACHE_DIR).is_dir(), "the datasets cache stays by the output"
+    # A local folder's Arrow copy is temporary: a kept one would go stale with each edit
+    assert not (out / prepare_module.HF_CACHE_DIR).exists()
+    assert not list(tmp_path.glob(".prepare-*")), "the copy made to hash the folder is removed"
 
     with pytest.raises(PrepareError, match=r"--text-column 'nope'.*columns: \['body', 'id'\]"):
         prepare("hubby", hub=str(folder), text_column="nope", out_root=tmp_path)
@@ -288,6 +290,47 @@ def test_hub_reads_local_parquet_folder(tmp_path: Path) -> None:
         prepare("hubby", hub=str(folder), text_column="id", out_root=tmp_path)
     with pytest.raises(PrepareError, match=r"--hub .*cannot load split 'validation'"):
         prepare("hubby", hub=str(folder), split="validation", text_column="body", out_root=tmp_path)
+
+
+def test_a_local_hub_corpus_is_reused_from_an_out_root_it_cannot_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Loading the folder to hash it needs a writable cache: where the out-root is read-only
+    (a shared corpora folder) that is the system's temporary folder, so the corpus is reused,
+    not refused."""
+    import datasets
+
+    folder = tmp_path / "hub"
+    folder.mkdir()
+    rows = {"text": [_document(w) for w in WORDS]}
+    datasets.Dataset.from_dict(rows).to_parquet(str(folder / "train-00000.parquet"))
+    root = tmp_path / "shared"
+    out = prepare("hubby", hub=str(folder), vocab_size=VOCAB, out_root=root)
+    before = {p: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+
+    real = tempfile.TemporaryDirectory
+    made = []
+
+    def read_only(*args: Any, **kwargs: Any) -> Any:
+        if Path(kwargs.get("dir") or tempfile.gettempdir()).resolve() == root.resolve():
+            raise PermissionError(13, "Permission denied", str(root))
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    load = corpus_module._load_dataset
+
+    def cache_outside_root(datasets: Any, dataset: str, *args: Any) -> Any:
+        if Path(args[-1]).resolve().is_relative_to(root.resolve()):  # its cache_dir
+            raise PermissionError(13, "Permission denied", args[-1])
+        return load(datasets, dataset, *args)
+
+    monkeypatch.setattr(prepare_module.tempfile, "TemporaryDirectory", read_only)
+    monkeypatch.setattr(corpus_module, "_load_dataset", cache_outside_root)
+    assert prepare("hubby", hub=str(folder), vocab_size=VOCAB, out_root=root) == out
+    assert "reusing" in capsys.readouterr().out
+    assert {p: p.read_bytes() for p in out.iterdir()} == before
+    assert made and not Path(made[0].name).exists(), "the temporary copy is removed"
 
 
 def test_hub_reads_a_folder_of_text_files_one_document_per_file(tmp_path: Path) -> None:
