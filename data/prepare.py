@@ -74,7 +74,6 @@ import argparse
 import contextlib
 import hashlib
 import itertools
-import json
 import math
 import os
 import re
@@ -98,10 +97,10 @@ from data.corpus import (
     files_corpus,
     hub_corpus,
     load_text_files,
-    sha256_text,
     stdlib_corpus,
 )
 from data.store import (
+    content_hash,
     file_sha256,
     is_complete,
     one_at_a_time,
@@ -174,7 +173,7 @@ def prepare(
             settings["text_column"] = text_column
             hub_cache = cleanup.enter_context(_hub_cache(hub, out_dir))
             corpus = hub_corpus(hub, hub_config, split, text_column, max_bytes, hub_cache)
-        content_sha256 = sha256_text(json.dumps(settings, sort_keys=True) + "\n" + corpus.digest)
+        content_sha256 = content_hash(settings, corpus.digest)
         # The out-root, then the reuse check and the writing: one prepare at a time in it.
         try:  # failing as _check_out_dir cannot foresee (root ignores permissions; /proc)
             out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -204,7 +203,7 @@ def prepare(
                 texts = itertools.chain.from_iterable(_text_batches(documents))
                 split = split_documents(texts, val_fraction, seed)
                 # Once the documents are known to make a corpus, not before an error about them.
-                say_what_is_replaced(out_dir, settings, content_sha256)
+                say_what_is_replaced(out_dir, settings, corpus.digest)
                 splits = {
                     "train": documents.select(split.train),
                     "val": documents.select(split.val),

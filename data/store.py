@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from data.corpus import sha256_text
 from data.meta import token_file_problem
 
 
@@ -61,16 +62,23 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def say_what_is_replaced(out_dir: Path, settings: dict[str, Any], content_sha256: str) -> None:
+def content_hash(settings: dict[str, Any], digest: str) -> str:
+    """meta.json's content_sha256: the settings and the inputs' digest, together."""
+    return sha256_text(json.dumps(settings, sort_keys=True) + "\n" + digest)
+
+
+def say_what_is_replaced(out_dir: Path, settings: dict[str, Any], digest: str) -> None:
     """A corpus prepared there before with other settings or inputs is about to be replaced:
     say so, and what differs, since runs trained on it can no longer resume where the
     tokenizer changes (not all settings change it: --max-bytes past the corpus's size). They
-    still sample: each run keeps its own tokenizer.json."""
+    still sample: each run keeps its own tokenizer.json. Whether the inputs changed too: the
+    old settings with these inputs' digest give the old hash, or not."""
     try:
         meta = json.loads((out_dir / "meta.json").read_text())
-        if meta["content_sha256"] == content_sha256:
+        if meta["content_sha256"] == content_hash(settings, digest):
             return  # the same corpus, its files damaged: rebuilt as it was
         before = dict(meta["settings"])
+        same_inputs = meta["content_sha256"] == content_hash(before, digest)
     except (OSError, ValueError, TypeError, KeyError):
         return  # nothing whole there: nothing to lose
     differ = [
@@ -78,8 +86,10 @@ def say_what_is_replaced(out_dir: Path, settings: dict[str, Any], content_sha256
         for key, value in settings.items()
         if before.get(key) != value
     ]
+    if not same_inputs:
+        differ.append("and its source text changed" if differ else "its source text changed")
     print(
-        f"replacing the corpus in {out_dir} ({', '.join(differ) or 'its source text changed'}): "
+        f"replacing the corpus in {out_dir} ({', '.join(differ)}): "
         "runs trained on the one there now cannot resume if its tokenizer changes (they still "
         "sample, with their own copy of it)",
         file=sys.stderr,

@@ -200,13 +200,21 @@ def test_rerun_reuses_and_changes_rebuild(
     assert _meta(out)["content_sha256"] != changed
     said = capsys.readouterr().err
     assert f"(vocab_size {VOCAB} -> {VOCAB + 1})" in said and "cannot resume" in said
+    # A setting and the text at once: both said
+    (corpus / "fjord.txt").write_text(_document("fjord"))
+    prepare("tiny", files=files, vocab_size=VOCAB, out_root=tmp_path)
+    said = capsys.readouterr().err
+    assert f"(vocab_size {VOCAB + 1} -> {VOCAB}, and its source text changed)" in said
 
     # A corpus made by another tokenizers version (its hash covers the version) says that.
     meta = _meta(out)
-    meta["settings"]["tokenizers_version"], meta["content_sha256"] = "0.0.1", "0" * 64
+    meta["settings"]["tokenizers_version"] = "0.0.1"
+    digest = corpus_module.files_corpus(files, "strict", None).digest
+    meta["content_sha256"] = store_module.content_hash(meta["settings"], digest)
     (out / "meta.json").write_text(json.dumps(meta))
-    prepare("tiny", files=files, vocab_size=VOCAB + 1, out_root=tmp_path)
-    assert "(tokenizers_version '0.0.1' -> " in capsys.readouterr().err
+    prepare("tiny", files=files, vocab_size=VOCAB, out_root=tmp_path)
+    said = capsys.readouterr().err
+    assert "(tokenizers_version '0.0.1' -> " in said and "source text" not in said
 
 
 def test_truncated_output_is_rebuilt(
