@@ -81,7 +81,7 @@ def plot_results(out: Path, results: dict[str, Any], setup: str) -> None:
             if fit:
                 line_x = [min(xs) - shift, max(xs) - shift]
                 line_y = [(fit["intercept"] + fit["slope"] * x) * scale for x in line_x]
-                ax.plot(line_x, line_y, "--", color=color, linewidth=1)
+                ax.plot(line_x, line_y, "--", color=color, linewidth=1, gid=f"fit {name}")
                 drawn += line_y
         top = axis_top(drawn, bar_tops)
         if top is not None:

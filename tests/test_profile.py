@@ -2330,10 +2330,10 @@ def test_plots_draw_each_variant_and_its_fitted_line(
         assert (tmp_path / name).stat().st_size > 0
         ax = drawn[name]
         assert [t.get_text() for t in ax.get_legend().get_texts()] == variants
-        fitted = [line for line in ax.get_lines() if line.get_linestyle() == "--"]
-        assert len(fitted) == len(variants)
-        for variant, line in zip(variants, fitted, strict=True):
-            fit = fits[variant][metric]
+        fitted = {line.get_gid(): line for line in ax.get_lines() if line.get_gid()}
+        assert sorted(fitted) == sorted(f"fit {v}" for v in variants)
+        for variant in variants:
+            line, fit = fitted[f"fit {variant}"], fits[variant][metric]
             xs, ys = line.get_data()
             assert list(xs) == [1, 3]  # the true depths: only the points shift sideways
             expected = [(fit["intercept"] + fit["slope"] * x) * scale for x in xs]
