@@ -36,7 +36,7 @@ import torch
 from checkpoint import describe_os_error
 from config import ConfigError, load_config
 from model import VARIANTS, available_variants, unavailable_reason
-from profiling.analysis import balanced_orders, fits_by_label
+from profiling.analysis import fits_by_label
 from profiling.compare import comparable, compare_text
 from profiling.findings import diff_text
 from profiling.results import render_results
@@ -276,16 +276,6 @@ def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
             print(
                 f"compiled cells only, as {args.config} sets train.compile = true "
                 "(--compile off or both for eager ones)",
-                file=sys.stderr,
-            )
-        cells = len(variants) * len(COMPILE_MODES[sweep.compile_mode])
-        orders = len(balanced_orders(cells))
-        if args.steps % orders:
-            print(
-                f"warning: --steps {args.steps} is not a multiple of {orders}, the rounds that "
-                f"balance the order of {cells} cells per depth: some cells will run in some "
-                f"positions more often (--steps {orders * max(1, round(args.steps / orders))} "
-                "would balance it)",
                 file=sys.stderr,
             )
         sweep.link_latest = default_out

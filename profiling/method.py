@@ -192,12 +192,18 @@ def flop_count_text(meta: dict[str, Any]) -> str:
 
 def round_order_text(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     if meta.get("round_order") == METHOD["round_order"]:
-        cells = max(Counter(r["n_layer"] for r in rows).values(), default=0)
-        orders = len(balanced_orders(cells))
+        # The cells each depth's rounds ran; sweeps before round_cells ran every cell's turn,
+        # those left out included (they were skipped)
+        per_depth = meta.get("round_cells") or Counter(str(r["n_layer"]) for r in rows)
+        short = sorted({n for n in per_depth.values() if meta["steps"] % len(balanced_orders(n))})
         partial = (
-            f" (here {meta['steps']} rounds of {cells} cells: not a whole number of its "
-            f"{orders} orders, so that balance is not complete)"
-            if meta["steps"] % orders
+            f" (here {meta['steps']} rounds of "
+            + " or ".join(
+                f"{n} cells: not a whole number of its {len(balanced_orders(n))} orders"
+                for n in short
+            )
+            + ", so that balance is not complete)"
+            if short
             else ""
         )
         return (

@@ -272,6 +272,21 @@ class Sweep:
         if "sdpa" in variants and any(compile_modes):
             self.pinned_apart = [v for v in variants if VARIANTS[v].backend is not None]
         self.meta["cells_planned"] = total
+        # The cells each round runs: those that can run here and are not left out
+        timed = sum(
+            not self.unavailable.get(v) and not (c and v in self.pinned_apart)
+            for v in variants
+            for c in compile_modes
+        )
+        orders = len(balanced_orders(timed))
+        if self.args.steps % orders:
+            print(
+                f"warning: --steps {self.args.steps} is not a multiple of {orders}, the rounds "
+                f"that balance the order of {timed} cells per depth: some cells will run in some "
+                f"positions more often (--steps {orders * max(1, round(self.args.steps / orders))}"
+                " would balance it)",
+                file=sys.stderr,
+            )
         self._warm_up(compiled=any(compile_modes))
         # A depth's variants share Block.forward, and each adds a Dynamo cache entry to it. Past
         # the limit Dynamo would run the block eager with only a warning, under a "+compile"
@@ -446,7 +461,12 @@ class Sweep:
                 )
 
     def _timed_rounds(self, cells: list[Cell]) -> None:
+        cells = [cell for cell in cells if cell.step is not None]  # left out, or failed to build
+        if not cells:
+            return
         orders = balanced_orders(len(cells))
+        # What the report checks the rounds against: a whole number of these orders or not
+        self.meta.setdefault("round_cells", {})[str(cells[0].n_layer)] = len(cells)
         for r in range(self.args.steps):
             self.progress.say(
                 len(self.rows), f"L{cells[0].n_layer} round {r + 1}/{self.args.steps}"

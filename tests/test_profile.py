@@ -353,6 +353,13 @@ def test_the_sweep_times_rounds_in_balanced_orders(
     )
     report = (tmp_path / "5" / "report.md").read_text()
     assert "here 5 rounds of 3 cells: not a whole number of its 6 orders" in report
+    # A variant that cannot run here takes no turn: the rounds order the two that do
+    rc, results = sweep(
+        tmp_path, "--variants", "naive,inplace,flex", "--layers", "1", "--steps", "3", name="3"
+    )
+    assert rc == 0 and results["meta"]["round_cells"] == {"1": 2}
+    assert "warning: --steps" not in capsys.readouterr().err
+    assert "not complete" not in (tmp_path / "3" / "report.md").read_text()
 
 
 TIMES_MS = [10, 20, 30, 40, 100]  # median 30 (the mean is 40), p10 14, p90 76
