@@ -62,6 +62,18 @@ def _alive(pid: int) -> bool:
     return True
 
 
+# Settings that choose the documents whose text the digest covers
+TEXT_CHOOSING = (
+    "kind",
+    "max_bytes",
+    "encoding_errors",
+    "hub",
+    "hub_config",
+    "split",
+    "text_column",
+)
+
+
 def content_hash(settings: dict[str, Any], digest: str) -> str:
     """meta.json's content_sha256: the settings and the inputs' digest, together."""
     return sha256_text(json.dumps(settings, sort_keys=True) + "\n" + digest)
@@ -81,12 +93,11 @@ def say_what_is_replaced(out_dir: Path, settings: dict[str, Any], digest: str) -
         same_inputs = meta["content_sha256"] == content_hash(before, digest)
     except (OSError, ValueError, TypeError, KeyError):
         return  # nothing whole there: nothing to lose
-    differ = [
-        f"{key} {before.get(key)!r} -> {value!r}"
-        for key, value in settings.items()
-        if before.get(key) != value
-    ]
-    if not same_inputs:
+    differ_keys = [key for key, value in settings.items() if before.get(key) != value]
+    differ = [f"{key} {before.get(key)!r} -> {settings[key]!r}" for key in differ_keys]
+    # A setting that chooses which text is kept changes the digest by itself: then the text
+    # may or may not have changed, and the setting is what is said
+    if not same_inputs and not any(key in TEXT_CHOOSING for key in differ_keys):
         differ.append("and its source text changed" if differ else "its source text changed")
     print(
         f"replacing the corpus in {out_dir} ({', '.join(differ)}): "

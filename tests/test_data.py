@@ -205,16 +205,22 @@ def test_rerun_reuses_and_changes_rebuild(
     prepare("tiny", files=files, vocab_size=VOCAB, out_root=tmp_path)
     said = capsys.readouterr().err
     assert f"(vocab_size {VOCAB + 1} -> {VOCAB}, and its source text changed)" in said
+    # --max-bytes chooses the text the digest covers: it is said, not a change of the files
+    kept = sum(p.stat().st_size for p in corpus.glob("*.txt")) * 2 // 3  # not every file
+    prepare("tiny", files=files, vocab_size=VOCAB, out_root=tmp_path, max_bytes=kept)
+    said = capsys.readouterr().err
+    assert f"(max_bytes None -> {kept})" in said and "source text" not in said
 
     # A corpus made by another tokenizers version (its hash covers the version) says that.
     meta = _meta(out)
     meta["settings"]["tokenizers_version"] = "0.0.1"
-    digest = corpus_module.files_corpus(files, "strict", None).digest
+    digest = corpus_module.files_corpus(files, "strict", kept).digest
     meta["content_sha256"] = store_module.content_hash(meta["settings"], digest)
     (out / "meta.json").write_text(json.dumps(meta))
-    prepare("tiny", files=files, vocab_size=VOCAB, out_root=tmp_path)
+    prepare("tiny", files=files, vocab_size=VOCAB, out_root=tmp_path, max_bytes=kept)
     said = capsys.readouterr().err
     assert "(tokenizers_version '0.0.1' -> " in said and "source text" not in said
+    assert "max_bytes" not in said
 
 
 def test_truncated_output_is_rebuilt(
