@@ -199,7 +199,8 @@ def round_order_text(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         partial = (
             f" (here {meta['steps']} rounds of "
             + " or ".join(
-                f"{n} cells: not a whole number of its {len(balanced_orders(n))} orders"
+                f"{n} cells: not a whole number of the {len(balanced_orders(n))} orders that "
+                "balance them"
                 for n in short
             )
             + ", so that balance is not complete)"

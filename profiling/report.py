@@ -368,12 +368,14 @@ def write_report(out: Path, results: dict[str, Any], plots: bool = True) -> None
         *(["", "Failed or did not run:", *not_run] if not_run else []),
     ]
     (out / "summary.txt").write_text("\n".join(summary) + "\n", encoding="utf-8")
-    if plots:
-        plot_results(out, results, _setup_line(results["meta"]))
-    # After the plots: it shows those drawn (none while the sweep runs; an interruption while
-    # they were drawn leaves the report before them)
-    drawn = tuple(name for name in PLOTS if (out / name).is_file())
-    (out / "report.md").write_text(_report_md(results, drawn), encoding="utf-8")
+    # The report shows the plots there are: none while the sweep runs. Written before they are
+    # drawn, and again after, so an interruption or a failure while drawing them leaves a
+    # report of these rows that shows no PNG it does not have.
+    for draw in (False, True) if plots else (False,):
+        if draw:
+            plot_results(out, results, _setup_line(results["meta"]))
+        drawn = tuple(name for name in PLOTS if (out / name).is_file())
+        (out / "report.md").write_text(_report_md(results, drawn), encoding="utf-8")
 
 
 def _cell_table(rows: list[dict[str, Any]]) -> list[str]:
@@ -450,10 +452,20 @@ def compile_gain(rows: list[dict[str, Any]]) -> list[str]:
         *lines,
         "",
         "Speedup: the eager median over the compiled one, timed in the same rounds. Steps to "
-        "repay it: the cell's compile time over the time a step saves. A `(cached)` cell's "
-        "graphs came from Inductor's on-disk cache (an earlier depth's blocks, or an earlier "
-        "run): what a run pays when the cache is warm; a cold compile takes longer"
-        + (", as in the cells without the mark." if cold else "."),
+        "repay it: the cell's compile time over the time a step saves."
+        + (
+            " A `(cached)` cell's graphs came from Inductor's on-disk cache (an earlier "
+            "depth's blocks, or an earlier run): what a run pays when the cache is warm; a "
+            "cold compile takes longer" + (", as in the cells without the mark." if cold else ".")
+            if any(compile_mark(c) == " (cached)" for *_, c in pairs)
+            else ""
+        )
+        + (
+            " `(shared)`, `(partly shared)` and `(reused)`: see how the compile time was "
+            "measured, below."
+            if any(compile_mark(c) not in ("", " (cached)") for *_, c in pairs)
+            else ""
+        ),
     ]
 
 
@@ -547,7 +559,7 @@ def _report_md(results: dict[str, Any], plots: tuple[str, ...] = tuple(PLOTS)) -
                         [
                             "",
                             "\\* fitted through cells marked * in the headline (they varied "
-                            "widely while timed): less certain than the ± says.",
+                            "widely while timed): less certain than shown.",
                         ]
                         if shaky
                         else []
@@ -615,7 +627,7 @@ def _report_md(results: dict[str, Any], plots: tuple[str, ...] = tuple(PLOTS)) -
             "The slope column is what one more layer costs per training step. A variant's saving per layer, "
             "multiplied by depth and by steps, is what the change buys over a training run. Ops per layer count "
             "dispatcher calls (a rough proxy for launch overhead on GPUs); the op diff above says which ops a "
-            "variant adds or removes. " + _traces_text(rows),
+            "variant adds or removes. " + _traces_text(meta, rows),
             "",
         ]
     )
@@ -635,11 +647,14 @@ def _compile_time_lines(meta: dict[str, Any], rows: list[dict[str, Any]]) -> lis
     ]
 
 
-def _traces_text(rows: list[dict[str, Any]]) -> str:
-    """Where the sweep's traces are, or that it wrote none (--no-traces, --trace-layers)."""
+def _traces_text(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """Where the sweep's traces are, or that it wrote none, and why where that is known."""
     traced = sorted({r["n_layer"] for r in rows if r.get("trace")})
     if not traced:
-        return "This sweep wrote no traces (`--no-traces`); a sweep without it writes one per cell."
+        asked = meta.get("traces", "--no-traces" not in meta["command"])  # older: the command
+        if not asked:
+            return "This sweep wrote no traces (`--no-traces`)."
+        return "No cell of this sweep wrote a trace."
     depths = {r["n_layer"] for r in rows}
     where = "" if set(traced) == depths else f" (cells at L{','.join(map(str, traced))} only)"
     return f"Open a trace from `traces/`{where} in https://ui.perfetto.dev or chrome://tracing."

@@ -195,6 +195,7 @@ class Sweep:
             "compile": self.compile_mode,  # off, on or both
             **METHOD,
             "profile_steps": self.args.profile_steps,
+            "traces": bool(self.args.traces),  # False: --no-traces
             "command": "python " + shlex.join(sys.argv),
             "out": str(self.out),
             "started_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -281,10 +282,10 @@ class Sweep:
         orders = len(balanced_orders(timed))
         if self.args.steps % orders:
             print(
-                f"warning: --steps {self.args.steps} is not a multiple of {orders}, the rounds "
-                f"that balance the order of {timed} cells per depth: some cells will run in some "
+                f"warning: --steps {self.args.steps} is not a multiple of {orders}, the number "
+                f"of orders that balance {timed} cells per depth: some cells will run in some "
                 f"positions more often (--steps {orders * max(1, round(self.args.steps / orders))}"
-                " would balance it)",
+                " would balance them)",
                 file=sys.stderr,
             )
         self._warm_up(compiled=any(compile_modes))

@@ -348,11 +348,11 @@ def test_the_sweep_times_rounds_in_balanced_orders(
         tmp_path, "--variants", "naive,inplace,sdpa", "--layers", "1", "--steps", "5", name="5"
     )
     assert rc == 0
-    assert "--steps 5 is not a multiple of 6, the rounds that balance the order of 3 cells" in (
+    assert "--steps 5 is not a multiple of 6, the number of orders that balance 3 cells" in (
         capsys.readouterr().err
     )
     report = (tmp_path / "5" / "report.md").read_text()
-    assert "here 5 rounds of 3 cells: not a whole number of its 6 orders" in report
+    assert "here 5 rounds of 3 cells: not a whole number of the 6 orders that" in report
     # A variant that cannot run here takes no turn: the rounds order the two that do
     rc, results = sweep(
         tmp_path, "--variants", "naive,inplace,flex", "--layers", "1", "--steps", "3", name="3"
@@ -2360,7 +2360,7 @@ def test_the_report_shows_only_plots_that_were_drawn(
     naive_vs_inplace: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """While the sweep runs its report has no plots yet, and says when they come; a Ctrl-C
-    while they are drawn leaves that report, not one showing PNGs that are not there."""
+    while they are drawn leaves a report of the latest rows, showing no PNG that is not there."""
     import profiling.report
 
     profiling.report.write_report(tmp_path, naive_vs_inplace, plots=False)
@@ -2372,9 +2372,13 @@ def test_the_report_shows_only_plots_that_were_drawn(
         raise KeyboardInterrupt
 
     monkeypatch.setattr(profiling.report, "plot_results", interrupted)
+    later = copy.deepcopy(naive_vs_inplace)  # the sweep's end: MFU against both peak readings
+    for row in later["rows"]:
+        row["mfu"] = row["mfu"] and row["mfu"] / 2
     with pytest.raises(KeyboardInterrupt):
-        profiling.report.write_report(tmp_path, naive_vs_inplace, plots=True)
-    assert (tmp_path / "report.md").read_text() == report
+        profiling.report.write_report(tmp_path, later, plots=True)
+    shown = (tmp_path / "report.md").read_text()
+    assert shown == profiling.report._report_md(later, ()) != report  # these rows, no PNG
     monkeypatch.undo()
     profiling.report.write_report(tmp_path, naive_vs_inplace, plots=True)
     report = (tmp_path / "report.md").read_text()
@@ -2492,8 +2496,14 @@ def test_the_report_points_only_to_traces_and_compile_times_it_has(
     assert "Open a trace from `traces/` (cells at L2 only) in" in _report_md(results)
     for r in results["rows"]:
         r["trace"] = None
+    report = _report_md(results)  # traces asked for, and none written: every cell failed, say
+    assert "No cell of this sweep wrote a trace." in report and "traces/" not in report
+    results["meta"]["traces"] = False
     report = _report_md(results)
-    assert "This sweep wrote no traces (`--no-traces`)" in report and "traces/" not in report
+    assert "This sweep wrote no traces (`--no-traces`)." in report and "traces/" not in report
+    del results["meta"]["traces"]  # a sweep from before meta said: its command does
+    results["meta"]["command"] += " --no-traces"
+    assert "This sweep wrote no traces (`--no-traces`)." in _report_md(results)
     results["rows"][0]["compile"] = True
     assert "**Compile time**: for `+compile` cells" in _report_md(results)
 
