@@ -146,6 +146,8 @@ def prepare(
     seed: int = 0,
 ) -> Path:
     """Prepare one corpus (exactly one of stdlib/files/hub) and return its output folder."""
+    if hub is not None:
+        hub = os.path.expanduser(hub)  # --hub=~/texts: no shell expands a ~ after '='
     kind = _check_arguments(name, stdlib, files, hub, hub_config, split, text_column)
     _check_settings(vocab_size, val_fraction, max_bytes, encoding_errors, seed, kind)
     out_dir = Path(out_root if out_root is not None else DEFAULT_OUT_ROOT) / name
@@ -248,7 +250,7 @@ def _hub_cache(hub: str, out_dir: Path) -> contextlib.AbstractContextManager[Pat
     temporary folder by the out-root (its Arrow copy is as big as the corpus, and a kept one
     would be stale after each edit of the folder), or in the system's temporary folder where
     the out-root cannot be written, so a corpus there can still be reused."""
-    if not Path(hub).expanduser().exists():
+    if not Path(hub).exists():
         return contextlib.nullcontext(out_dir / HF_CACHE_DIR)
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)

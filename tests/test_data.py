@@ -280,7 +280,9 @@ def test_file_names_with_glob_characters_are_literal(tmp_path: Path) -> None:
     assert sorted(documents) == ["first doc\n", "second doc\n"]
 
 
-def test_hub_reads_local_parquet_folder(tmp_path: Path) -> None:
+def test_hub_reads_local_parquet_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     import datasets
 
     rows = {"body": [_document(w) for w in WORDS] + ["", None], "id": list(range(len(WORDS) + 2))}
@@ -297,6 +299,11 @@ def test_hub_reads_local_parquet_folder(tmp_path: Path) -> None:
     # A local folder's Arrow copy is temporary: a kept one would go stale with each edit
     assert not (out / prepare_module.HF_CACHE_DIR).exists()
     assert not list(tmp_path.glob(".prepare-*")), "the copy made to hash the folder is removed"
+    # --hub=~/hub, which no shell expands: the same folder, so the same corpus, reused
+    monkeypatch.setenv("HOME", str(tmp_path))
+    capsys.readouterr()
+    prepare("hubby", hub="~/hub", text_column="body", vocab_size=VOCAB, out_root=tmp_path)
+    assert "reusing" in capsys.readouterr().out
 
     with pytest.raises(PrepareError, match=r"--text-column 'nope'.*columns: \['body', 'id'\]"):
         prepare("hubby", hub=str(folder), text_column="nope", out_root=tmp_path)
