@@ -14,6 +14,7 @@ import platform
 import re
 import shutil
 import subprocess
+import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -135,6 +136,18 @@ def no_checkpoint(path: Path) -> CheckpointError:
     return CheckpointError(f"no checkpoint at {path} (train first, or check --out/--run)")
 
 
+def _why_unreadable(path: Path, error: Exception) -> str:
+    """In a few words: torch's own text is a bare byte value for some files ('101') and a
+    paragraph for others."""
+    if path.stat().st_size == 0:
+        return "the file is empty"
+    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive, its index at the end
+        return "not a whole zip archive, as torch.save writes (cut short, or another kind of file)"
+    first = (str(error).strip().splitlines() or [""])[0]
+    first = first if len(first) <= 160 else first[:157] + "..."
+    return f"{type(error).__name__}" + (f": {first}" if first else "")
+
+
 def load_checkpoint(path: Path, needs: tuple[str, ...] = KEYS) -> dict[str, Any]:
     """The checkpoint at `path`, holding at least `needs` (resuming needs all of KEYS)."""
     if not path.is_file():
@@ -152,9 +165,8 @@ def load_checkpoint(path: Path, needs: tuple[str, ...] = KEYS) -> dict[str, Any]
                 f"({found[1]}), so it is not one this project's train.py wrote; it is not "
                 "loaded, since loading it could run code"
             ) from None
-        reason = "the file is empty" if path.stat().st_size == 0 else str(e) or type(e).__name__
         raise CheckpointError(
-            f"checkpoint {path} is unreadable (truncated or corrupt?): {reason}"
+            f"checkpoint {path} is unreadable (truncated or corrupt?): {_why_unreadable(path, e)}"
         ) from None
     # A file torch can read may still be another program's (a nanoGPT ckpt.pt, say).
     missing = [k for k in needs if k not in ckpt] if isinstance(ckpt, dict) else list(needs)
