@@ -133,7 +133,7 @@ def _os_error_behind(error: BaseException) -> OSError | None:
 
 
 def no_checkpoint(path: Path) -> CheckpointError:
-    return CheckpointError(f"no checkpoint at {path} (train first, or check --out/--run)")
+    return CheckpointError(f"no checkpoint at {path} (train first, or check --out)")
 
 
 def _why_unreadable(path: Path, error: Exception) -> str:

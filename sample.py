@@ -34,6 +34,7 @@ from config import DTYPES, Config, ConfigError, build_config, load_config
 from data.prepare import EOT
 from data.store import file_sha256
 from model import GPT, VARIANTS, VariantUnavailable, check_variant
+from rundir import MAKE_TRAIN_RUN
 from runtime import autocast, autocast_dtype, pick_device, set_fp32_matmul_precision
 
 
@@ -45,6 +46,11 @@ class SampleError(RuntimeError):
 USER_ERRORS = (SampleError, ConfigError, CheckpointError)
 
 
+def _train_first(run_dir: Path) -> str:
+    command = "make train" if run_dir == MAKE_TRAIN_RUN else f"python train.py --out {run_dir}"
+    return f"train it first ({command}), or give --run the folder of a run"
+
+
 def load_run(
     run_dir: Path, device: torch.device, attention: str | None = None, dtype: str | None = None
 ) -> tuple[GPT, Tokenizer, Config]:
@@ -53,13 +59,15 @@ def load_run(
     if run_dir.is_file():
         raise SampleError(f"--run {run_dir} is a file; give the run directory ({run_dir.parent})")
     if not run_dir.is_dir():
-        raise SampleError(f"run directory {run_dir} does not exist")
+        raise SampleError(f"run directory {run_dir} does not exist; {_train_first(run_dir)}")
     tokenizer_path = run_dir / "tokenizer.json"
     if not tokenizer_path.is_file():
         raise SampleError(
             f"{run_dir} has no tokenizer.json; is it a run directory written by train.py?"
         )
     ckpt_path = run_dir / CHECKPOINT
+    if not ckpt_path.exists():  # a run stopped before its first checkpoint
+        raise SampleError(f"no checkpoint at {ckpt_path}; {_train_first(run_dir)}")
     ckpt = load_checkpoint(ckpt_path, needs=("model",))  # the rest is resuming's
     config_path = run_dir / "config.toml"
     if not config_path.is_file():  # as resuming does: the config the checkpoint records

@@ -1865,8 +1865,17 @@ def test_sampling_with_another_variant_is_not_refused_for_training_dropout(
 def test_sample_from_a_missing_dir_or_a_file_says_so(
     base_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert sample.main(["--run", str(tmp_path / "nope")]) == 2
-    assert "does not exist" in error_of(capsys.readouterr().err)
+    nope = tmp_path / "nope"
+    assert sample.main(["--run", str(nope)]) == 2
+    err = error_of(capsys.readouterr().err)
+    assert f"does not exist; train it first (python train.py --out {nope})" in err
+    # A run stopped before its first checkpoint: it has the tokenizer, not the weights
+    started = tmp_path / "started"
+    started.mkdir()
+    shutil.copy(base_run / "tokenizer.json", started)
+    assert sample.main(["--run", str(started)]) == 2
+    err = error_of(capsys.readouterr().err)
+    assert f"no checkpoint at {started / checkpoint.CHECKPOINT}; train it first" in err
     ckpt = base_run / checkpoint.CHECKPOINT
     assert sample.main(["--run", str(ckpt)]) == 2  # the checkpoint itself
     assert f"is a file; give the run directory ({base_run})" in error_of(capsys.readouterr().err)
