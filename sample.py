@@ -22,6 +22,7 @@ float32, say, on a GPU.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -283,6 +284,13 @@ def main(argv: list[str] | None = None) -> int:
     except (*USER_ERRORS, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the text is printed whole, at the end: there is none yet
+        print(
+            f"interrupted before the sample was complete (--tokens {args.tokens}); nothing "
+            "printed, as the text comes out whole at the end",
+            file=sys.stderr,
+        )
+        return 128 + signal.SIGINT
     print(text)
     return 0
 

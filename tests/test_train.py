@@ -1862,6 +1862,19 @@ def test_sampling_with_another_variant_is_not_refused_for_training_dropout(
     assert model.config.dropout == 0.0 and load_config(out / "config.toml").model.dropout == 0.1
 
 
+def test_ctrl_c_while_sampling_is_one_line_not_a_traceback(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def interrupted(*args: object, **kwargs: object) -> str:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sample, "sample_run", interrupted)
+    assert sample.main(["--run", "runs/any", "--tokens", "3000"]) == 130
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("interrupted before the sample was complete (--tokens 3000)")
+
+
 def test_sample_from_a_missing_dir_or_a_file_says_so(
     base_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
