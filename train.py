@@ -311,6 +311,20 @@ def _say_how_it_runs(
         )
 
 
+def check_seed(ckpt: dict[str, Any], seed: int, out_dir: Path) -> None:
+    """A resume goes on from the checkpoint's random state (dropout, the batch order), so
+    another train.seed would change only the windows val_loss and train_loss are evaluated
+    on: the curve would jump, the randomness not change. An error, before anything runs."""
+    before = ckpt.get("config", {}).get("train", {}).get("seed")
+    if before is not None and before != seed:
+        raise TrainError(
+            f"train.seed={seed}: {out_dir} was seeded with {before}. A resumed run goes on "
+            "from its checkpoint's random state, so another seed would only move the windows "
+            f"its losses are evaluated on; resume with train.seed={before}, or train another "
+            "run (--out) with this seed"
+        )
+
+
 def trained_on(ckpt_path: Path, data_dir: Path) -> str | None:
     """The command that makes again the corpus the checkpoint trained on, into `data_dir`,
     or None where it does not say (checkpoints from before it was recorded)."""
@@ -385,6 +399,8 @@ def _train(
     onednn = linear_path(config, device, amp_dtype)
 
     ckpt_path, ckpt = open_run(out_dir, config, meta["tokenizer_sha256"], resume)
+    if ckpt is not None:
+        check_seed(ckpt, tc.seed, out_dir)
     # On CPU, which nn.Linear ran: train.cpu_linear=auto picks by CPU, so a run resumed on
     # another machine can change it.
     linear = ("onednn" if onednn else "torch") if device.type == "cpu" else None

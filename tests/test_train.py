@@ -645,6 +645,21 @@ def test_resume_with_another_model_config_names_the_field(
     assert ((out / checkpoint.CHECKPOINT).read_bytes(), (out / "config.toml").read_text()) == before
 
 
+def test_resume_with_another_seed_is_refused(
+    base_run: Path, data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The random state comes back from the checkpoint: another seed would only move the
+    evaluation windows (the val curve jumps), so it is refused, and nothing changes."""
+    out = copy_run(base_run, tmp_path / "run")
+    seed = load_config(out / "config.toml").train.seed
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert run(data_root, out, *SHARED_OVERRIDES, "--resume", f"--train.seed={seed + 1}") == 2
+    err = error_of(capsys.readouterr().err)
+    assert f"train.seed={seed + 1}: {out} was seeded with {seed}" in err
+    assert f"resume with train.seed={seed}" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
 def test_resume_may_change_the_attention_variant(
     base_run: Path, data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
