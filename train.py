@@ -325,6 +325,15 @@ def check_seed(ckpt: dict[str, Any], seed: int, out_dir: Path) -> None:
         )
 
 
+def trained_name(ckpt_path: Path) -> str | None:
+    """The data.name of the corpus the checkpoint trained on, or None where it does not say."""
+    try:
+        name = load_checkpoint(ckpt_path, needs=("config",))["config"]["data"]["name"]
+    except (CheckpointError, KeyError, TypeError):
+        return None
+    return name if isinstance(name, str) else None
+
+
 def trained_on(ckpt_path: Path, data_dir: Path) -> str | None:
     """The command that makes again the corpus the checkpoint trained on, into `data_dir`,
     or None where it does not say (checkpoints from before it was recorded)."""
@@ -380,14 +389,20 @@ def _train(
         if not (resume and tokenizer.is_file()):
             raise
         data_dir = Path(config.data.root) / config.data.name
+        # Problem first: a missing corpus's own hint, a stdlib command, makes another one.
+        problem = e if (data_dir / "meta.json").is_file() else f"no prepared corpus at {data_dir}/"
+        name = trained_name(out_dir / CHECKPOINT)
+        if name not in (None, config.data.name):  # --data.name=other on resume
+            raise DataError(
+                f"{problem}; {out_dir} trained on corpus '{name}' (data.name): resume it on "
+                f"that one (--data.name={name}, or leave --data.name out)"
+            ) from None
         command = trained_on(out_dir / CHECKPOINT, data_dir)
         again = (
             f"prepare it again as the run's was made: {command}"
             if command is not None
             else "prepare it again from the source and with the settings the run trained on"
         )
-        # A missing corpus: the error's own hint, a stdlib command, makes another one.
-        problem = e if (data_dir / "meta.json").is_file() else f"no prepared corpus at {data_dir}/"
         raise DataError(
             f"{problem}; to resume {out_dir}, give "
             f"--data.root=FOLDER where that corpus is now, or {again} (its tokenizer must "

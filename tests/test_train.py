@@ -1368,6 +1368,13 @@ def test_resume_without_its_corpus_says_how_the_runs_was_made(
     assert "or prepare it again from the source and with the settings the run trained on (" in (
         error_of(capsys.readouterr().err)
     )
+    # Another corpus named on resume: the run's own is named, not a command to make this one
+    assert train.main(["--out", str(out), "--resume", "--data.name=absent"]) == 2
+    err = error_of(capsys.readouterr().err)
+    assert f"{out} trained on corpus 'tiny' (data.name): resume it on that one" in err
+    assert "prepare it" not in err and "data/prepare.py" not in err
+    assert train.main(["--out", str(out), "--resume", "--data.name=other"]) == 2
+    assert "; it trained on corpus 'tiny' (--data.name=tiny)" in error_of(capsys.readouterr().err)
     # No run there: nothing said about one.
     assert train.main(["--out", str(tmp_path / "none"), "--resume", gone]) == 2
     assert "to resume" not in error_of(capsys.readouterr().err)
