@@ -1,5 +1,5 @@
 """Resuming a run: its checkpoint's state put back, and what the settings given now change
-against the run so far (attention variant, Linear path, schedule, number of processes), said
+against the run so far (attention variant, Linear path, schedule, batch, processes), said
 before the first step, since a resumed run then will not match one that never stopped."""
 
 from __future__ import annotations
@@ -125,10 +125,32 @@ def say_the_ranks_changed(ranks_before: int, batch_before: int, ranks: int, batc
         "the micro-batches are the ones it would have drawn"
         if rows == rows_before
         else f"a micro-batch takes {rows} rows over all processes where it took {rows_before}, "
-        "so the data differs from there on"
+        "and the data differs from there on"
     )
     print(
         f"resuming on {ranks} process(es); the run trained on {ranks_before} so far: dropout "
-        f"is reseeded and {batches_note}, so the run will not match one that never stopped",
+        f"is reseeded and {batches_note}. The run will not match one that never stopped.",
         file=sys.stderr,
     )
+
+
+BATCH_FIELDS = ("batch_size", "grad_accum", "global_batch_size")
+
+
+def say_the_batch_changed(ckpt: dict[str, Any], tc: TrainConfig) -> None:
+    """Another batch size or number of micro-batches trains on: each step takes other rows
+    from the checkpoint's place in the data on, and its gradient averages over another
+    number of them. Said, as for the schedule and the processes."""
+    try:
+        before = {
+            k: ckpt["config"]["train"][k] for k in BATCH_FIELDS if k in ckpt["config"]["train"]
+        }
+    except (KeyError, TypeError):
+        return  # restoring it says what is wrong
+    changed = [f"{k} {v} -> {getattr(tc, k)}" for k, v in before.items() if v != getattr(tc, k)]
+    if changed:
+        print(
+            f"resuming with train.{', train.'.join(changed)}: the steps from here draw other "
+            "batches than the run's would have, so it will not match one that never stopped",
+            file=sys.stderr,
+        )

@@ -54,6 +54,7 @@ from model import GPT, GPTConfig, VariantUnavailable, available_variants, check_
 from optim import build_optimizer, lr_at
 from resume import (
     restore_state,
+    say_the_batch_changed,
     say_the_corpus_changed,
     say_the_ranks_changed,
     say_the_schedule_changed,
@@ -423,6 +424,7 @@ def _train(
         say_what_resuming_changes(ckpt, config, linear)
         say_the_corpus_changed(ckpt, meta, config.data.name)
         say_the_schedule_changed(ckpt, tc)
+        say_the_batch_changed(ckpt, tc)
 
     # Before the model: a corpus too small for the batch is told in a second, not after a
     # model of block_size (and its memory) is built.

@@ -687,6 +687,27 @@ def test_resume_may_change_the_attention_variant(
     assert "; choose another, e.g. --model.attention=sdpa" in capsys.readouterr().err
 
 
+def test_resume_with_another_batch_says_so(
+    base_run: Path, data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Allowed (a larger batch late in a run is common), and said: the steps from the resume
+    on draw other batches than an uninterrupted run's."""
+    out = copy_run(base_run, tmp_path / "run")
+    batch = load_config(out / "config.toml").train.batch_size
+    capsys.readouterr()
+    more = [f"--train.max_steps={STEPS + 1}", "--resume"]
+    assert (
+        run(data_root, out, *more, f"--train.batch_size={batch * 2}", "--train.grad_accum=2") == 0
+    )
+    err = capsys.readouterr().err
+    assert (
+        f"resuming with train.batch_size {batch} -> {batch * 2}, train.grad_accum 1 -> 2: " in err
+    )
+    assert "will not match one that never stopped" in err
+    assert run(data_root, out, f"--train.max_steps={STEPS + 2}", "--resume") == 0
+    assert "resuming with train.batch" not in capsys.readouterr().err  # the run's own now
+
+
 def test_resume_through_another_linear_path_says_so(
     base_run: Path, data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
