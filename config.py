@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import shlex
+import textwrap
 import tomllib
 import types
 import typing
@@ -385,14 +386,27 @@ def dump_toml(config: Config) -> str:
     lines = []
     for section, values in dataclasses.asdict(config).items():
         lines.append(f"[{section}]")
-        for key, value in values.items():
-            if isinstance(value, bool):
-                text = "true" if value else "false"
-            elif isinstance(value, str):
-                # JSON's escapes are TOML's; TOML also forbids a raw DEL, which JSON leaves
-                text = json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
-            else:
-                text = repr(value)
-            lines.append(f"{key} = {text}")
+        lines += [f"{key} = {_toml(value)}" for key, value in values.items()]
         lines.append("")
+    return "\n".join(lines)
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        # JSON's escapes are TOML's; TOML also forbids a raw DEL, which JSON leaves
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+    return repr(value)
+
+
+def fields_help() -> str:
+    """Every config field with its default, by section: the end of --help."""
+    lines = ["config fields, with their built-in defaults (the --config file sets some):"]
+    for section, values in dataclasses.asdict(Config()).items():
+        items = " ".join(f"{key}={_toml(value)}" for key, value in values.items())
+        head = f"  [{section}] "
+        lines.append(
+            textwrap.fill(items, 88, initial_indent=head, subsequent_indent=" " * len(head))
+        )
     return "\n".join(lines)

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from checkpoint import describe_os_error
-from config import ConfigError, load_config
+from config import ConfigError, fields_help, load_config
 from model import VARIANTS, available_variants, unavailable_reason
 from profiling.analysis import fits_by_label
 from profiling.compare import comparable, compare_text
@@ -81,7 +81,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         formatter_class=_DefaultsShown,
         epilog="Any config field can be overridden, as in train.py: --train.cpu_linear=torch "
         "--model.n_embd=256 (not model.n_layer, model.attention, train.compile or data.name: "
-        "--layers, --variants, --compile and --data)",
+        "--layers, --variants, --compile and --data)\n" + fields_help(),
         allow_abbrev=False,  # unknown --flags are config overrides; never guess a prefix
     )
     p.add_argument(

@@ -45,6 +45,7 @@ from config import (
     ConfigError,
     TrainConfig,
     dump_toml,
+    fields_help,
 )
 from cpu_linear import LINEAR_PATHS, use_onednn_linears, wants_onednn
 from data.loader import TokenBatches
@@ -678,7 +679,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Any config field can be overridden: --model.attention=sdpa --train.max_steps=200",
+        epilog="Any config field can be overridden: --model.attention=sdpa --train.max_steps=200\n"
+        + fields_help(),
         allow_abbrev=False,  # unknown --flags are config overrides; never guess a prefix
     )
     parser.add_argument(

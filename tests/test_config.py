@@ -364,3 +364,21 @@ def test_dump_toml_round_trips_characters_outside_the_bmp(tmp_path: Path) -> Non
     config = load_config(TINY)
     config.train.sample_prompt = "# 🐍 def "
     assert load_config(write(tmp_path, dump_toml(config))) == config
+
+
+def test_help_lists_every_config_field_with_its_default(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--help ends with each section's fields as --section.field=value takes them."""
+    import dataclasses
+
+    import train
+
+    with pytest.raises(SystemExit):
+        train.main(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())  # wrapped lines joined
+    for section in dataclasses.fields(Config):
+        assert f"[{section.name}]" in shown
+        for f in dataclasses.fields(getattr(Config(), section.name)):
+            assert f" {f.name}=" in shown, f"{section.name}.{f.name}"
+    assert 'attention="naive"' in shown and "compile=false" in shown  # TOML's spelling
