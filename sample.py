@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -136,11 +137,13 @@ def sample_run(
     attention: str | None = None,
     dtype: str | None = None,
     token_healing: bool = True,
+    stream: Callable[[str], None] | None = None,
 ) -> str:
     """Text continuing `prompt`, up to the first sampled separator if `stop_at_eot`, with the
     run's attention variant or `attention`, in its precision or `dtype` (one of config.DTYPES),
     the prompt's last token healed (see `heal`) unless not `token_healing`.
-    `device_setting` is what an error calls the device choice."""
+    `device_setting` is what an error calls the device choice. `stream` is given the text in
+    pieces as it is sampled, the prompt first; together they are the text returned."""
     dev = pick_device(device, device_setting)
     model, tokenizer, config = load_run(run_dir, dev, attention, dtype)
     if dtype == "tf32" and dev.type != "cuda":
@@ -156,6 +159,7 @@ def sample_run(
     eot = tokenizer.token_to_id(EOT) if stop_at_eot else None
     # A tf32 run samples with TF32 on CUDA; elsewhere in IEEE fp32, as it cannot train there
     set_fp32_matmul_precision(config.train.dtype if dev.type == "cuda" else "float32", dev)
+    shown = Shown(tokenizer, ids, eot, stream)
     # The run's train.dtype as this device reads it ("auto": bf16 on CUDA, fp32 on a CPU).
     with autocast(dev, autocast_dtype(config.train.dtype, dev)):
         out = model.generate(
@@ -168,11 +172,51 @@ def sample_run(
             vocab_limit=tokenizer.get_vocab_size(),
             stop_id=eot,
             first_allowed=first_allowed,
+            on_token=shown.add if stream is not None else None,
         )
     new = out[0, len(ids) :].tolist()
     if eot in new:
         new = new[: new.index(eot)]
-    return tokenizer.decode(ids + new, skip_special_tokens=False)
+    text = tokenizer.decode(ids + new, skip_special_tokens=False)
+    shown.finish(text)
+    return text
+
+
+class Shown:
+    """The sampled text given to `stream` as it grows: each new token's text once it decodes
+    whole (a character split over byte-level tokens waits for its last byte), nothing after
+    the separator `eot` (None: it is text like any other)."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        ids: list[int],
+        eot: int | None,
+        stream: Callable[[str], None] | None,
+    ) -> None:
+        self.tokenizer, self.ids, self.eot, self.stream = tokenizer, list(ids), eot, stream
+        self.done, self.stopped = "", False
+        self._show(tokenizer.decode(self.ids, skip_special_tokens=False))
+
+    def add(self, next_id: torch.Tensor) -> None:
+        token = int(next_id[0, 0])
+        self.stopped |= token == self.eot
+        if not self.stopped:
+            self.ids.append(token)
+            self._show(self.tokenizer.decode(self.ids, skip_special_tokens=False))
+
+    def finish(self, text: str) -> None:
+        """The rest of the text returned, a split character's replacement included."""
+        self._show(text, whole=True)
+
+    def _show(self, text: str, whole: bool = False) -> None:
+        if self.stream is None or not text.startswith(self.done):
+            return
+        if not whole:
+            text = text.rstrip("\ufffd")  # a character whose bytes are not all drawn yet
+        if len(text) > len(self.done):
+            self.stream(text[len(self.done) :])
+            self.done = text
 
 
 def heal(tokenizer: Tokenizer, ids: list[int]) -> tuple[list[int], torch.Tensor | None]:
@@ -265,8 +309,20 @@ def main(argv: list[str] | None = None) -> int:
         if not valid(value):
             print(f"error: {flag} {value}: {problem}", file=sys.stderr)
             return 2
+
+    def write(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    written = False  # whether any text went out
+
+    def stream(piece: str) -> None:
+        nonlocal written
+        written = True
+        write(piece)
+
     try:
-        text = sample_run(
+        sample_run(
             args.run,
             args.prompt,
             args.tokens,
@@ -280,18 +336,21 @@ def main(argv: list[str] | None = None) -> int:
             attention=args.attention,
             dtype=args.dtype,
             token_healing=not args.no_token_healing,
+            stream=stream,
         )
     except (*USER_ERRORS, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # the text is printed whole, at the end: there is none yet
+    except KeyboardInterrupt:
+        if written:
+            write("\n")
         print(
-            f"interrupted before the sample was complete (--tokens {args.tokens}); nothing "
-            "printed, as the text comes out whole at the end",
+            f"interrupted before the sample was complete (--tokens {args.tokens})"
+            + ("; above, the text sampled so far" if written else ""),
             file=sys.stderr,
         )
         return 128 + signal.SIGINT
-    print(text)
+    write("\n")
     return 0
 
 

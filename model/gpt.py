@@ -6,6 +6,7 @@ Shape legend: B batch, T sequence length, C n_embd, H n_head, D head size (C // 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -157,6 +158,7 @@ class GPT(nn.Module):
         top_p: float | None = None,
         stop_id: int | None = None,
         first_allowed: Tensor | None = None,
+        on_token: Callable[[Tensor], None] | None = None,
     ) -> Tensor:
         """Extend idx (B, T) by max_new_tokens sampled tokens; temperature 0 (or below fp32's
         smallest normal number, ~1e-38) is greedy, and an infinite one samples uniformly.
@@ -172,6 +174,7 @@ class GPT(nn.Module):
         first_allowed: a bool mask over the ids that can be sampled (vocab_limit or vocab_size
         of them): the first token is drawn among the True ones (token healing: the tokens
         that start with the text of a prompt's last token, which the caller dropped).
+        on_token: called with each step's sampled ids (B, 1) as they are drawn (to stream).
         """
         if not temperature >= 0:  # NaN too
             raise ValueError(f"temperature={temperature}: must be >= 0")
@@ -222,6 +225,8 @@ class GPT(nn.Module):
                     probs = _nucleus(probs, top_p, shifted)
                 next_id = torch.multinomial(probs, num_samples=1, generator=generator)
             idx = torch.cat((idx, next_id), dim=1)
+            if on_token is not None:
+                on_token(next_id)
             if stop_id is not None:
                 stopped |= next_id[:, 0] == stop_id
                 if bool(stopped.all()):

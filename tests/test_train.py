@@ -1905,17 +1905,40 @@ def test_sampling_with_another_variant_is_not_refused_for_training_dropout(
     assert model.config.dropout == 0.0 and load_config(out / "config.toml").model.dropout == 0.1
 
 
-def test_ctrl_c_while_sampling_is_one_line_not_a_traceback(
+def test_ctrl_c_while_sampling_keeps_the_text_so_far_and_is_one_line(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    def interrupted(*args: object, **kwargs: object) -> str:
+    def interrupted(*args: object, stream: Callable[[str], None], **kwargs: object) -> str:
+        stream("def f(")
         raise KeyboardInterrupt
 
     monkeypatch.setattr(sample, "sample_run", interrupted)
     assert sample.main(["--run", "runs/any", "--tokens", "3000"]) == 130
     captured = capsys.readouterr()
-    assert captured.out == ""
-    assert captured.err.startswith("interrupted before the sample was complete (--tokens 3000)")
+    assert captured.out == "def f(\n"
+    assert captured.err == (
+        "interrupted before the sample was complete (--tokens 3000); above, the text sampled "
+        "so far\n"
+    )
+
+
+def test_sampled_text_streams_as_it_is_drawn(base_run: Path) -> None:
+    """The pieces, the prompt first, make the text returned; a character whose bytes span
+    two tokens comes out once whole, not as a replacement character."""
+    for stop in (False, True):
+        pieces: list[str] = []
+        text = sample.sample_run(
+            base_run, "def", 30, seed=2, stop_at_eot=stop, stream=pieces.append
+        )
+        assert "".join(pieces) == text and len(pieces) > 5 and text.startswith(pieces[0])
+    tokenizer = Tokenizer.from_file(str(base_run / "tokenizer.json"))
+    lead, tail = (tokenizer.token_to_id(c) for c in "Ã©")  # é's bytes, 0xC3 0xA9, byte-level
+    pieces = []
+    shown = sample.Shown(tokenizer, tokenizer.encode("a").ids, None, pieces.append)
+    shown.add(torch.tensor([[lead]]))
+    assert pieces == ["a"]  # half a character: not yet
+    shown.add(torch.tensor([[tail]]))
+    assert pieces == ["a", "é"]
 
 
 def test_sample_from_a_missing_dir_or_a_file_says_so(
