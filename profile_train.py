@@ -44,6 +44,17 @@ from profiling.sweep import COMPILE_MODES, Sweep
 from runtime import SignalScope, autocast_dtype, pick_device
 from train import USER_ERRORS
 
+# Config fields the sweep sets itself, from its own flags: as overrides, an error saying which
+SWEEP_SETS = {
+    **dict.fromkeys(
+        ("--model.n_layer", "--model.attention"),
+        "the sweep sets model.n_layer and model.attention per cell: use --layers and --variants",
+    ),
+    "--train.compile": "--train.compile: the sweep compiles per cell; use --compile off|on|both",
+    "--data.name": "--data.name: the sweep reads the data --data names: --data synthetic or "
+    "--data NAME, a corpus prepared under data.root",
+}
+
 
 class _DefaultsShown(argparse.RawDescriptionHelpFormatter):
     """The module docstring as written; each option's default where it has one."""
@@ -213,19 +224,9 @@ def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
         made_above = [p for p in args.out.parents if not p.exists()]
         if args.diff is not None:
             raise ConfigError("--diff compares two variants of an existing sweep: add --report DIR")
-        if any(o.split("=")[0] in ("--model.n_layer", "--model.attention") for o in overrides):
-            raise ConfigError(
-                "the sweep sets model.n_layer and model.attention per cell: use --layers and --variants"
-            )
-        if any(o.split("=")[0] == "--train.compile" for o in overrides):
-            raise ConfigError(
-                "--train.compile: the sweep compiles per cell; use --compile off|on|both"
-            )
-        if any(o.split("=")[0] == "--data.name" for o in overrides):
-            raise ConfigError(
-                "--data.name: the sweep reads the data --data names: --data synthetic or "
-                "--data NAME, a corpus prepared under data.root"
-            )
+        for override in overrides:
+            if override.split("=")[0] in SWEEP_SETS:
+                raise ConfigError(SWEEP_SETS[override.split("=")[0]])
         layers = _csv_list(args.layers, int, "--layers")
         if not layers or min(layers) < 1:
             raise ConfigError(f"--layers={args.layers!r}: give positive integers, e.g. 1,2,4,8")

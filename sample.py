@@ -310,16 +310,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {flag} {value}: {problem}", file=sys.stderr)
             return 2
 
-    def write(piece: str) -> None:
-        sys.stdout.write(piece)
-        sys.stdout.flush()
-
-    written = False  # whether any text went out
+    printed: list[str] = []  # the text so far, as it is sampled
 
     def stream(piece: str) -> None:
-        nonlocal written
-        written = True
-        write(piece)
+        printed.append(piece)
+        print(piece, end="", flush=True)
 
     try:
         sample_run(
@@ -342,15 +337,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        if written:
-            write("\n")
+        if printed:
+            print()
         print(
             f"interrupted before the sample was complete (--tokens {args.tokens})"
-            + ("; above, the text sampled so far" if written else ""),
+            + ("; above, the text sampled so far" if printed else ""),
             file=sys.stderr,
         )
         return 128 + signal.SIGINT
-    write("\n")
+    print()
     return 0
 
 

@@ -327,23 +327,24 @@ def check_seed(ckpt: dict[str, Any], seed: int, out_dir: Path) -> None:
         )
 
 
-def trained_name(ckpt_path: Path) -> str | None:
-    """The data.name of the corpus the checkpoint trained on, or None where it does not say."""
+def trained_on(ckpt_path: Path, data_dir: Path) -> tuple[str | None, str | None]:
+    """The data.name of the corpus the checkpoint trained on, and the command that makes that
+    corpus again into `data_dir`; each None where the checkpoint does not say (the command:
+    checkpoints from before it was recorded)."""
     try:
-        name = load_checkpoint(ckpt_path, needs=("config",))["config"]["data"]["name"]
-    except (CheckpointError, KeyError, TypeError):
-        return None
-    return name if isinstance(name, str) else None
-
-
-def trained_on(ckpt_path: Path, data_dir: Path) -> str | None:
-    """The command that makes again the corpus the checkpoint trained on, into `data_dir`,
-    or None where it does not say (checkpoints from before it was recorded)."""
+        ckpt = load_checkpoint(ckpt_path, needs=())
+    except CheckpointError:
+        return None, None
     try:
-        corpus = load_checkpoint(ckpt_path, needs=("corpus",))["corpus"]
-        return rebuild_command(data_dir, corpus["source"], corpus["settings"])
-    except (CheckpointError, KeyError, TypeError, AttributeError):
-        return None
+        name = ckpt["config"]["data"]["name"]
+    except (KeyError, TypeError):
+        name = None
+    try:
+        corpus = ckpt["corpus"]
+        command = rebuild_command(data_dir, corpus["source"], corpus["settings"])
+    except (KeyError, TypeError, AttributeError):
+        command = None
+    return (name if isinstance(name, str) else None), command
 
 
 def train(
@@ -393,13 +394,12 @@ def _train(
         data_dir = Path(config.data.root) / config.data.name
         # Problem first: a missing corpus's own hint, a stdlib command, makes another one.
         problem = e if (data_dir / "meta.json").is_file() else f"no prepared corpus at {data_dir}/"
-        name = trained_name(out_dir / CHECKPOINT)
+        name, command = trained_on(out_dir / CHECKPOINT, data_dir)
         if name not in (None, config.data.name):  # --data.name=other on resume
             raise DataError(
                 f"{problem}; {out_dir} trained on corpus '{name}' (data.name): resume it on "
                 f"that one (--data.name={name}, or leave --data.name out)"
             ) from None
-        command = trained_on(out_dir / CHECKPOINT, data_dir)
         again = (
             f"prepare it again as the run's was made: {command}"
             if command is not None

@@ -173,7 +173,7 @@ def prepare(
             assert hub is not None
             settings |= {"hub": hub, "hub_config": hub_config, "split": split}
             settings["text_column"] = text_column
-            hub_cache = cleanup.enter_context(_hub_cache(hub, out_dir))
+            hub_cache = Path(cleanup.enter_context(_hub_cache(hub, out_dir)))
             corpus = hub_corpus(hub, hub_config, split, text_column, max_bytes, hub_cache)
         content_sha256 = content_hash(settings, corpus.digest)
         # The out-root, then the reuse check and the writing: one prepare at a time in it.
@@ -244,26 +244,19 @@ def prepare(
         return out_dir
 
 
-def _hub_cache(hub: str, out_dir: Path) -> contextlib.AbstractContextManager[Path]:
+def _hub_cache(hub: str, out_dir: Path) -> contextlib.AbstractContextManager[str]:
     """Where `datasets` caches what --hub loads. A Hub dataset: <out_dir>/.hf_cache, kept, so a
     rerun (or a retry after a wrong --text-column) downloads nothing. A local folder: a
     temporary folder by the out-root (its Arrow copy is as big as the corpus, and a kept one
     would be stale after each edit of the folder), or in the system's temporary folder where
     the out-root cannot be written, so a corpus there can still be reused."""
     if not Path(hub).exists():
-        return contextlib.nullcontext(out_dir / HF_CACHE_DIR)
+        return contextlib.nullcontext(str(out_dir / HF_CACHE_DIR))
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
-        scratch = tempfile.TemporaryDirectory(prefix=".prepare-", dir=out_dir.parent)
+        return tempfile.TemporaryDirectory(prefix=".prepare-", dir=out_dir.parent)
     except OSError:
-        scratch = tempfile.TemporaryDirectory(prefix="prepare-hub-")
-    return _as_path(scratch)
-
-
-@contextlib.contextmanager
-def _as_path(scratch: tempfile.TemporaryDirectory[str]) -> Iterator[Path]:
-    with scratch as folder:
-        yield Path(folder)
+        return tempfile.TemporaryDirectory(prefix="prepare-hub-")
 
 
 class Split(NamedTuple):

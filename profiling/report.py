@@ -368,14 +368,17 @@ def write_report(out: Path, results: dict[str, Any], plots: bool = True) -> None
         *(["", "Failed or did not run:", *not_run] if not_run else []),
     ]
     (out / "summary.txt").write_text("\n".join(summary) + "\n", encoding="utf-8")
-    # The report shows the plots there are: none while the sweep runs. Written before they are
-    # drawn, and again after, so an interruption or a failure while drawing them leaves a
-    # report of these rows that shows no PNG it does not have.
-    for draw in (False, True) if plots else (False,):
-        if draw:
-            plot_results(out, results, _setup_line(results["meta"]))
+
+    def report() -> None:  # showing the plots there are: none while the sweep runs
         drawn = tuple(name for name in PLOTS if (out / name).is_file())
         (out / "report.md").write_text(_report_md(results, drawn), encoding="utf-8")
+
+    # Before the plots are drawn, and again after: an interruption or a failure while drawing
+    # them leaves a report of these rows that shows no PNG it does not have.
+    report()
+    if plots:
+        plot_results(out, results, _setup_line(results["meta"]))
+        report()
 
 
 def _cell_table(rows: list[dict[str, Any]]) -> list[str]:
