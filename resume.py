@@ -135,22 +135,36 @@ def say_the_ranks_changed(ranks_before: int, batch_before: int, ranks: int, batc
 
 
 BATCH_FIELDS = ("batch_size", "grad_accum", "global_batch_size")
+# What evaluate() averages over: eval_batches steps' worth of micro-batches of these sizes
+EVAL_FIELDS = (*BATCH_FIELDS, "eval_batches")
 
 
 def say_the_batch_changed(ckpt: dict[str, Any], tc: TrainConfig) -> None:
     """Another batch size or number of micro-batches trains on: each step takes other rows
     from the checkpoint's place in the data on, and its gradient averages over another
-    number of them. Said, as for the schedule and the processes."""
+    number of them. These, and another train.eval_batches, also change the windows val_loss
+    and train_loss are evaluated on, so the loss curve can step at the resume. Said, as for
+    the schedule and the processes."""
     try:
         before = {
-            k: ckpt["config"]["train"][k] for k in BATCH_FIELDS if k in ckpt["config"]["train"]
+            k: ckpt["config"]["train"][k] for k in EVAL_FIELDS if k in ckpt["config"]["train"]
         }
     except (KeyError, TypeError):
         return  # restoring it says what is wrong
-    changed = [f"{k} {v} -> {getattr(tc, k)}" for k, v in before.items() if v != getattr(tc, k)]
-    if changed:
-        print(
-            f"resuming with train.{', train.'.join(changed)}: the steps from here draw other "
-            "batches than the run's would have, so it will not match one that never stopped",
-            file=sys.stderr,
+    changed = {k: f"{k} {v} -> {getattr(tc, k)}" for k, v in before.items() if v != getattr(tc, k)}
+    if not changed:
+        return
+    effects = []
+    if any(k in BATCH_FIELDS for k in changed):
+        effects.append(
+            "the steps from here draw other batches than the run's would have, so it will not "
+            "match one that never stopped"
         )
+    effects.append(
+        "val_loss and train_loss are evaluated on other windows from here on, so their curve "
+        "can step at the resume"
+    )
+    print(
+        f"resuming with train.{', train.'.join(changed.values())}: {'; '.join(effects)}",
+        file=sys.stderr,
+    )

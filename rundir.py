@@ -223,6 +223,21 @@ def run_config(out: Path, config_file: Path | None, overrides: list[str], resume
             f"delete it to resume with the config {out / CHECKPOINT} records, or restore them"
         )
     config = load_config(saved, overrides)
+    stale = _stale_fields(saved, recorded)
+    if stale:
+        if int(os.environ.get("RANK", 0)) == 0:
+            fields = ", ".join(
+                f"{name} = {theirs!r} there, {ours!r} in the checkpoint"
+                for name, ours, theirs in stale
+            )
+            print(
+                f"{saved} differs from the config {out / CHECKPOINT} records ({fields}): the run "
+                "stopped between writing the two, or the file was edited. Resuming with the "
+                "checkpoint's, the settings its weights were trained with; to change a field, "
+                "give --section.field=value",
+                file=sys.stderr,
+            )
+        config = build_config(recorded, overrides, source=f"the config {out / CHECKPOINT} records")
     if config_file is not None and int(os.environ.get("RANK", 0)) == 0:
         try:  # --config is read only to say how it differs: its errors do not stop the run
             differ = config_diff(config, load_config(config_file, overrides))
@@ -242,6 +257,19 @@ def run_config(out: Path, config_file: Path | None, overrides: list[str], resume
                 file=sys.stderr,
             )
     return config
+
+
+def _stale_fields(saved: Path, recorded: dict[str, Any] | None) -> list[tuple[str, Any, Any]]:
+    """The fields where config.toml and the checkpoint's config differ, as config_diff gives
+    them (the checkpoint's value first). train.py writes the checkpoint before replacing
+    config.toml with a resume's new settings, so the two differ only where a run stopped
+    between those writes (or config.toml was edited by hand): the checkpoint's is the run's."""
+    if recorded is None:
+        return []
+    try:  # a checkpoint from a newer train.py, with fields this one lacks: resuming says so
+        return config_diff(build_config(recorded), load_config(saved))
+    except ConfigError:
+        return []
 
 
 def _recorded_config(ckpt_path: Path) -> dict[str, Any] | None:

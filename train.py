@@ -13,7 +13,6 @@ import argparse
 import contextlib
 import math
 import os
-import shutil
 import signal
 import sys
 from collections.abc import Sequence
@@ -465,7 +464,9 @@ def _train(
         elif not (saved.is_file() and saved.read_bytes() == text):
             unsaved_config = text
         start_metrics(out_dir / "metrics.jsonl", step if resumed else None)
-        shutil.copyfile(data_dir / "tokenizer.json", out_dir / "tokenizer.json")
+        # Atomically, as every file of the run: sample.py may be reading it.
+        tokenizer = (data_dir / "tokenizer.json").read_bytes()
+        write_atomically(out_dir / "tokenizer.json", lambda f: f.write(tokenizer))
         if resumed:
             print(f"resuming {out_dir} after step {step} of {tc.max_steps}")
         _say_how_it_runs(

@@ -704,8 +704,27 @@ def test_resume_with_another_batch_says_so(
         f"resuming with train.batch_size {batch} -> {batch * 2}, train.grad_accum 1 -> 2: " in err
     )
     assert "will not match one that never stopped" in err
+    assert "val_loss and train_loss are evaluated on other windows" in err
     assert run(data_root, out, f"--train.max_steps={STEPS + 2}", "--resume") == 0
-    assert "resuming with train.batch" not in capsys.readouterr().err  # the run's own now
+    assert "evaluated on other windows" not in capsys.readouterr().err  # the run's own now
+    # Fewer eval batches train on the same batches, but evaluate on other windows: said.
+    evals = load_config(out / "config.toml").train.eval_batches
+    assert (
+        run(
+            data_root,
+            out,
+            f"--train.max_steps={STEPS + 3}",
+            "--resume",
+            f"--train.eval_batches={evals + 1}",
+        )
+        == 0
+    )
+    err = capsys.readouterr().err
+    assert (
+        f"resuming with train.eval_batches {evals} -> {evals + 1}: val_loss and train_loss are "
+        in err
+    )
+    assert "never stopped" not in err
 
 
 def test_resume_through_another_linear_path_says_so(
@@ -835,6 +854,27 @@ def test_a_resume_that_fails_before_saving_leaves_config_toml_as_it_was(
     assert run(data_root, out, *argv) == 0
     assert load_config(out / "config.toml").train.lr == 0.5
     assert load_ckpt(out)["config"]["train"]["lr"] == 0.5
+
+
+def test_resume_after_a_stop_between_the_checkpoint_and_config_toml(
+    base_run: Path, data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A resume's new settings reach config.toml just after the first checkpoint made under
+    them: a run killed between the two writes leaves the old config.toml beside the new
+    checkpoint. The next resume goes on with the checkpoint's settings, and says so."""
+    out = copy_run(base_run, tmp_path / "run")
+    before = (out / "config.toml").read_bytes()
+    argv = [f"--train.max_steps={STEPS + 4}", "--resume", "--stop-after", "1"]
+    assert run(data_root, out, *argv) == 0
+    assert load_ckpt(out)["config"]["train"]["max_steps"] == STEPS + 4
+    (out / "config.toml").write_bytes(before)  # killed between the two writes
+    capsys.readouterr()
+    assert run(data_root, out, "--resume") == 0
+    err = capsys.readouterr().err
+    assert "config.toml differs from the config" in err
+    assert f"train.max_steps = {STEPS} there, {STEPS + 4} in the checkpoint" in err
+    assert load_ckpt(out)["step"] == STEPS + 4, "the extension goes on"
+    assert load_config(out / "config.toml").train.max_steps == STEPS + 4
 
 
 def test_resume_with_another_tokenizer_is_an_error(
