@@ -137,6 +137,8 @@ class Sweep:
         # exception its handler raised. Called before every step.
         self.raise_if_interrupted: Callable[[], None] = lambda: None
         self.rows: list[dict[str, Any]] = []
+        # The depth being profiled: its cells, timed, and the FLOPs of its step (see run)
+        self.timed: tuple[list[Cell], tuple[int, int]] | None = None
         self.unavailable: dict[str, str | None] = {}  # by variant: why it cannot run, probed once
         # Set by run: the pinned variants whose compiled cells are left out, as sdpa+compile
         # is among the cells (see _build).
@@ -304,6 +306,7 @@ class Sweep:
                     cells = [Cell(v, n_layer, c) for v in variants for c in compile_modes]
                     flops = self._model_flops(n_layer)
                     self._time(cells)
+                    self.timed = (cells, flops)
                     for cell in cells:
                         self._profile_and_record(cell, flops)
                         self.progress.advance(cell)  # the rest: a failed cell's, all of it
@@ -314,6 +317,7 @@ class Sweep:
             # A second reading of the peak: the MFU denominator is the higher of the two.
             end = matmul_peaks(self.device, self.dtype, self.args.peak_seconds)
         except BaseException:  # Ctrl-C above all: the plots of what was measured, then stop
+            self._record_timed_only()
             if self.rows:
                 self._write(plots=True)
             raise
@@ -514,6 +518,42 @@ class Sweep:
             torch.cuda.empty_cache()
 
     def _profile_and_record(self, cell: Cell, flops: tuple[int, int]) -> None:
+        row = self._row(cell, flops)
+        if cell.step is not None:
+            with self._guard(cell, "in the profiled steps, after the timed ones"):
+                row.update(self._profile(cell))
+                problem = self._backend_problem(cell, row)
+                if problem is not None:
+                    # Another backend ran: its numbers are not the variant's. What ran (the
+                    # backend, the ops and kernels, the trace) stays, to show why.
+                    cell.fail("failed", problem)
+                    row.update(dict.fromkeys(MEASURED))
+        row["status"], row["reason"] = cell.status, cell.reason
+        row["mfu"] = self._mfu(row)
+        self.rows.append(row)
+        cell.step = cell.model = cell.optimizer = None  # free it before the next depth
+        self._write()
+
+    def _record_timed_only(self) -> None:
+        """On a Ctrl-C (or SIGTERM) while a depth's cells are profiled one by one: a row for
+        each cell whose timed steps are done but whose profiled ones are not, with its step
+        times, so a stopped sweep keeps all it timed. Not "ok": no trace verified its backend."""
+        cells, flops = self.timed or ([], (0, 0))
+        for cell in cells:
+            if cell.step is not None and cell.status == "ok" and cell.times:
+                row = self._row(cell, flops)
+                row["status"] = "interrupted"
+                row["reason"] = (
+                    "the sweep was stopped before its profiled steps: its steps were timed, "
+                    "its ops, memory and backend not measured"
+                )
+                self.rows.append(row)
+                cell.step = None
+
+    def _row(self, cell: Cell, flops: tuple[int, int]) -> dict[str, Any]:
+        """A cell's row, with the timed steps' numbers where it has them: a failure in the
+        profiled steps after them (the trace's write, memory) marks the cell failed and
+        leaves them in its row."""
         row: dict[str, Any] = {
             "variant": cell.variant,
             "n_layer": cell.n_layer,
@@ -545,22 +585,8 @@ class Sweep:
             "trace": None,
         }
         if cell.step is not None:
-            # The timed steps' numbers first: a failure in the profiled steps after them (the
-            # trace's write, memory) marks the cell failed and leaves them in its row.
             row.update(self._timing_fields(cell))
-            with self._guard(cell, "in the profiled steps, after the timed ones"):
-                row.update(self._profile(cell))
-                problem = self._backend_problem(cell, row)
-                if problem is not None:
-                    # Another backend ran: its numbers are not the variant's. What ran (the
-                    # backend, the ops and kernels, the trace) stays, to show why.
-                    cell.fail("failed", problem)
-                    row.update(dict.fromkeys(MEASURED))
-        row["status"], row["reason"] = cell.status, cell.reason
-        row["mfu"] = self._mfu(row)
-        self.rows.append(row)
-        cell.step = cell.model = cell.optimizer = None  # free it before the next depth
-        self._write()
+        return row
 
     def _mfu(self, row: dict[str, Any]) -> float | None:
         """Counted FLOPs / median step time / the highest matmul peak measured so far."""

@@ -732,6 +732,40 @@ def test_interrupted_sweep_keeps_what_it_measured(
         assert (tmp_path / "sweep" / name).is_file(), f"{name} not written on Ctrl-C"
 
 
+def test_a_sweep_stopped_while_profiling_keeps_the_depths_timed_cells(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A depth's cells are all timed, then profiled one by one: a Ctrl-C in between (or
+    gpu_check.sh's timeout) keeps the step times of the cells not yet profiled, marked so."""
+    real_profile = Sweep._profile
+
+    def profile_then_interrupt(self, cell):
+        if cell.n_layer == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the handler raises at once; this is never finished
+        return real_profile(self, cell)
+
+    monkeypatch.setattr(Sweep, "_profile", profile_then_interrupt)
+    rc, results = sweep(tmp_path, "--variants", "naive,inplace", "--layers", "1,2")
+    assert rc == 130
+    rows = {(r["variant"], r["n_layer"]): r for r in results["rows"]}
+    assert [(v, n, r["status"]) for (v, n), r in rows.items()] == [
+        ("naive", 1, "ok"),
+        ("inplace", 1, "ok"),
+        ("naive", 2, "interrupted"),
+        ("inplace", 2, "interrupted"),
+    ]
+    for name in ("naive", "inplace"):
+        kept = rows[(name, 2)]
+        assert kept["step_ms"]["n"] == 2 and kept["tokens_per_s"] > 0
+        assert kept["ops_per_step"] is None and kept["mfu"] is None, "not verified: not ok"
+    report = (tmp_path / "sweep" / "report.md").read_text()
+    assert "@L2: interrupted: the sweep was stopped before its profiled steps" in report
+    naive_line = next(line for line in report.splitlines() if line.startswith("| naive |"))
+    median = format(rows[("naive", 2)]["step_ms"]["median"], ".1f")
+    assert naive_line.split(" | ")[2].rstrip("*") == median, "its step time in the table"
+
+
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_whose_exception_python_drops_still_stops_the_sweep(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stop: signal.Signals
