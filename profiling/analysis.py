@@ -91,6 +91,12 @@ def ok_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in rows if r.get("status") == "ok"]
 
 
+def cells_done(rows: list[dict[str, Any]]) -> int:
+    """The cells that ran to their end (measured or failed): not those a stopped sweep had
+    timed but not yet profiled (status interrupted)."""
+    return sum(r.get("status") != "interrupted" for r in rows)
+
+
 def points_by_label(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[int, float]]]:
     """label -> metric -> {n_layer: value}, over the rows that measured."""
     points: dict[str, dict[str, dict[int, float]]] = defaultdict(lambda: defaultdict(dict))

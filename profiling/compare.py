@@ -12,7 +12,14 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from profiling.analysis import baselines, labels, measured_saving, points_by_label, savings
+from profiling.analysis import (
+    baselines,
+    cells_done,
+    labels,
+    measured_saving,
+    points_by_label,
+    savings,
+)
 
 # What must be the same for savings to be one quantity, from each sweep's results.json, and
 # the depths (see comparable); the sweep's own knobs (steps, warm-up, commit) may differ, and
@@ -41,13 +48,24 @@ SAME = {
 }
 
 
+# Machines of one name can differ in speed: two cloud VMs both "AMD EPYC", one with half the
+# other's matmul peak. Sweeps whose peaks differ by more than this ratio ran on different
+# machines; on one machine they differ by a few percent (each is the higher of two readings).
+PEAK_RATIO = 1.3
+
+
 def comparable(sweeps: list[tuple[Path, dict[str, Any]]]) -> str | None:
     """None if the sweeps measured the same setup at the same depths (a sweep stopped early
-    at some of them); otherwise what differs, with each sweep's value."""
+    at some of them) on machines of the same speed; otherwise what differs, with each
+    sweep's value."""
     for what, of in SAME.items():
         values = [of(results) for _, results in sweeps]
         if any(v != values[0] for v in values):
             return _differ(what, sweeps, values)
+    peaks = [results["meta"].get("peak_flops") for _, results in sweeps]
+    if all(peaks) and max(peaks) > PEAK_RATIO * min(peaks):
+        shown = [f"{p / 1e9:.1f} GFLOP/s" for p in peaks]
+        return _differ("matmul peak", sweeps, shown, "machines of one name, not of one speed")
     whole = {tuple(_layers(results)) for _, results in sweeps if not _stopped(results)}
     depths = set(_depths(sweeps))
     if len(whole) > 1 or any(not set(_layers(r)) <= depths for _, r in sweeps):
@@ -55,14 +73,17 @@ def comparable(sweeps: list[tuple[Path, dict[str, Any]]]) -> str | None:
     return None
 
 
-def _differ(what: str, sweeps: list[tuple[Path, dict[str, Any]]], values: list[Any]) -> str:
+def _differ(
+    what: str, sweeps: list[tuple[Path, dict[str, Any]]], values: list[Any], why: str = ""
+) -> str:
     shown = "; ".join(f"{path}: {v}" for (path, _), v in zip(sweeps, values, strict=True))
-    return f"the sweeps differ in {what} ({shown}): their savings are not one quantity"
+    why = f"{why}, whose" if why else "their"
+    return f"the sweeps differ in {what} ({shown}): {why} savings are not one quantity"
 
 
 def _stopped(results: dict[str, Any]) -> bool:
     """Whether the sweep stopped before its last cell (interrupted)."""
-    return len(results["rows"]) < results["meta"].get("cells_planned", 0)
+    return cells_done(results["rows"]) < results["meta"].get("cells_planned", 0)
 
 
 def _depths(sweeps: list[tuple[Path, dict[str, Any]]]) -> list[int]:
@@ -75,7 +96,7 @@ def _depths(sweeps: list[tuple[Path, dict[str, Any]]]) -> list[int]:
 def _stopped_early(sweeps: list[tuple[Path, dict[str, Any]]]) -> str:
     """Which of the sweeps were interrupted, the likely cause of a difference in depths."""
     stopped = [
-        f"{path}, {len(results['rows'])} of {results['meta']['cells_planned']} cells"
+        f"{path}, {cells_done(results['rows'])} of {results['meta']['cells_planned']} cells"
         for path, results in sweeps
         if _stopped(results)
     ]
@@ -110,12 +131,13 @@ def compare_text(sweeps: list[tuple[Path, dict[str, Any]]]) -> str:
     for i, (path, results) in enumerate(sweeps, 1):
         m = results["meta"]
         stopped = (
-            f", stopped after {len(results['rows'])} of {m['cells_planned']} cells"
+            f", stopped after {cells_done(results['rows'])} of {m['cells_planned']} cells"
             if _stopped(results)
             else ""
         )
+        peak = f", matmul peak {m['peak_flops'] / 1e9:.1f} GFLOP/s" if m.get("peak_flops") else ""
         lines.append(
-            f"{i}. `{path}`: {_started(m)}, commit {m.get('commit') or 'unknown'}{stopped}"
+            f"{i}. `{path}`: {_started(m)}, commit {m.get('commit') or 'unknown'}{peak}{stopped}"
         )
     lines += ["", "## Step time across the sweeps (ms): median (lowest–highest)", ""]
     lines += _step_time_table(names, layers, [results["rows"] for _, results in sweeps])

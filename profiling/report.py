@@ -11,6 +11,7 @@ from profiling.analysis import (
     PROJECT_AT,
     REGIONS,
     baselines,
+    cells_done,
     label,
     labels,
     measured_saving,
@@ -61,11 +62,13 @@ def _peak_readings(meta: dict[str, Any]) -> str:
 
 def _completeness(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
     """A line saying the sweep stopped early, if it did."""
-    planned = meta.get("cells_planned")
-    if planned is None or len(rows) >= planned:
+    planned, done = meta.get("cells_planned"), cells_done(rows)
+    if planned is None or done >= planned:
         return []
+    timed = len(rows) - done
+    also = f"; {timed} more were timed, not profiled (status interrupted)" if timed else ""
     return [
-        f"**Incomplete sweep**: {len(rows)} of {planned} cells were measured before it stopped.",
+        f"**Incomplete sweep**: {done} of {planned} cells were measured before it stopped{also}.",
         "",
     ]
 

@@ -761,6 +761,7 @@ def test_a_sweep_stopped_while_profiling_keeps_the_depths_timed_cells(
         assert kept["ops_per_step"] is None and kept["mfu"] is None, "not verified: not ok"
     report = (tmp_path / "sweep" / "report.md").read_text()
     assert "@L2: interrupted: the sweep was stopped before its profiled steps" in report
+    assert "**Incomplete sweep**: 2 of 4 cells were measured before it stopped; 2 more" in report
     naive_line = next(line for line in report.splitlines() if line.startswith("| naive |"))
     median = format(rows[("naive", 2)]["step_ms"]["median"], ".1f")
     assert naive_line.split(" | ")[2].rstrip("*") == median, "its step time in the table"
@@ -1340,6 +1341,8 @@ def test_compare_reads_the_savings_of_several_sweeps(
         (lambda m: m["config"]["train"].update(grad_clip=0.0), "the optimizer step"),
         (lambda m: m["config"]["train"].update(weight_decay=0.0), "the optimizer step"),
         (lambda m: m.update(data="stdlib"), "data"),
+        # A VM of the same name with half the matmul peak: another machine
+        (lambda m: m.update(peak_flops=m["peak_flops"] / 2), "matmul peak"),
     ]:
         changed = copy.deepcopy(results)
         change(changed["meta"])
@@ -1356,6 +1359,15 @@ def test_compare_reads_the_savings_of_several_sweeps(
     assert profile_train.main(["--compare", *map(str, folders)]) == 0
     printed = capsys.readouterr().out
     assert f", stopped after {len(cut['rows'])} of {planned} cells" in printed
+    # Stopped while profiling its deepest cells: those timed only do not make it whole.
+    timed = copy.deepcopy(results)
+    for r in timed["rows"]:
+        if r["n_layer"] == 3:
+            r["status"] = "interrupted"
+    (folders[-1] / "results.json").write_text(json.dumps(timed))
+    assert profile_train.main(["--compare", *map(str, folders)]) == 0
+    done = sum(r["n_layer"] < 3 for r in timed["rows"])
+    assert f", stopped after {done} of {planned} cells" in capsys.readouterr().out
     # naive at L3: failed in the first sweep (above), not reached in the last
     assert "| naive | 15.0 (15.0–15.0) | 25.1 (25.1–25.1) | 35.0 (35.0–35.0), 2 of 4 |" in printed
     assert "| +3.00 ‡ (L1,2) |" in printed and "(a cell failed, or the sweep stopped" in printed
