@@ -90,28 +90,29 @@ def reserve_heap(nbytes: int) -> None:
 class OtherLoad:
     """The share of the machine's CPU time that went elsewhere while a run or measurement goes on.
 
-    Busy time of all CPUs (Linux /proc/stat, steal included: a VM's neighbours count) minus
-    this process's own CPU time, over wall time x cores. It counts from construction to
+    Busy time of the CPUs this process may run on (Linux /proc/stat, steal included: a VM's
+    neighbours count; a container's cpuset or taskset limits them) minus this process's own
+    CPU time, over wall time x those CPUs. It counts from construction to
     `share()`, or, made with `running=False`, only inside its `counting()` windows, summed.
     Another job on the machine shows here before it shows as noise in the step times.
     Inductor's compile workers (--compile) are other processes, so they count too.
     """
 
     def __init__(self, running: bool = True) -> None:
+        self.cpus = _cpus_to_count()  # None: every CPU, from /proc/stat's total line
         self.linux = self._read() is not None
         self._closed = (0.0, 0.0, 0.0)  # busy, own and wall seconds of the windows closed
         self._open = self._read() if running else None
 
-    @staticmethod
-    def _read() -> tuple[float, float, float] | None:
+    def _read(self) -> tuple[float, float, float] | None:
         try:
-            with open("/proc/stat") as f:
-                ticks = [int(x) for x in f.readline().split()[1:9]]
+            stat = _proc_stat()
             hz = os.sysconf("SC_CLK_TCK")
-        except (OSError, ValueError):
+        except (OSError, ValueError, IndexError):
             return None  # not Linux
+        counted = [stat[cpu] for cpu in self.cpus] if self.cpus else [stat["cpu"]]
         # user nice system idle iowait irq softirq steal; guest time is inside user.
-        busy = (sum(ticks) - ticks[3] - ticks[4]) / hz
+        busy = sum(sum(t) - t[3] - t[4] for t in counted) / hz
         own = resource.getrusage(resource.RUSAGE_SELF)
         return busy, own.ru_utime + own.ru_stime, time.monotonic()
 
@@ -136,7 +137,28 @@ class OtherLoad:
         busy, own, wall = self._counted()
         if not self.linux or wall <= 0:
             return None
-        return max(0.0, (busy - own) / (wall * (os.cpu_count() or 1)))
+        cpus = len(self.cpus) if self.cpus else os.cpu_count() or 1
+        return max(0.0, (busy - own) / (wall * cpus))
+
+
+def _proc_stat() -> dict[str, list[int]]:
+    """/proc/stat's CPU lines: 'cpu' (all of them) and 'cpu0', 'cpu1', ..., each's first 8
+    tick counts."""
+    with open("/proc/stat") as f:
+        lines = [line.split() for line in f if line.startswith("cpu")]
+    return {fields[0]: [int(x) for x in fields[1:9]] for fields in lines}
+
+
+def _cpus_to_count() -> list[str] | None:
+    """The /proc/stat lines of the CPUs this process may run on, where fewer than all; None
+    for all, or where it cannot tell (not Linux; a container whose /proc/stat numbers its
+    CPUs otherwise than its affinity does)."""
+    try:
+        usable = [f"cpu{i}" for i in sorted(os.sched_getaffinity(0))]
+        lines = _proc_stat().keys() - {"cpu"}
+    except (AttributeError, OSError, ValueError, IndexError):
+        return None
+    return usable if set(usable) < lines else None
 
 
 def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:

@@ -52,7 +52,10 @@ def _peak_readings(meta: dict[str, Any]) -> str:
     start = meta.get("peak_flops_start", meta["peak_flops"]) / scale
     if "peak_flops_end" not in meta:
         return (
-            f"{start:.1f} {unit}, measured at the start (the sweep stopped before the end reading)"
+            f"{start:.1f} {unit}, measured at the start only: the sweep stopped before the end "
+            "reading, whose higher value a whole sweep divides by. One reading taken while "
+            "something else ran reads low, and every MFU here high: compare it with a whole "
+            "sweep's peak on this machine"
         )
     end = meta["peak_flops_end"] / scale
     return (

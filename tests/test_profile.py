@@ -815,6 +815,9 @@ def test_ctrl_c_during_the_closing_peak_reading_still_draws_the_plots(
     rc, results = sweep(tmp_path, "--variants", "naive", "--layers", "1")
     assert rc == 130 and len(results["rows"]) == 1
     assert "finished_at" not in results["meta"]  # what gpu_check.sh tells a whole sweep by
+    report = (tmp_path / "sweep" / "report.md").read_text()
+    assert "measured at the start only: the sweep stopped before the end reading" in report
+    assert "every MFU here high" in report, "one reading, maybe low: said"
     for name in ("step_time_vs_layers.png", "memory_vs_layers.png"):
         assert (tmp_path / "sweep" / name).is_file(), name
 
@@ -2457,6 +2460,39 @@ def test_other_load_sees_another_busy_process() -> None:
         busy.wait()
     cores = os.cpu_count() or 1
     assert share is not None and share > 0.6 / cores  # one busy process: about 1/cores
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs two CPUs to pin to",
+)
+def test_other_load_counts_only_the_cpus_this_process_may_use(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """In a container given some of the host's CPUs (cpuset, taskset), load on the others is
+    not this run's neighbour, and load on its own is not diluted by them."""
+    mine, other = sorted(os.sched_getaffinity(0))[:2]
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {mine})
+
+    def share_while_busy_on(cpu: int) -> float:
+        pin = lambda: os.sched_setaffinity(0, {cpu})
+        busy = subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=pin)
+        try:
+            time.sleep(0.3)  # started
+            load = OtherLoad()
+            time.sleep(1.0)
+            share = load.share()
+        finally:
+            busy.kill()
+            busy.wait()
+        assert share is not None
+        return share
+
+    stat = Path("/proc/stat")
+    if not stat.exists() or f"\ncpu{other} " not in stat.read_text():
+        pytest.skip("/proc/stat does not list this machine's CPUs one by one")
+    assert share_while_busy_on(mine) > 0.7
+    assert share_while_busy_on(other) < 0.3
 
 
 def test_other_load_counts_only_inside_its_windows() -> None:
