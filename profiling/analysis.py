@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+import statistics
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -115,6 +116,50 @@ def fits_by_label(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, f
             if fit is not None:
                 fits.setdefault(name, {})[metric] = fit
     return fits
+
+
+def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float] | None:
+    """A distribution-free interval for the median: the order statistics x(k) and x(n+1-k)
+    with k the largest for which P(Binomial(n, 1/2) < k) <= (1 - level) / 2, so the interval
+    covers the median with probability >= level whatever the values' distribution. None
+    where n is too small for one (below 6 at 95%)."""
+    n, tail = len(values), (1 - level) / 2
+    below, k = 0.0, 0  # below: P(Binomial(n, 1/2) <= k - 1)
+    while k < n // 2 and below + math.comb(n, k) / 2**n <= tail:
+        below += math.comb(n, k) / 2**n
+        k += 1
+    if k == 0:
+        return None
+    ordered = sorted(values)
+    return ordered[k - 1], ordered[n - k]
+
+
+def paired_savings(
+    rows: list[dict[str, Any]], baseline: str = "naive"
+) -> dict[str, dict[int, dict[str, Any]]]:
+    """label -> n_layer -> the saving against baseline (like against like, as in savings)
+    from the timed rounds: each round runs every cell of a depth once, so round i's baseline
+    step less the variant's round-i step is one paired difference, free of drift slower than
+    a round. Their median (ms), its 95% interval (median_interval; None below 6 rounds) and
+    the number of rounds. Only cells that measured (ok) and recorded their times, in round
+    order (`times_ms`), of the same number of rounds."""
+    by = {(label(r["variant"], r["compile"]), r["n_layer"]): r for r in ok_rows(rows)}
+    reference_of = baselines(rows, baseline)
+    out: dict[str, dict[int, dict[str, Any]]] = {}
+    for (name, n_layer), row in by.items():
+        reference = by.get((reference_of[name], n_layer))
+        if reference is None or reference is row:
+            continue
+        ours, theirs = row.get("times_ms"), reference.get("times_ms")
+        if not ours or not theirs or len(ours) != len(theirs):
+            continue
+        diffs = [t - o for t, o in zip(theirs, ours, strict=True)]
+        out.setdefault(name, {})[n_layer] = {
+            "median": statistics.median(diffs),
+            "interval": median_interval(diffs),
+            "n": len(diffs),
+        }
+    return out
 
 
 def savings(

@@ -16,6 +16,7 @@ from profiling.analysis import (
     labels,
     measured_saving,
     ok_rows,
+    paired_savings,
     savings,
 )
 from profiling.findings import findings, where_time_goes
@@ -478,6 +479,39 @@ def compile_gain(rows: list[dict[str, Any]]) -> list[str]:
     ]
 
 
+def paired_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The saving at each depth from the round-by-round pairs (analysis.paired_savings), with
+    its interval; [] for a sweep without them (no naive, or one that recorded no times_ms)."""
+    paired = paired_savings(rows)
+    if not paired:
+        return []
+    layers = sorted({n for by_layer in paired.values() for n in by_layer})
+
+    def cell(s: dict[str, Any] | None) -> str:
+        if s is None:
+            return "–"
+        if s["interval"] is None:
+            return f"{s['median']:+.2f} (n={s['n']})"
+        low, high = s["interval"]
+        return f"{s['median']:+.2f} [{low:+.2f}, {high:+.2f}]"
+
+    return [
+        "Each round of a depth's timed steps runs every cell once, so the reference's step less "
+        "the variant's in the same round is one paired difference, free of any drift slower than "
+        "a round. The median over the rounds, in ms per step, with a 95% interval for it from the "
+        "order statistics (it assumes nothing about how the times spread; under 6 rounds give "
+        "none). An interval that excludes 0 is a saving measured in this run; the ms/layer "
+        "columns above are fitted across depths.",
+        "",
+        "| variant | " + " | ".join(f"L{n}" for n in layers) + " |",
+        "|---|" + "---|" * len(layers),
+        *(
+            f"| {name} | " + " | ".join(cell(by_layer.get(n)) for n in layers) + " |"
+            for name, by_layer in paired.items()
+        ),
+    ]
+
+
 def _fits_table(fits: dict[str, dict[str, dict[str, float]]]) -> list[str]:
     lines = [
         "| variant | metric | slope (per layer) | ± se | intercept | r² |",
@@ -552,6 +586,17 @@ def _report_md(results: dict[str, Any], plots: tuple[str, ...] = tuple(PLOTS)) -
             "",
             *where_time_goes(rows),
             "",
+            *(
+                [
+                    "## Saving per step at each depth, paired by round (against naive; "
+                    "`+compile` rows: against naive+compile)",
+                    "",
+                    *paired,
+                    "",
+                ]
+                if (paired := paired_table(rows))
+                else []
+            ),
             "## Projected savings against naive (`+compile` rows: against naive+compile; from "
             "the fitted lines)",
             "",

@@ -77,6 +77,7 @@ HEAP_RESERVE = 256 << 20  # CPU, memory kept: heap faulted in before each depth'
 # A row's measured numbers, cleared where another backend than the variant's ran
 MEASURED = (
     "step_ms",
+    "times_ms",
     "tokens_per_s",
     "peak_mem_bytes",
     "compile_s",
@@ -562,6 +563,7 @@ class Sweep:
             "status": cell.status,
             "reason": cell.reason,
             "step_ms": None,
+            "times_ms": None,
             "tokens_per_s": None,
             "flops_per_step": flops[0] or None,
             "attention_flops_per_step": flops[1] or None,
@@ -600,6 +602,8 @@ class Sweep:
         tokens = tc.batch_size * tc.grad_accum * mc.block_size
         fields: dict[str, Any] = {
             "step_ms": stats,
+            # Each timed step, in round order: round i's steps of a depth's cells pair up
+            "times_ms": [t * 1e3 for t in cell.times],
             "tokens_per_s": tokens / (stats["median"] / 1e3),
             "page_faults_per_step": cell.page_faults / len(cell.times),
             "compiles_while_timed": cell.compiles_while_timed,

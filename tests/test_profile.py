@@ -33,10 +33,17 @@ import profile_train
 from config import load_config
 from cpu_linear import onednn_unavailable_reason
 from model import attention
-from profiling.analysis import fit_line, fits_by_label, op_diff, savings
+from profiling.analysis import (
+    fit_line,
+    fits_by_label,
+    median_interval,
+    op_diff,
+    paired_savings,
+    savings,
+)
 from profiling.cells import Cell
 from profiling.measure import BACKEND_OPS, count_flops, parse_events, verify_backend
-from profiling.report import headline_table
+from profiling.report import headline_table, paired_table
 from profiling.sweep import Sweep
 from runtime import OtherLoad
 
@@ -205,6 +212,8 @@ def test_results_json_contract(naive_vs_inplace: dict) -> None:
             assert key in row, key
         assert set(row["step_ms"]) == {"median", "p10", "p90", "n"} and row["step_ms"]["n"] == 2
         assert row["step_ms"]["p10"] <= row["step_ms"]["median"] <= row["step_ms"]["p90"]
+        assert len(row["times_ms"]) == 2  # each timed step, in round order
+        assert statistics.median(row["times_ms"]) == pytest.approx(row["step_ms"]["median"])
         assert set(row["ops_per_step"]) == {"forward", "backward", "optimizer"}
         assert row["kernels_per_step"] is None  # CPU
         assert 0 < row["mfu"] < 1 and row["peak_mem_bytes"] > 0
@@ -931,6 +940,46 @@ def timed_row(variant: str, n: int, ms: float, compiled: bool = False) -> dict:
 VARIANTS_SLOPES = [("naive", 5, False), ("sdpa", 3, False), ("naive", 4, True), ("sdpa", 3, True)]
 
 
+def test_median_interval_is_the_order_statistics_of_the_sign_test() -> None:
+    """95% intervals for a median from n values: x(k), x(n+1-k), as in the standard tables."""
+    for n, k in [(6, 1), (8, 1), (10, 2), (16, 4), (20, 6), (30, 10)]:
+        assert median_interval(list(range(1, n + 1))) == (k, n + 1 - k), n
+    assert median_interval([1.0] * 5) is None  # 5 values: even min to max covers only 94%
+    # The coverage it promises, checked by simulation: skewed values, true median log(2).
+    rng = np.random.default_rng(0)
+    samples = rng.exponential(size=(4000, 20))
+    hits = [low <= math.log(2) <= high for low, high in map(median_interval, samples.tolist())]
+    assert np.mean(hits) >= 0.95
+
+
+def test_paired_savings_use_the_rounds() -> None:
+    """A disturbance that slows every cell of a round alike drops out of each pair: the
+    saving and its interval are exact, however the disturbances spread the times."""
+    drift = [0, 0, 9, 0, 0, 9, 9, 0]  # ms: rounds 3, 6 and 7 ran slow
+    rows = []
+    for n in (1, 2):
+        for variant, compiled, cost in [
+            ("naive", False, 10),
+            ("inplace", False, 9.5),
+            ("naive", True, 8),
+            ("sdpa", True, 6),
+        ]:
+            row = timed_row(variant, n, 0.0, compiled)
+            row["times_ms"] = [cost * n + d for d in drift]
+            rows.append(row)
+    rows.append(dict(timed_row("sdpa", 1, 0.0), times_ms=[1.0] * 7))  # no naive round to pair
+    rows.append(dict(timed_row("sdpa", 2, 0.0), status="failed", times_ms=[1.0] * 8))
+    paired = paired_savings(rows)
+    assert set(paired) == {"inplace", "sdpa+compile"}  # each against its own naive
+    for n in (1, 2):
+        assert paired["inplace"][n]["median"] == pytest.approx(0.5 * n)
+        assert paired["inplace"][n]["interval"] == pytest.approx((0.5 * n, 0.5 * n))
+        assert paired["sdpa+compile"][n]["median"] == pytest.approx(2 * n)
+        assert paired["inplace"][n]["n"] == 8
+    table = "\n".join(paired_table(rows))
+    assert "| inplace | +0.50 [+0.50, +0.50] | +1.00 [+1.00, +1.00] |" in table
+
+
 def test_fits_recover_known_slopes() -> None:
     fit = fit_line([1, 2, 4, 8], [3 + 2 * x for x in (1, 2, 4, 8)])
     assert fit["slope"] == pytest.approx(2) and fit["intercept"] == pytest.approx(3)
@@ -1252,6 +1301,14 @@ def test_published_reports_are_what_the_report_code_writes(folder: Path, tmp_pat
     assert (copy / "results.json").read_bytes() == (ROOT / folder / "results.json").read_bytes()
 
 
+def rows_of(results: dict, variant: str, n_layer: int) -> dict:
+    return next(
+        r
+        for r in results["rows"]
+        if (r["variant"], r["n_layer"]) == (variant, n_layer) and not r["compile"]
+    )
+
+
 def test_report_rerender_and_diff(
     naive_vs_inplace: dict, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1261,6 +1318,16 @@ def test_report_rerender_and_diff(
     assert printed.index("    1 aten::clone fewer") > printed.index("  forward:")
     assert profile_train.main(["--report", out]) == 0
     capsys.readouterr()
+    # The round-by-round savings, from each row's times_ms; 2 rounds: no interval.
+    paired = (Path(out) / "report.md").read_text().split("paired by round")[1]
+    saving = statistics.median(
+        n - i
+        for n, i in zip(
+            *(rows_of(naive_vs_inplace, v, 3)["times_ms"] for v in ("naive", "inplace")),
+            strict=True,
+        )
+    )
+    assert "| inplace | " in paired and f"{saving:+.2f} (n=2) |" in paired
     # A label that was not measured is an error naming the valid ones, not "the same counts".
     assert profile_train.main(["--report", out, "--diff", "inplcae,naive"]) == 2
     err = capsys.readouterr().err
