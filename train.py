@@ -512,8 +512,8 @@ def _train(
     # A step's worth of windows per eval batch: the same ones on any number of ranks.
     eval_micro_batches = tc.eval_batches * grad_accum
 
-    def eval_and_save() -> None:
-        nonlocal unsaved_config
+    def evaluate_and_log() -> tuple[float, float]:
+        """val_loss and train_loss now, logged to metrics.jsonl."""
         val_loss = evaluate(model, batches["val"], eval_micro_batches, amp_dtype)
         if not math.isfinite(val_loss):  # the same on every rank: evaluate all-reduces it
             # Weights a step made non-finite while its own loss, computed before the update,
@@ -522,7 +522,6 @@ def _train(
                 f"val loss is {val_loss} at step {step}: the weights are not finite"
             )
         train_loss = evaluate(model, batches["train_eval"], eval_micro_batches, amp_dtype)
-        rngs = rng_states(device, world_size)
         if master:
             logs.write(
                 {
@@ -532,6 +531,13 @@ def _train(
                     "train_loss": train_loss,
                 }
             )
+        return val_loss, train_loss
+
+    def eval_and_save() -> None:
+        nonlocal unsaved_config
+        val_loss, train_loss = evaluate_and_log()
+        rngs = rng_states(device, world_size)
+        if master:
             state = {
                 "model": raw_model.state_dict(),
                 "optimizer": optimizer.state_dict(),
@@ -607,6 +613,14 @@ def _train(
         StopSignal(torchrun="TORCHELASTIC_RUN_ID" in os.environ) as stop,
         bar,
     ):  # the bar closes on errors too, before the message
+        if not resumed and tc.eval_interval:
+            # The untrained model's losses (about ln(vocab_size)): where the curve starts.
+            val_loss, train_loss = evaluate_and_log()
+            if master:
+                bar.write(
+                    f"step 0: val loss {val_loss:.4f}, {val_loss * bpb_factor:.3f} bits/byte "
+                    f"(train {train_loss:.4f}), before training"
+                )
         model.train()
         to_means = torch.tensor([1 / world_size, 1.0, 1 / world_size], device=device)
         unread: Pending | None = None  # the step before, until it is read

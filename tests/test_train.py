@@ -216,7 +216,9 @@ def test_metrics_log_every_step_and_every_eval(base_run: Path, data_root: Path) 
         assert r["tflops"] == pytest.approx(flops_per_token * r["tokens_per_s"] / 1e12)
     assert lines[0]["lr"] < lines[4]["lr"]  # warmup
     evals = eval_lines(base_run)
-    assert [r["step"] for r in evals] == [10, 20, 30]
+    assert [r["step"] for r in evals] == [0, 10, 20, 30]  # 0: before training, as nanoGPT
+    vocab_size = load_config(base_run / "config.toml").model.vocab_size
+    assert evals[0]["val_loss"] == pytest.approx(math.log(vocab_size), rel=0.05)  # untrained
     splits = meta(data_root)["splits"]["val"]
     for r in evals:
         assert set(r) == EVAL_KEYS
