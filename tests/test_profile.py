@@ -2512,20 +2512,26 @@ def test_a_disturbed_cell_does_not_squash_the_step_time_plot() -> None:
     assert axis_top(medians_and_lines, [34.1, 54.4, 95.0, 167.8]) is None
 
 
-def test_other_load_sees_another_busy_process() -> None:
-    """The report's 'other processes used X% of the CPUs' comes from here."""
-    quiet = OtherLoad()
-    if not quiet.linux:
-        pytest.skip("no /proc/stat here")
-    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+def share_while_busy(cpu: int | None = None) -> float | None:
+    """OtherLoad's share over a second in which another process spins (on `cpu`, if given)."""
+    pin = None if cpu is None else lambda: os.sched_setaffinity(0, {cpu})
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=pin)
     try:
+        time.sleep(0.3)  # started
         load = OtherLoad()
         time.sleep(1.0)
-        share = load.share()
+        return load.share()
     finally:
         busy.kill()
         busy.wait()
-    cores = os.cpu_count() or 1
+
+
+def test_other_load_sees_another_busy_process() -> None:
+    """The report's 'other processes used X% of the CPUs' comes from here."""
+    if not OtherLoad().linux:
+        pytest.skip("no /proc/stat here")
+    share = share_while_busy()
+    cores = len(os.sched_getaffinity(0))
     assert share is not None and share > 0.6 / cores  # one busy process: about 1/cores
 
 
@@ -2539,27 +2545,12 @@ def test_other_load_counts_only_the_cpus_this_process_may_use(
     """In a container given some of the host's CPUs (cpuset, taskset), load on the others is
     not this run's neighbour, and load on its own is not diluted by them."""
     mine, other = sorted(os.sched_getaffinity(0))[:2]
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {mine})
-
-    def share_while_busy_on(cpu: int) -> float:
-        pin = lambda: os.sched_setaffinity(0, {cpu})
-        busy = subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=pin)
-        try:
-            time.sleep(0.3)  # started
-            load = OtherLoad()
-            time.sleep(1.0)
-            share = load.share()
-        finally:
-            busy.kill()
-            busy.wait()
-        assert share is not None
-        return share
-
     stat = Path("/proc/stat")
     if not stat.exists() or f"\ncpu{other} " not in stat.read_text():
         pytest.skip("/proc/stat does not list this machine's CPUs one by one")
-    assert share_while_busy_on(mine) > 0.7
-    assert share_while_busy_on(other) < 0.3
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {mine})
+    assert share_while_busy(mine) > 0.7
+    assert share_while_busy(other) < 0.3
 
 
 def test_other_load_counts_only_inside_its_windows() -> None:
