@@ -155,6 +155,10 @@ def load_checkpoint(path: Path, needs: tuple[str, ...] = KEYS) -> dict[str, Any]
     try:
         # weights_only: a checkpoint is data; never let loading it run code.
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except MemoryError:
+        raise
+    except OSError as e:  # no permission, a failing disk: the file may be whole
+        raise CheckpointError(f"cannot read checkpoint {path}: {e.strerror or e}") from None
     except Exception as e:  # truncated zip, wrong format, pickle error: all mean the same
         # weights_only names a pickled class it refused; other failures (a damaged file
         # among them, which it words alike) have no such name.

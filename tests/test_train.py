@@ -394,6 +394,18 @@ def test_unreadable_checkpoint_on_resume_is_an_error(
     assert f"{ckpt} is unreadable" in error_of(capsys.readouterr().err)
 
 
+def test_a_checkpoint_that_cannot_be_read_is_not_called_corrupt(
+    base_run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No permission, a failing disk: the file may be whole, and the error says what failed."""
+    denied = PermissionError(errno.EACCES, "Permission denied", str(base_run / "ckpt.pt"))
+    monkeypatch.setattr(checkpoint.torch, "load", Mock(side_effect=denied))
+    with pytest.raises(checkpoint.CheckpointError) as raised:
+        checkpoint.load_checkpoint(base_run / checkpoint.CHECKPOINT)
+    path = base_run / checkpoint.CHECKPOINT
+    assert str(raised.value) == f"cannot read checkpoint {path}: Permission denied"
+
+
 @pytest.mark.parametrize("foreign", ["nanogpt", "tensor"])
 def test_checkpoint_from_another_program_is_an_error_for_resume_and_sample(
     base_run: Path,
