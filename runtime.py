@@ -212,7 +212,8 @@ def init_distributed(train_cfg: TrainConfig) -> tuple[int, int, torch.device]:
 
 def wrap_ddp(model: torch.nn.Module, device: torch.device) -> DDP:
     """The model under DistributedDataParallel, for a process group already joined."""
-    # The only buffer is naive's constant causal mask (others have none): never re-sent.
+    # The only buffer is the constant causal mask of the variants that read one (naive,
+    # inplace; the others have none): never re-sent.
     # torch 2.13 renamed the flag (the old name warns); 2.11 and 2.12 know only the old.
     no_buffer_sync = (
         {"forward_sync_buffers": False}

@@ -36,6 +36,7 @@ from profiling.analysis import (
     shares,
     time_category,
 )
+from profiling.method import PROFILE_WAIT, PROFILE_WARMUP
 
 TRACE_WARN_BYTES = 50 * 2**20
 TOP_TIMES = 12  # ops or kernels listed by name in "where the time goes"
@@ -130,8 +131,8 @@ def count_flops(step: Callable[[], object]) -> dict[str, int]:
 
 
 def resident_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of parameters, buffers (naive's causal mask) and optimizer state: what lives on
-    the device between steps."""
+    """Bytes of parameters, buffers (the causal mask naive and inplace read) and optimizer
+    state: what lives on the device between steps."""
     tensors = itertools.chain(model.parameters(), model.buffers())
     total = sum(t.numel() * t.element_size() for t in tensors)
     for state in optimizer.state.values():
@@ -354,7 +355,7 @@ def profiled_steps(
 
     with profile(
         activities=activities,
-        schedule=schedule(wait=1, warmup=1, active=active, repeat=1),
+        schedule=schedule(wait=PROFILE_WAIT, warmup=PROFILE_WARMUP, active=active, repeat=1),
         acc_events=True,  # one cycle, so nothing to clear; torch 2.11 warns once per cell without
         on_trace_ready=on_ready,
         profile_memory=device.type == "cpu",

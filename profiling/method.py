@@ -12,6 +12,11 @@ from typing import Any
 
 from profiling.analysis import balanced_orders, label, ok_rows
 
+# The profiler's schedule: steps it skips, then steps it records and drops, before the active
+# window whose events are counted. A cell runs PROFILE_LEAD_STEPS + --profile-steps of them.
+PROFILE_WAIT, PROFILE_WARMUP = 1, 1
+PROFILE_LEAD_STEPS = PROFILE_WAIT + PROFILE_WARMUP
+
 # How this code's sweeps measure, written into results.json's meta (the sweep adds `startup`
 # once its warm-up has run). The notes below test these keys: a sweep written before a change
 # lacks its key, or holds another value, and is described as it was measured.

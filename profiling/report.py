@@ -23,6 +23,8 @@ from profiling.findings import findings, where_time_goes
 from profiling.method import (
     KERNEL_LABELS,
     METHOD,
+    PROFILE_WAIT,
+    PROFILE_WARMUP,
     causal_note,
     compile_mark,
     device_memory_lines,
@@ -646,7 +648,8 @@ def _report_md(results: dict[str, Any], plots: tuple[str, ...] = tuple(PLOTS)) -
             *(_compile_time_lines(meta, rows) if any(r["compile"] for r in rows) else []),
             *host_memory_lines(meta, rows),
             *device_memory_lines(rows),
-            "- **Ops and kernels**: separate steps under torch.profiler with a wait=1/warmup=1/active schedule; "
+            "- **Ops and kernels**: separate steps under torch.profiler with a "
+            f"wait={PROFILE_WAIT}/warmup={PROFILE_WARMUP}/active schedule; "
             "ATen ops (and the oneDNN linear's `cpu_linear::linear`/`mkldnn::_linear_pointwise`) counted (nested calls included, so `aten::masked_fill` and the `aten::clone` it makes both "
             "count) by the `record_function` region their start falls in; CUDA kernels (and memcpy/memset) by "
             "the region of the runtime call that launched them, matched by correlation id."

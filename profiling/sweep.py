@@ -57,7 +57,7 @@ from profiling.measure import (
     timed,
     verify_backend,
 )
-from profiling.method import METHOD, STARTUP
+from profiling.method import METHOD, PROFILE_LEAD_STEPS, STARTUP
 from profiling.progress import Progress
 from profiling.results import write_json, write_results
 from runtime import (
@@ -299,7 +299,7 @@ class Sweep:
             recompile_limit=max(8, 2 * len(variants)), fail_on_recompile_limit_hit=True
         )
         # A cell's warm-up, timed and profiled (wait, warmup, active) steps
-        steps = self.args.warmup + self.args.steps + 2 + self.args.profile_steps
+        steps = self.args.warmup + self.args.steps + PROFILE_LEAD_STEPS + self.args.profile_steps
         try:
             self.progress = Progress(layers, len(variants) * len(compile_modes), steps, total)
             with no_silent_eager, self.progress:
@@ -636,7 +636,7 @@ class Sweep:
                 self.device, active, trace if wanted else None, self.args.trace_stacks and wanted
             ) as (advance, results),
         ):
-            for _ in range(2 + active):  # wait, warmup, active
+            for _ in range(PROFILE_LEAD_STEPS + active):
                 cell.step()
                 synchronize(self.device)
                 advance()
