@@ -35,7 +35,7 @@ import torch
 
 from checkpoint import describe_os_error
 from config import ConfigError, fields_help, load_config
-from model import VARIANTS, available_variants, unavailable_reason
+from model import VARIANTS, available_variants, unavailable_reason, unknown_variant
 from profiling.analysis import fits_by_label
 from profiling.compare import comparable, compare_text
 from profiling.findings import diff_text
@@ -257,9 +257,7 @@ def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
                 raise ConfigError("--variants is empty; name at least one, or leave it out for all")
             unknown = [v for v in variants if v not in VARIANTS]
             if unknown:
-                raise ConfigError(
-                    f"--variants: unknown {', '.join(unknown)}; valid: {', '.join(VARIANTS)}"
-                )
+                raise ConfigError(f"--variants: {unknown_variant(unknown[0])}")
             why = {
                 v: unavailable_reason(v, device, dtype, mc.head_size, mc.dropout) for v in variants
             }

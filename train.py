@@ -209,8 +209,6 @@ def check_attention(
         raise TrainError(
             f"{e}; {what}, e.g. --model.attention={suggest} (these train here: {', '.join(runs)})"
         ) from None
-    except ValueError as e:  # a name the registry lacks
-        raise TrainError(str(e)) from None
 
 
 def linear_path(config: Config, device: torch.device, amp_dtype: torch.dtype | None) -> bool:

@@ -7,6 +7,7 @@ from model.attention import (
     check_variant,
     get_variant,
     unavailable_reason,
+    unknown_variant,
 )
 from model.config import GPTConfig
 from model.gpt import GPT
@@ -20,4 +21,5 @@ __all__ = [
     "check_variant",
     "get_variant",
     "unavailable_reason",
+    "unknown_variant",
 ]

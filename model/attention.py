@@ -20,6 +20,7 @@ The layer resolves its variant once, when it is built; forward has no branch on 
 
 from __future__ import annotations
 
+import difflib
 import functools
 import re
 import warnings
@@ -215,9 +216,14 @@ def get_variant(name: str) -> Variant:
     try:
         return VARIANTS[name]
     except KeyError:
-        raise ValueError(
-            f"unknown attention variant {name!r}; valid choices: {', '.join(VARIANTS)}"
-        ) from None
+        raise ValueError(unknown_variant(name)) from None
+
+
+def unknown_variant(name: str) -> str:
+    """What an error says of a name the registry lacks: the closest one, and all of them."""
+    close = difflib.get_close_matches(name, VARIANTS, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"unknown attention variant {name!r}{hint}; valid choices: {', '.join(VARIANTS)}"
 
 
 class VariantUnavailable(RuntimeError):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from model.attention import VARIANTS
+from model.attention import VARIANTS, unknown_variant
 
 
 @dataclass
@@ -35,10 +35,7 @@ class GPTConfig:
         if not isinstance(self.bias, bool):
             raise ValueError(f"model.bias={self.bias!r}: must be true or false")
         if self.attention not in VARIANTS:
-            raise ValueError(
-                f"model.attention={self.attention!r}: unknown attention variant; "
-                f"valid choices: {', '.join(VARIANTS)}"
-            )
+            raise ValueError(f"model.attention: {unknown_variant(self.attention)}")
         variant = VARIANTS[self.attention]
         if self.dropout > 0 and not variant.supports_dropout:
             raise ValueError(

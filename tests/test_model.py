@@ -193,6 +193,7 @@ def test_forward_only_check_passes_flex_on_cpu_and_nothing_else_new() -> None:
     ("field", "value", "expect"),
     [
         ("attention", "flash2", "valid choices: " + ", ".join(VARIANTS)),
+        ("attention", "sdpa_math", "'sdpa_math' (did you mean 'sdpa-math'"),
         ("n_head", 5, "n_embd=32 is not divisible by n_head=5"),
         ("n_layer", 0, "n_layer=0"),
         ("vocab_size", -3, "vocab_size=-3"),
