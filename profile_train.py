@@ -35,13 +35,19 @@ import torch
 
 from checkpoint import describe_os_error
 from config import ConfigError, fields_help, load_config
-from model import VARIANTS, available_variants, unavailable_reason, unknown_variant
+from model import VARIANTS, unknown_variant
 from profiling.analysis import fits_by_label
 from profiling.compare import comparable, compare_text
 from profiling.findings import diff_text
 from profiling.results import render_results
 from profiling.sweep import COMPILE_MODES, Sweep
-from runtime import SignalScope, autocast_dtype, pick_device
+from runtime import (
+    SignalScope,
+    autocast_dtype,
+    available_variants,
+    pick_device,
+    unavailable_reason,
+)
 from train import USER_ERRORS
 
 # Config fields the sweep sets itself, from its own flags: as overrides, an error saying which

@@ -35,9 +35,16 @@ from checkpoint import CHECKPOINT, CheckpointError, load_checkpoint, model_confi
 from config import DTYPES, Config, ConfigError, build_config, load_config
 from data.prepare import EOT
 from data.store import file_sha256
-from model import GPT, VARIANTS, VariantUnavailable, check_variant
+from model import GPT, VARIANTS
 from rundir import MAKE_TRAIN_RUN
-from runtime import autocast, autocast_dtype, pick_device, set_fp32_matmul_precision
+from runtime import (
+    VariantUnavailable,
+    autocast,
+    autocast_dtype,
+    check_variant,
+    pick_device,
+    set_fp32_matmul_precision,
+)
 
 
 class SampleError(RuntimeError):

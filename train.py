@@ -50,7 +50,7 @@ from cpu_linear import LINEAR_PATHS, use_onednn_linears, wants_onednn
 from data.loader import TokenBatches
 from data.meta import DataError, check_vocab, load_meta, rebuild_command
 from metrics import MetricsLog, start_metrics
-from model import GPT, GPTConfig, VariantUnavailable, available_variants, check_variant
+from model import GPT, GPTConfig
 from optim import build_optimizer, lr_at
 from resume import (
     restore_state,
@@ -65,9 +65,12 @@ from runtime import (
     OtherLoad,
     StepReadout,
     StopSignal,
+    VariantUnavailable,
     agreed_signal,
     autocast,
     autocast_dtype,
+    available_variants,
+    check_variant,
     init_distributed,
     keep_freed_host_memory,
     set_fp32_matmul_precision,

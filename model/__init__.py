@@ -2,11 +2,7 @@
 
 from model.attention import (
     VARIANTS,
-    VariantUnavailable,
-    available_variants,
-    check_variant,
     get_variant,
-    unavailable_reason,
     unknown_variant,
 )
 from model.config import GPTConfig
@@ -16,10 +12,6 @@ __all__ = [
     "GPT",
     "VARIANTS",
     "GPTConfig",
-    "VariantUnavailable",
-    "available_variants",
-    "check_variant",
     "get_variant",
-    "unavailable_reason",
     "unknown_variant",
 ]

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import difflib
 import functools
-import re
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeAlias
@@ -224,97 +222,3 @@ def unknown_variant(name: str) -> str:
     close = difflib.get_close_matches(name, VARIANTS, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return f"unknown attention variant {name!r}{hint}; valid choices: {', '.join(VARIANTS)}"
-
-
-class VariantUnavailable(RuntimeError):
-    """An attention variant that cannot run (train, or infer) on a device and dtype."""
-
-
-_TRIGGERED = re.compile(r"\s*\(Triggered internally at [^)]*\)")
-
-
-def unavailable_reason(
-    name: str,
-    device: torch.device | str,
-    dtype: torch.dtype,
-    head_size: int = 64,
-    dropout_p: float = 0.0,
-    backward: bool = True,
-) -> str | None:
-    """Why `name` cannot train on `device` in `dtype` (with `backward=False`: cannot run its
-    forward, as inference does), or None if it can.
-
-    Decided by running it: a tiny causal forward, and backward, at this head size. For pinned
-    SDPA backends that is the only honest test, since their constraints (dtype, head size,
-    dropout, GPU generation, build) differ by version and device.
-    """
-    variant = get_variant(name)
-    device = torch.device(device)
-    if (
-        variant.cuda_only_reason
-        and device.type != "cuda"
-        and (backward or not variant.forward_off_cuda)
-    ):
-        return variant.cuda_only_reason
-    if dropout_p > 0 and not variant.supports_dropout:
-        return "it has no attention dropout"
-    if device.type == "cuda" and not torch.cuda.is_available():
-        return "CUDA is not available"
-    T = 128
-    q, k, v = (
-        torch.randn(1, 2, T, head_size, device=device, dtype=dtype, requires_grad=backward)
-        for _ in range(3)
-    )
-    if variant.make_mask is not None:
-        mask = variant.make_mask(T, device)
-    else:
-        mask = torch.ones(T, T, dtype=torch.bool, device=device).triu(1)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            with torch.set_grad_enabled(backward):
-                out = variant.fn(q, k, v, mask, dropout_p)
-            if backward:
-                out.sum().backward()
-        except (RuntimeError, NotImplementedError, ValueError) as e:
-            # torch explains why a pinned kernel refused the inputs in warnings; keep them,
-            # without the C++ source line each ends with.
-            why = [
-                _TRIGGERED.sub("", str(w.message)).strip()
-                for w in caught
-                if "kernel" in str(w.message)
-            ]
-            first_line = " ".join(str(e).strip().splitlines()[0].split())
-            return "; ".join(part.rstrip(".") for part in [first_line, *why]).replace(":; ", ": ")
-    return None
-
-
-def check_variant(
-    name: str,
-    device: torch.device | str,
-    dtype: torch.dtype,
-    head_size: int = 64,
-    dropout_p: float = 0.0,
-    backward: bool = True,
-) -> None:
-    """Raise VariantUnavailable, naming the variant, device, dtype and reason, if it can't run
-    (train, or with `backward=False` run its forward)."""
-    reason = unavailable_reason(name, device, dtype, head_size, dropout_p, backward)
-    if reason is not None:
-        raise VariantUnavailable(
-            f"attention variant {name!r} cannot run on {torch.device(device)} "
-            f"({str(dtype).removeprefix('torch.')}, head size {head_size}, "
-            f"dropout {dropout_p}): {reason}"
-        )
-
-
-def available_variants(
-    device: torch.device | str,
-    dtype: torch.dtype,
-    head_size: int = 64,
-    dropout_p: float = 0.0,
-) -> list[str]:
-    """The variant names that can train on this device and dtype, in registry order."""
-    return [
-        n for n in VARIANTS if unavailable_reason(n, device, dtype, head_size, dropout_p) is None
-    ]

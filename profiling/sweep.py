@@ -31,7 +31,7 @@ from config import Config, ConfigError
 from cpu_linear import cpu_field, wants_onednn
 from data.loader import TokenBatches
 from data.meta import check_vocab, load_meta
-from model import VARIANTS, unavailable_reason
+from model import VARIANTS
 from profiling.analysis import balanced_orders, label
 from profiling.cells import (
     Cell,
@@ -67,6 +67,7 @@ from runtime import (
     pick_device,
     reserve_heap,
     set_fp32_matmul_precision,
+    unavailable_reason,
 )
 from train import build_model, train_step
 

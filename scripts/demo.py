@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from config import TrainConfig
 from cpu_linear import wants_onednn
-from model import VARIANTS, GPTConfig, unavailable_reason
-from runtime import autocast_dtype, pick_device
+from model import VARIANTS, GPTConfig
+from runtime import autocast_dtype, pick_device, unavailable_reason
 from train import USER_ERRORS, build_model, train_step
 
 

@@ -25,7 +25,8 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from config import TrainConfig
-from model import GPTConfig, VariantUnavailable, check_variant
+from model import GPTConfig
+from runtime import VariantUnavailable, check_variant
 from train import USER_ERRORS, build_model, train_step
 
 REGIONS = ("forward", "backward", "optimizer")

@@ -10,17 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from model import (
-    GPT,
-    VARIANTS,
-    GPTConfig,
-    VariantUnavailable,
-    available_variants,
-    check_variant,
-    unavailable_reason,
-)
+from model import GPT, VARIANTS, GPTConfig
 from model.attention import inplace, naive
 from model.gpt import _nucleus
+from runtime import VariantUnavailable, available_variants, check_variant, unavailable_reason
 
 CPU_F64 = available_variants("cpu", torch.float64, head_size=8)
 AGAINST_NAIVE = [v for v in CPU_F64 if v != "naive"]  # naive against itself proves nothing

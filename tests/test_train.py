@@ -45,7 +45,8 @@ from cpu_linear import onednn_unavailable_reason, wants_onednn
 from data import meta as data_meta
 from data.loader import TokenBatches
 from data.prepare import EOT, EOT_ID, prepare, split_documents
-from model import GPT, VARIANTS, available_variants, unavailable_reason
+from model import GPT, VARIANTS
+from runtime import available_variants, unavailable_reason
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"
