@@ -513,8 +513,9 @@ def _train(
     # A step's worth of windows per eval batch: the same ones on any number of ranks.
     eval_micro_batches = tc.eval_batches * grad_accum
 
-    def evaluate_and_log() -> tuple[float, float]:
-        """val_loss and train_loss now, logged to metrics.jsonl."""
+    def evaluate_and_log() -> tuple[float, str]:
+        """val_loss and train_loss now, logged to metrics.jsonl; val_loss, and both as the
+        progress line shows them."""
         val_loss = evaluate(model, batches["val"], eval_micro_batches, amp_dtype)
         if not math.isfinite(val_loss):  # the same on every rank: evaluate all-reduces it
             # Weights a step made non-finite while its own loss, computed before the update,
@@ -532,11 +533,15 @@ def _train(
                     "train_loss": train_loss,
                 }
             )
-        return val_loss, train_loss
+        losses = (
+            f"val loss {val_loss:.4f}, {val_loss * bpb_factor:.3f} bits/byte "
+            f"(train {train_loss:.4f})"
+        )
+        return val_loss, losses
 
     def eval_and_save() -> None:
         nonlocal unsaved_config
-        val_loss, train_loss = evaluate_and_log()
+        val_loss, losses = evaluate_and_log()
         rngs = rng_states(device, world_size)
         if master:
             state = {
@@ -557,10 +562,7 @@ def _train(
             if unsaved_config is not None:  # a resume's new settings, now the checkpoint's
                 write_atomically(saved, lambda f: f.write(unsaved_config))
                 unsaved_config = None
-            bar.write(
-                f"step {step}: val loss {val_loss:.4f}, {val_loss * bpb_factor:.3f} bits/byte "
-                f"(train {train_loss:.4f}); saved {ckpt_path}"
-            )
+            bar.write(f"step {step}: {losses}; saved {ckpt_path}")
         if world_size > 1:
             # No rank leaves before rank 0 has saved: torchrun ends the others when one exits
             # with an error status, which a stopped run does.
@@ -616,12 +618,9 @@ def _train(
     ):  # the bar closes on errors too, before the message
         if not resumed and tc.eval_interval:
             # The untrained model's losses (about ln(vocab_size)): where the curve starts.
-            val_loss, train_loss = evaluate_and_log()
+            _, losses = evaluate_and_log()
             if master:
-                bar.write(
-                    f"step 0: val loss {val_loss:.4f}, {val_loss * bpb_factor:.3f} bits/byte "
-                    f"(train {train_loss:.4f}), before training"
-                )
+                bar.write(f"step 0: {losses}, before training")
         model.train()
         to_means = torch.tensor([1 / world_size, 1.0, 1 / world_size], device=device)
         unread: Pending | None = None  # the step before, until it is read
