@@ -29,6 +29,7 @@ import os
 import shutil
 import signal
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -410,9 +411,7 @@ def _compare(given: list[Path]) -> int:
         differ = comparable(sweeps)
         text = None if differ else compare_text(sweeps)
     except (KeyError, TypeError, AttributeError, ValueError) as e:  # parsed, but hand-edited
-        raise ConfigError(
-            f"--compare: a results.json is damaged ({type(e).__name__}: {e})"
-        ) from None
+        raise ConfigError(f"--compare: {_cannot_read('a results.json', e)}") from None
     if differ:
         raise ConfigError(f"--compare: {differ}")
     print(text, end="")
@@ -432,7 +431,7 @@ def _rerender(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         except (KeyError, TypeError, AttributeError) as e:
-            raise ConfigError(f"{path} is damaged ({type(e).__name__}: {e})") from None
+            raise ConfigError(_cannot_read(str(path), e)) from None
         return 0
     try:
         # results.json is the record of what was measured: left as it is. The fits are
@@ -445,11 +444,20 @@ def _rerender(args: argparse.Namespace) -> int:
             "--diff reads only"
         ) from None
     except (KeyError, TypeError, AttributeError, ValueError) as e:  # parsed, but hand-edited
-        raise ConfigError(
-            f"{path} is damaged ({type(e).__name__}: {e}); was it edited by hand?"
-        ) from None
+        raise ConfigError(_cannot_read(str(path), e)) from None
     print((args.report / "summary.txt").read_text(encoding="utf-8"))
     return 0
+
+
+def _cannot_read(what: str, e: Exception) -> str:
+    """A results.json that parsed but lacks what the report reads: edited by hand, most
+    likely, or a bug here; the line that failed tells which."""
+    frame = traceback.extract_tb(e.__traceback__)[-1]
+    where = f"{Path(frame.filename).name}:{frame.lineno}"
+    return (
+        f"{what} lacks what the report reads ({type(e).__name__}: {e}, at {where}): was it "
+        "edited by hand? If not, that line has a bug"
+    )
 
 
 if __name__ == "__main__":
