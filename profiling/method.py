@@ -38,6 +38,8 @@ METHOD = {
     "op_calls": "re-dispatch counted once",
     # other_cpu_share over the timed rounds (before: the whole sweep, compiling included)
     "other_cpu_window": "timed rounds",
+    # each failed cell's traceback, in this file of the sweep's folder (before: none kept)
+    "failures_log": "failures.log",
 }
 STARTUP = "tiny model"  # the warm-up's model (sweeps before it: a tiny compiled function)
 

@@ -290,6 +290,13 @@ def _not_run(rows: list[dict[str, Any]], bold: bool = False) -> list[str]:
     return [f"- {mark}{name}{mark} @L{','.join(ns)}: {why}" for (name, why), ns in depths.items()]
 
 
+def _failures_log(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
+    """Where the failed cells' tracebacks are, for a sweep that kept them."""
+    if not meta.get("failures_log") or not any(r["status"] == "failed" for r in rows):
+        return []
+    return ["", f"Each failed cell's traceback is in `{meta['failures_log']}`."]
+
+
 def _noisy(step_ms: dict[str, float]) -> bool:
     return step_ms["p90"] > NOISY_SPREAD * step_ms["p10"]
 
@@ -629,7 +636,17 @@ def _report_md(results: dict[str, Any], plots: tuple[str, ...] = tuple(PLOTS)) -
             "",
             *_cell_table(rows),
             "",
-            *(["## Cells that failed or did not run", "", *problems, ""] if problems else []),
+            *(
+                [
+                    "## Cells that failed or did not run",
+                    "",
+                    *problems,
+                    *_failures_log(meta, rows),
+                    "",
+                ]
+                if problems
+                else []
+            ),
             "## Fits: metric = intercept + slope × n_layer",
             "",
             *_fits_table(fits),

@@ -19,6 +19,7 @@ import shlex
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -516,8 +517,17 @@ class Sweep:
             cell.fail("oom" if out_of_memory(e) else "failed", e)
             if during is not None:
                 cell.reason = f"{during}: {cell.reason}"
+            if cell.status == "failed":
+                self._log_failure(cell, e)
         if cell.status != "ok" and self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def _log_failure(self, cell: Cell, error: Exception) -> None:
+        """The whole traceback of a cell's failure, in DIR/failures.log: its row holds one
+        line, which says what failed but not where (torch's error, or a bug here)."""
+        with contextlib.suppress(OSError), open(self.out / METHOD["failures_log"], "a") as log:
+            log.write(f"--- {cell.name}: {cell.reason}\n")
+            log.writelines(traceback.format_exception(error))
 
     def _profile_and_record(self, cell: Cell, flops: tuple[int, int]) -> None:
         row = self._row(cell, flops)

@@ -713,7 +713,15 @@ def test_failing_cells_do_not_stop_the_sweep(
     assert oom == "oom" and "DefaultCPUAllocator: can't allocate memory" in why
     assert status[("sdpa-efficient", 1)][0] == "unsupported"
     assert "only for CUDA" in status[("sdpa-efficient", 1)][1]
-    assert "did not run" in (tmp_path / "sweep" / "report.md").read_text()
+    report = (tmp_path / "sweep" / "report.md").read_text()
+    assert "did not run" in report
+    # One line in the row; where it failed, in the traceback kept beside it
+    assert "Each failed cell's traceback is in `failures.log`." in report
+    log = (tmp_path / "sweep" / "failures.log").read_text()
+    assert "--- inplace L1: RuntimeError: kernel exploded" in log
+    assert "--- inplace L2: RuntimeError: kernel exploded" in log
+    assert 'in broken\n    raise RuntimeError("kernel exploded")' in log
+    assert "--- sdpa" not in log, "out of memory, not a failure to trace"
     summary = (tmp_path / "sweep" / "summary.txt").read_text()  # what make profile prints
     assert "- inplace @L1,2: failed: RuntimeError: kernel exploded" in summary
     assert "- sdpa-efficient @L1,2: unsupported: sdpa-efficient cannot run on cpu" in summary
