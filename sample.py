@@ -69,6 +69,11 @@ def load_run(
         raise SampleError(f"--run {run_dir} is a file; give the run directory ({run_dir.parent})")
     if not run_dir.is_dir():
         raise SampleError(f"run directory {run_dir} does not exist; {_train_first(run_dir)}")
+    if (run_dir / "meta.json").is_file():  # it has a tokenizer.json too, but no run
+        raise SampleError(
+            f"--run {run_dir} is a prepared corpus, not a run; give --run the folder train.py "
+            f"wrote (--out, by default runs/<config>: {MAKE_TRAIN_RUN} for make train)"
+        )
     tokenizer_path = run_dir / "tokenizer.json"
     if not tokenizer_path.is_file():
         raise SampleError(

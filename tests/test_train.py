@@ -1997,7 +1997,7 @@ def test_sampled_text_streams_as_it_is_drawn(base_run: Path) -> None:
 
 
 def test_sample_from_a_missing_dir_or_a_file_says_so(
-    base_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    base_run: Path, data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     nope = tmp_path / "nope"
     assert sample.main(["--run", str(nope)]) == 2
@@ -2010,6 +2010,11 @@ def test_sample_from_a_missing_dir_or_a_file_says_so(
     assert sample.main(["--run", str(started)]) == 2
     err = error_of(capsys.readouterr().err)
     assert f"no checkpoint at {started / checkpoint.CHECKPOINT}; train it first" in err
+    # A corpus folder has a tokenizer.json too: not a run, and no command that trains there
+    assert sample.main(["--run", str(data_root / "tiny")]) == 2
+    err = error_of(capsys.readouterr().err)
+    assert f"--run {data_root / 'tiny'} is a prepared corpus, not a run; give --run" in err
+    assert "train.py --out" not in err
     ckpt = base_run / checkpoint.CHECKPOINT
     assert sample.main(["--run", str(ckpt)]) == 2  # the checkpoint itself
     assert f"is a file; give the run directory ({base_run})" in error_of(capsys.readouterr().err)
