@@ -230,7 +230,11 @@ def check_compatible(
     tokenizer as the checkpoint."""
     diff = model_config_diff(ckpt, asdict(config.model))
     if diff:
-        raise CheckpointError(f"checkpoint {path} was made with another model config: {diff}")
+        raise CheckpointError(
+            f"checkpoint {path} was made with another model config: {diff}. Its weights "
+            "have that shape: of the model's fields only model.attention may change on "
+            f"resume; to train these settings, start another run (--out)"
+        )
     if ckpt["tokenizer_sha256"] != tokenizer_sha256:
         trained = ckpt.get("config", {}).get("data", {}).get("name")
         raise CheckpointError(

@@ -656,6 +656,10 @@ def test_resume_with_another_model_config_names_the_field(
     assert run(data_root, out, *SHARED_OVERRIDES, "--resume", "--model.n_layer=3") == 2
     err = error_of(capsys.readouterr().err)
     assert "n_layer" in err and "model config" in err
+    assert (
+        "only model.attention may change on resume; to train these settings, start another run (--out)"
+        in err
+    )
     assert "n_embd" not in err, "only the fields that differ are named"
     assert ((out / checkpoint.CHECKPOINT).read_bytes(), (out / "config.toml").read_text()) == before
 
