@@ -132,5 +132,7 @@ def check_vocab(meta: dict[str, Any], vocab_size: int, name: str) -> None:
     if meta["vocab_size"] > vocab_size:
         raise DataError(
             f"model.vocab_size={vocab_size} is smaller than the tokenizer of corpus "
-            f"'{name}' ({meta['vocab_size']} tokens)"
+            f"'{name}' ({meta['vocab_size']} tokens): give --model.vocab_size="
+            f"{meta['vocab_size']} or more (a multiple of 64 runs faster), or prepare the corpus "
+            f"with --vocab-size {vocab_size}"
         )

@@ -214,6 +214,11 @@ def prepare(
                     f"training a {vocab_size}-token byte-level BPE on {len(split.train)} documents"
                 )
                 tokenizer = _train_tokenizer(splits["train"], vocab_size)
+                if tokenizer.get_vocab_size() < vocab_size:
+                    print(
+                        f"note: the tokenizer has {tokenizer.get_vocab_size()} tokens, fewer than "
+                        f"--vocab-size {vocab_size}: the training documents allow no more merges"
+                    )
                 try:
                     meta = _write_outputs(
                         out_dir,

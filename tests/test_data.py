@@ -125,6 +125,18 @@ def test_files_glob_writes_uint16_tokens_split_by_document(corpus: Path, tmp_pat
         assert (tokenizer.token_to_id("Ġ" + word) is not None) == in_train, word
 
 
+def test_a_vocabulary_the_text_cannot_fill_is_said(
+    corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """BPE stops where no pair is left to merge: a small corpus gets fewer tokens than asked."""
+    out = prepare("small", files=[str(corpus / "*.txt")], vocab_size=60_000, out_root=tmp_path)
+    tokens = _meta(out)["vocab_size"]
+    assert tokens < 60_000
+    assert f"note: the tokenizer has {tokens} tokens, fewer than --vocab-size 60000" in (
+        capsys.readouterr().out
+    )
+
+
 def test_a_corpus_records_where_its_documents_are_from_anywhere(
     corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -648,6 +648,17 @@ def test_resume_without_checkpoint_is_an_error(
     assert run(data_root, early, "--config", str(early / "config.toml"), "--train.max_steps=1") == 0
 
 
+def test_a_model_vocabulary_smaller_than_the_corpus_says_what_to_give(
+    data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tokens = meta(data_root)["vocab_size"]
+    assert run(data_root, tmp_path / "run", "--model.vocab_size=256") == 2
+    err = error_of(capsys.readouterr().err)
+    assert f"model.vocab_size=256 is smaller than the tokenizer of corpus 'tiny' ({tokens}" in err
+    assert f"give --model.vocab_size={tokens} or more" in err
+    assert not (tmp_path / "run").exists()
+
+
 def test_resume_with_another_model_config_names_the_field(
     base_run: Path, data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
