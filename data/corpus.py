@@ -141,7 +141,12 @@ def _read_local(
             raise PrepareError(f"cannot read {path}: {error.strerror}") from error
         if not raw:
             if not skip_bad:
-                raise PrepareError(f"{path} is empty; every input file must hold a document")
+                empty = sum(p.stat().st_size == 0 for p in paths)
+                others = f" (and {empty - 1} more of the {len(paths)} matched)" * (empty > 1)
+                raise PrepareError(
+                    f"{path} is empty{others}; every input file must hold a document: give "
+                    "patterns that leave out empty files (a package's bare __init__.py, say)"
+                )
             skipped["empty_documents"] += 1
             continue
         bad = _invalid_utf8(raw)

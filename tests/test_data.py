@@ -561,7 +561,11 @@ def test_a_compressed_file_is_its_bytes_not_what_it_unpacks_to(tmp_path: Path) -
         ({"files": ["{corpus}/*.nothing"]}, r"glob '.*\*\.nothing' matched no files"),
         ({"files": ["{corpus}/missing.txt"]}, r"file '.*missing\.txt' does not exist"),
         ({"files": ["{corpus}"]}, r"is a directory"),
-        ({"files": ["{corpus}/*.txt", "{corpus}/empty.md"]}, r"empty\.md is empty"),
+        ({"files": ["{corpus}/*.txt", "{corpus}/empty.md"]}, r"empty\.md is empty; every input"),
+        (
+            {"files": ["{corpus}/*.txt", "{corpus}/empty.md", "{corpus}/empty2.md"]},
+            r"empty\.md is empty \(and 1 more of the \d+ matched\); .*: give patterns that leave",
+        ),
         ({"files": ["{corpus}/quokka.txt"]}, r"at least 2 non-empty documents"),
         ({"files": []}, r"--files needs at least one"),
         ({"vocab_size": 256}, r"--vocab-size 256 must be in \[257, 65536\]"),
@@ -580,6 +584,7 @@ def test_bad_input_fails_clearly_and_keeps_prepared_data(
     corpus: Path, tmp_path: Path, change: dict, message: str, capsys: pytest.CaptureFixture
 ) -> None:
     (corpus / "empty.md").write_bytes(b"")
+    (corpus / "empty2.md").write_bytes(b"")
     kwargs = {"files": [str(corpus / "*.txt")], "vocab_size": VOCAB, "out_root": tmp_path}
     out = prepare("tiny", **kwargs)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
