@@ -290,7 +290,13 @@ def read_toml(path: str | Path) -> dict[str, Any]:
     except OSError as e:  # a directory, no permission
         raise ConfigError(f"config file {path}: cannot read it ({e.strerror})") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"config file {path}: {e}") from None
+        # tomllib says only "Invalid value" of the commonest slip, a bare word for a string
+        hint = (
+            ' (a string needs quotes: attention = "sdpa")'
+            if str(e).startswith("Invalid value")
+            else ""
+        )
+        raise ConfigError(f"config file {path}: {e}{hint}") from None
 
 
 def missing_fields(raw: dict[str, Any], recorded: dict[str, Any]) -> list[str]:

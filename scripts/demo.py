@@ -25,7 +25,9 @@ from train import USER_ERRORS, build_model, train_step
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--device", default="auto")
     try:
         device = pick_device(parser.parse_args().device, "--device")

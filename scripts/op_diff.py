@@ -53,7 +53,9 @@ def op_counts(config: GPTConfig) -> Counter[tuple[str, str]]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--variants", default="naive,inplace", help="two names, a,b")
     parser.add_argument("--layers", type=int, default=4)
     args = parser.parse_args()
