@@ -18,9 +18,11 @@ endif
 
 setup: $(STAMP)
 
-# Re-runs only when requirements.txt changes (not PYTHON_SYS or PIP_ARGS: make clean first). A venv without pip (a failed ensurepip) or with a
-# Python older than 3.11 (no tomllib) is rebuilt, not reused.
-$(STAMP): requirements.txt
+# Re-runs only when requirements.txt's content changes, as the stamp's name holds its checksum
+# (not its date: a checkout that rewrites the same file reinstalls nothing; not PYTHON_SYS or
+# PIP_ARGS: make clean first). A venv without pip (a failed ensurepip) or with a Python older
+# than 3.11 (no tomllib) is rebuilt, not reused.
+$(STAMP):
 	@$(PY) -c 'import sys, pip; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { \
 		rm -rf $(VENV); \
 		$(PYTHON_SYS) -c 'import sys; sys.exit(sys.version_info < (3, 11) and "$(PYTHON_SYS) is Python %d.%d; 3.11 or newer is needed (tomllib): make PYTHON_SYS=python3.12 ..." % sys.version_info[:2])' \
