@@ -20,6 +20,7 @@ from profiling.analysis import (
     points_by_label,
     savings,
 )
+from profiling.report import BUSY_SHARE
 
 # What must be the same for savings to be one quantity, from each sweep's results.json, and
 # the depths (see comparable); the sweep's own knobs (steps, warm-up, commit) may differ, and
@@ -115,11 +116,20 @@ def compare_text(sweeps: list[tuple[Path, dict[str, Any]]]) -> str:
     names = list(dict.fromkeys(n for _, results in sweeps for n in labels(results["rows"])))
     # A saving fitted over fewer depths (a cell failed, or the sweep stopped before it) is
     # another quantity: shown, marked, and left out of the median.
+    # So is one from a sweep that other processes slowed (its report warns): shown, marked §,
+    # and left out, as what they did is not the machine's own variation.
+    busy = [(r["meta"].get("other_cpu_share") or 0) > BUSY_SHARE for _, r in sweeps]
     fitted = [
-        {name: {**s, "partial": s["depths"] != layers} for name, s in savings(r["rows"]).items()}
-        for _, r in sweeps
+        {
+            name: {**s, "partial": s["depths"] != layers, "busy": slowed}
+            for name, s in savings(r["rows"]).items()
+        }
+        for (_, r), slowed in zip(sweeps, busy, strict=True)
     ]
-    measured = [_measured(results["rows"], layers[-1]) for _, results in sweeps]
+    measured = [
+        {name: {**s, "busy": slowed} for name, s in _measured(r["rows"], layers[-1]).items()}
+        for (_, r), slowed in zip(sweeps, busy, strict=True)
+    ]
     meta = sweeps[0][1]["meta"]
     lines = [
         f"# {len(sweeps)} sweeps of one setup",
@@ -136,6 +146,9 @@ def compare_text(sweeps: list[tuple[Path, dict[str, Any]]]) -> str:
             else ""
         )
         peak = f", matmul peak {m['peak_flops'] / 1e9:.1f} GFLOP/s" if m.get("peak_flops") else ""
+        if m.get("other_cpu_share") is not None:
+            peak += f", other processes {m['other_cpu_share']:.0%} of the CPUs"
+            peak += " §" * busy[i - 1]
         lines.append(
             f"{i}. `{path}`: {_started(m)}, commit {m.get('commit') or 'unknown'}{peak}{stopped}"
         )
@@ -159,13 +172,22 @@ def compare_text(sweeps: list[tuple[Path, dict[str, Any]]]) -> str:
             lines += rows
         else:
             lines.append("(none: a fit needs two depths, and a saving naive and another variant)")
+    shown_se = any(s["per_layer_se"] is not None for by in fitted for s in by.values())
     lines += [
         "",
-        "Each sweep's ± is its fit's standard error. The median, the quartiles (given where "
+        ("Each sweep's ± is its fit's standard error. " if shown_se else "")
+        + "The median, the quartiles (given where "
         "there are four sweeps or more; numpy's default interpolation) and the range are "
         "across the sweeps: they say what the machine did between them. A label missing from "
         "a sweep, or failed in it, is – in that sweep's column.",
     ]
+    if any(busy):
+        lines += [
+            "",
+            f"§ Other processes used more than {BUSY_SHARE:.0%} of the CPUs during that sweep's "
+            "timed steps (its report warns of it): its savings say what they did, not what the "
+            "machine does, and are left out of the median, quartiles and range.",
+        ]
     if any(s["partial"] for by_label in fitted for s in by_label.values()):
         lines += [
             "",
@@ -217,7 +239,7 @@ def _measured(rows: list[dict[str, Any]], deepest: int) -> dict[str, dict[str, A
 
 
 def _value(s: dict[str, Any] | None) -> float | None:
-    return None if s is None or s.get("partial") else s["per_layer"]
+    return None if s is None or s.get("partial") or s.get("busy") else s["per_layer"]
 
 
 def _cell(s: dict[str, Any] | None, se: bool) -> str:
@@ -228,6 +250,8 @@ def _cell(s: dict[str, Any] | None, se: bool) -> str:
         text += f" ± {s['per_layer_se']:.2f}"
     if s.get("partial"):
         text += f" ‡ (L{','.join(map(str, s['depths']))})"
+    if s.get("busy"):
+        text += " §"
     return text
 
 

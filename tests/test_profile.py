@@ -1392,6 +1392,21 @@ def test_compare_reads_the_savings_of_several_sweeps(
     assert "| inplace | +3.00 | +12.00 | +6.00 | +9.00 | +7.50 |" in measured
     assert "| naive |" not in fitted + measured  # the reference saves nothing against itself
     assert "2026-11-30 10:00 UTC" in printed
+    assert "§" not in printed
+    # Other processes slowed the second sweep (its report warned): marked, not in the median
+    busy = json.loads((folders[1] / "results.json").read_text())
+    busy["meta"]["other_cpu_share"] = 0.28
+    (folders[1] / "results.json").write_text(json.dumps(busy))
+    assert profile_train.main(["--compare", *map(str, folders)]) == 0
+    printed = capsys.readouterr().out
+    assert f"`{folders[1]}`: " in printed and ", other processes 28% of the CPUs §" in printed
+    inplace = next(line for line in printed.split("## ")[2].splitlines() if "| inplace |" in line)
+    cells = [c.strip() for c in inplace.strip("|").split("|")]
+    assert cells[2].startswith("+4.00 ± ") and cells[2].endswith(" §")
+    assert cells[5:] == ["+2.00", "–", "+1.00 to +3.00"]  # the other three: 1, 2, 3
+    assert "§ Other processes used more than 10% of the CPUs" in printed
+    busy["meta"]["other_cpu_share"] = 0.02
+    (folders[1] / "results.json").write_text(json.dumps(busy))
     # profiles/<config>/* takes `latest` too, a link to the newest sweep: counted once.
     # A sweep stopped before its first cell left a folder with no results.json: left out.
     (tmp_path / "latest").symlink_to(folders[-1].name)
@@ -1481,7 +1496,9 @@ def test_compare_reads_the_savings_of_several_sweeps(
         one["rows"] = [r for r in one["rows"] if r["n_layer"] == 1]
         (folder / "results.json").write_text(json.dumps(one))
     assert profile_train.main(["--compare", *map(str, folders[:2])]) == 0
-    assert "(none: a fit needs two depths" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "(none: a fit needs two depths" in printed
+    assert "Each sweep's ± is" not in printed, "no ± shown: none explained"
     for refused in (
         [str(folders[0])],  # one sweep has no spread
         [str(folders[0]), str(folders[0])],  # the same sweep twice
