@@ -224,7 +224,9 @@ def run_config(out: Path, config_file: Path | None, overrides: list[str], resume
         )
     config = load_config(saved, overrides)
     stale = _stale_fields(saved, recorded)
+    own = f"{saved}, the run's own config"  # what the run resumes with, as said below
     if stale:
+        own = f"the config {out / CHECKPOINT} records"
         if int(os.environ.get("RANK", 0)) == 0:
             fields = ", ".join(
                 f"{name} = {theirs!r} there, {ours!r} in the checkpoint"
@@ -237,13 +239,13 @@ def run_config(out: Path, config_file: Path | None, overrides: list[str], resume
                 "give --section.field=value",
                 file=sys.stderr,
             )
-        config = build_config(recorded, overrides, source=f"the config {out / CHECKPOINT} records")
+        config = build_config(recorded, overrides, source=own)
     if config_file is not None and int(os.environ.get("RANK", 0)) == 0:
         try:  # --config is read only to say how it differs: its errors do not stop the run
             differ = config_diff(config, load_config(config_file, overrides))
         except ConfigError as e:
             print(
-                f"resuming with {saved}, the run's own config, not compared with --config ({e})",
+                f"resuming with {own}, not compared with --config ({e})",
                 file=sys.stderr,
             )
             differ = []
@@ -252,7 +254,7 @@ def run_config(out: Path, config_file: Path | None, overrides: list[str], resume
                 f"{name} = {ours!r} (there {theirs!r})" for name, ours, theirs in differ
             )
             print(
-                f"resuming with {saved}, the run's own config; {config_file} differs, and the "
+                f"resuming with {own}; {config_file} differs, and the "
                 f"run keeps {fields}; to change a field now, give --section.field=value",
                 file=sys.stderr,
             )

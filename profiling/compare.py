@@ -63,9 +63,15 @@ def comparable(sweeps: list[tuple[Path, dict[str, Any]]]) -> str | None:
         values = [of(results) for _, results in sweeps]
         if any(v != values[0] for v in values):
             return _differ(what, sweeps, values)
-    peaks = [results["meta"].get("peak_flops") for _, results in sweeps]
-    if all(peaks) and max(peaks) > PEAK_RATIO * min(peaks):
-        shown = [f"{p / 1e9:.1f} GFLOP/s" for p in peaks]
+    # Of whole sweeps: one that stopped before its closing reading has only its first, which
+    # a busy moment can have lowered
+    peaks = [r["meta"]["peak_flops"] for _, r in sweeps if "peak_flops_end" in r["meta"]]
+    if len(peaks) > 1 and max(peaks) > PEAK_RATIO * min(peaks):
+        shown = [
+            f"{r['meta']['peak_flops'] / 1e9:.1f} GFLOP/s"
+            + " (start only)" * ("peak_flops_end" not in r["meta"])
+            for _, r in sweeps
+        ]
         return _differ("matmul peak", sweeps, shown, "machines of one name, not of one speed")
     whole = {tuple(_layers(results)) for _, results in sweeps if not _stopped(results)}
     depths = set(_depths(sweeps))
@@ -105,7 +111,8 @@ def _stopped_early(sweeps: list[tuple[Path, dict[str, Any]]]) -> str:
 
 
 def _layers(results: dict[str, Any]) -> list[int]:
-    return sorted({r["n_layer"] for r in results["rows"]})
+    """The depths a sweep measured: not one whose cells it only timed before it stopped."""
+    return sorted({r["n_layer"] for r in results["rows"] if r["status"] != "interrupted"})
 
 
 def compare_text(sweeps: list[tuple[Path, dict[str, Any]]]) -> str:
@@ -118,7 +125,7 @@ def compare_text(sweeps: list[tuple[Path, dict[str, Any]]]) -> str:
     # another quantity: shown, marked, and left out of the median.
     # So is one from a sweep that other processes slowed (its report warns): shown, marked §,
     # and left out, as what they did is not the machine's own variation.
-    busy = [(r["meta"].get("other_cpu_share") or 0) > BUSY_SHARE for _, r in sweeps]
+    busy = [_slowed(r["meta"]) for _, r in sweeps]
     fitted = [
         {
             name: {**s, "partial": s["depths"] != layers, "busy": slowed}
@@ -236,6 +243,13 @@ def _measured(rows: list[dict[str, Any]], deepest: int) -> dict[str, dict[str, A
         if name != reference_of[name] and found is not None and found[0] == deepest:
             out[name] = {"per_layer": found[1], "per_layer_se": None}
     return out
+
+
+def _slowed(meta: dict[str, Any]) -> bool:
+    """Whether other processes took more than BUSY_SHARE of the CPUs in the timed steps (not
+    counted so in sweeps that counted them over the whole sweep, compiling included)."""
+    share = meta.get("other_cpu_share")
+    return meta.get("other_cpu_window") == "timed rounds" and (share or 0) > BUSY_SHARE
 
 
 def _value(s: dict[str, Any] | None) -> float | None:

@@ -1465,6 +1465,17 @@ def test_compare_reads_the_savings_of_several_sweeps(
     assert profile_train.main(["--compare", *map(str, folders)]) == 0
     done = sum(r["n_layer"] < 3 for r in timed["rows"])
     assert f", stopped after {done} of {planned} cells" in capsys.readouterr().out
+    # Every sweep stopped so: compared at the depths they measured, 1 and 2
+    saved = [(folder / "results.json").read_text() for folder in folders[:-1]]
+    for i, folder in enumerate(folders[:-1]):
+        again = copy.deepcopy(timed)
+        again["meta"]["started_at"] = f"2026-12-01T0{i}:00:00+00:00"
+        (folder / "results.json").write_text(json.dumps(again))
+    assert profile_train.main(["--compare", *map(str, folders)]) == 0
+    compared = capsys.readouterr().out
+    assert "n_layer 1,2." in compared and "Saving at n_layer=2, measured" in compared
+    for folder, text in zip(folders[:-1], saved, strict=True):
+        (folder / "results.json").write_text(text)
     # naive at L3: failed in the first sweep (above), not reached in the last
     assert "| naive | 15.0 (15.0–15.0) | 25.1 (25.1–25.1) | 35.0 (35.0–35.0), 2 of 4 |" in printed
     assert "| +3.00 ‡ (L1,2) |" in printed and "(a cell failed, or the sweep stopped" in printed

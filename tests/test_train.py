@@ -903,6 +903,9 @@ def test_resume_after_a_stop_between_the_checkpoint_and_config_toml(
     err = capsys.readouterr().err
     assert "config.toml differs from the config" in err
     assert f"train.max_steps = {STEPS} there, {STEPS + 4} in the checkpoint" in err
+    # run() gives --config too: how it differs names what the run resumes with, the checkpoint's
+    assert f"resuming with the config {out / checkpoint.CHECKPOINT} records; " in err
+    assert "the run's own config" not in err
     assert load_ckpt(out)["step"] == STEPS + 4, "the extension goes on"
     assert load_config(out / "config.toml").train.max_steps == STEPS + 4
 
