@@ -290,9 +290,11 @@ def read_toml(path: str | Path) -> dict[str, Any]:
     except OSError as e:  # a directory, no permission
         raise ConfigError(f"config file {path}: cannot read it ({e.strerror})") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        # tomllib says only "Invalid value" of the commonest slip, a bare word for a string
+        # tomllib says only "Invalid value" of the commonest slips: a bare word for a string,
+        # True for true, .5 for 0.5
         hint = (
-            ' (a string needs quotes: attention = "sdpa")'
+            ' (TOML wants strings in quotes, as attention = "sdpa", true and false in lower '
+            "case, and a digit before a decimal point)"
             if str(e).startswith("Invalid value")
             else ""
         )

@@ -452,8 +452,12 @@ def _rerender(args: argparse.Namespace) -> int:
 def _cannot_read(what: str, e: Exception) -> str:
     """A results.json that parsed but lacks what the report reads: edited by hand, most
     likely, or a bug here; the line that failed tells which."""
-    frame = traceback.extract_tb(e.__traceback__)[-1]
-    where = f"{Path(frame.filename).name}:{frame.lineno}"
+    frames = traceback.extract_tb(e.__traceback__)
+    here = Path(__file__).resolve().parent
+    ours = [f for f in frames if Path(f.filename).resolve().is_relative_to(here)] or frames
+    where = (
+        f"{Path(ours[-1].filename).name}:{ours[-1].lineno}"  # the project's line, not a library's
+    )
     return (
         f"{what} lacks what the report reads ({type(e).__name__}: {e}, at {where}): was it "
         "edited by hand? If not, that line has a bug"

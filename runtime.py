@@ -114,7 +114,10 @@ class OtherLoad:
             hz = os.sysconf("SC_CLK_TCK")
         except (OSError, ValueError, IndexError):
             return None  # not Linux
-        counted = [stat[cpu] for cpu in self.cpus] if self.cpus else [stat["cpu"]]
+        try:
+            counted = [stat[cpu] for cpu in self.cpus] if self.cpus else [stat["cpu"]]
+        except KeyError:  # a CPU taken offline since, or no total line
+            return None
         # user nice system idle iowait irq softirq steal; guest time is inside user.
         busy = sum(sum(t) - t[3] - t[4] for t in counted) / hz
         own = resource.getrusage(resource.RUSAGE_SELF)

@@ -522,6 +522,9 @@ def _train(
             # was finite (without clipping no norm shows it): never over the last good save.
             raise stopped_unsaved(
                 f"val loss is {val_loss} at step {step}: the weights are not finite"
+                if step
+                else f"val loss is {val_loss} before training: the model's initial outputs "
+                "are not finite (its config, or train.dtype)"
             )
         train_loss = evaluate(model, batches["train_eval"], eval_micro_batches, amp_dtype)
         if master:

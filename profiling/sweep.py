@@ -522,12 +522,13 @@ class Sweep:
         if cell.status != "ok" and self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _log_failure(self, cell: Cell, error: Exception) -> None:
+    def _log_failure(self, cell: Cell, error: Exception | None) -> None:
         """The whole traceback of a cell's failure, in DIR/failures.log: its row holds one
-        line, which says what failed but not where (torch's error, or a bug here)."""
+        line, which says what failed but not where (torch's error, or a bug here). A cell
+        failed by the backend check raised nothing: its reason is all there is."""
         with contextlib.suppress(OSError), open(self.out / METHOD["failures_log"], "a") as log:
             log.write(f"--- {cell.name}: {cell.reason}\n")
-            log.writelines(traceback.format_exception(error))
+            log.writelines(traceback.format_exception(error) if error else [])
 
     def _profile_and_record(self, cell: Cell, flops: tuple[int, int]) -> None:
         row = self._row(cell, flops)
@@ -539,6 +540,7 @@ class Sweep:
                     # Another backend ran: its numbers are not the variant's. What ran (the
                     # backend, the ops and kernels, the trace) stays, to show why.
                     cell.fail("failed", problem)
+                    self._log_failure(cell, None)
                     row.update(dict.fromkeys(MEASURED))
         row["status"], row["reason"] = cell.status, cell.reason
         row["mfu"] = self._mfu(row)

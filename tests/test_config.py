@@ -337,7 +337,7 @@ def test_malformed_toml_names_the_file(tmp_path: Path) -> None:
     assert "quotes" not in str(info.value)
     # A bare word for a string, which tomllib calls only "Invalid value": the hint says why
     path = write(tmp_path, "[model]\nattention = sdpa\n")
-    with pytest.raises(ConfigError, match=r"line 2, column 13\) \(a string needs quotes: "):
+    with pytest.raises(ConfigError, match=r"line 2, column 13\) \(TOML wants strings in quotes"):
         load_config(path)
 
 
