@@ -264,7 +264,7 @@ def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
                 raise ConfigError("--variants is empty; name at least one, or leave it out for all")
             unknown = [v for v in variants if v not in VARIANTS]
             if unknown:
-                raise ConfigError(f"--variants: {unknown_variant(unknown[0])}")
+                raise ConfigError(f"--variants: {unknown_variant(*unknown)}")
             why = {
                 v: unavailable_reason(v, device, dtype, mc.head_size, mc.dropout) for v in variants
             }

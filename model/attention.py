@@ -217,8 +217,16 @@ def get_variant(name: str) -> Variant:
         raise ValueError(unknown_variant(name)) from None
 
 
-def unknown_variant(name: str) -> str:
-    """What an error says of a name the registry lacks: the closest one, and all of them."""
-    close = difflib.get_close_matches(name, VARIANTS, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return f"unknown attention variant {name!r}{hint}; valid choices: {', '.join(VARIANTS)}"
+def unknown_variant(*names: str) -> str:
+    """What an error says of names the registry lacks: each with the closest valid one, then
+    all of them."""
+
+    def named(name: str) -> str:
+        close = difflib.get_close_matches(name, VARIANTS, n=1)
+        return f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+
+    plural = "s" * (len(names) > 1)
+    return (
+        f"unknown attention variant{plural} {', '.join(map(named, names))}; "
+        f"valid choices: {', '.join(VARIANTS)}"
+    )

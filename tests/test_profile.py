@@ -940,6 +940,17 @@ def test_a_variant_or_depth_given_twice_is_an_error(
     assert not (tmp_path / "s").exists()
 
 
+def test_unknown_variants_are_each_named_with_the_closest(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--out", str(tmp_path / "s"), "--variants=sdpa_flash,naive,xyz", *TINY]
+    assert profile_train.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--variants: unknown attention variants 'sdpa_flash' (did you mean 'sdpa-flash'?)" in err
+    assert ", 'xyz'; valid choices: naive, inplace, sdpa," in err
+    assert not (tmp_path / "s").exists()
+
+
 def timed_row(variant: str, n: int, ms: float, compiled: bool = False) -> dict:
     """A results.json row with only a step time: what fits and savings read."""
     return {
