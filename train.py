@@ -347,6 +347,36 @@ def trained_on(ckpt_path: Path, data_dir: Path) -> tuple[str | None, str | None]
     return (name if isinstance(name, str) else None), command
 
 
+def corpus_meta(config: Config, out_dir: Path, resume: bool) -> dict[str, Any]:
+    """The corpus's meta.json. A resume whose corpus is gone is told how to get it back: the
+    corpus it trained on (another --data.name given now), or the command that makes it again."""
+    try:
+        return load_meta(config.data.root, config.data.name, config.model.vocab_size)
+    except DataError as e:
+        tokenizer = out_dir / "tokenizer.json"
+        if not (resume and tokenizer.is_file()):
+            raise
+        data_dir = Path(config.data.root) / config.data.name
+        # Problem first: a missing corpus's own hint, a stdlib command, makes another one.
+        problem = e if (data_dir / "meta.json").is_file() else f"no prepared corpus at {data_dir}/"
+        name, command = trained_on(out_dir / CHECKPOINT, data_dir)
+        if name not in (None, config.data.name):  # --data.name=other on resume
+            raise DataError(
+                f"{problem}; {out_dir} trained on corpus '{name}' (data.name): resume it on "
+                f"that one (--data.name={name}, or leave --data.name out)"
+            ) from None
+        again = (
+            f"prepare it again as the run's was made: {command}"
+            if command is not None
+            else "prepare it again from the source and with the settings the run trained on"
+        )
+        raise DataError(
+            f"{problem}; to resume {out_dir}, give "
+            f"--data.root=FOLDER where that corpus is now, or {again} (its tokenizer must "
+            f"come out as {tokenizer})"
+        ) from None
+
+
 def train(
     config: Config,
     out_dir: Path,
@@ -385,31 +415,7 @@ def _train(
     set_fp32_matmul_precision(tc.dtype, device)
     grad_accum = tc.micro_batches(world_size)
     amp_dtype = autocast_dtype(tc.dtype, device)
-    try:
-        meta = load_meta(config.data.root, config.data.name, config.model.vocab_size)
-    except DataError as e:
-        tokenizer = out_dir / "tokenizer.json"
-        if not (resume and tokenizer.is_file()):
-            raise
-        data_dir = Path(config.data.root) / config.data.name
-        # Problem first: a missing corpus's own hint, a stdlib command, makes another one.
-        problem = e if (data_dir / "meta.json").is_file() else f"no prepared corpus at {data_dir}/"
-        name, command = trained_on(out_dir / CHECKPOINT, data_dir)
-        if name not in (None, config.data.name):  # --data.name=other on resume
-            raise DataError(
-                f"{problem}; {out_dir} trained on corpus '{name}' (data.name): resume it on "
-                f"that one (--data.name={name}, or leave --data.name out)"
-            ) from None
-        again = (
-            f"prepare it again as the run's was made: {command}"
-            if command is not None
-            else "prepare it again from the source and with the settings the run trained on"
-        )
-        raise DataError(
-            f"{problem}; to resume {out_dir}, give "
-            f"--data.root=FOLDER where that corpus is now, or {again} (its tokenizer must "
-            f"come out as {tokenizer})"
-        ) from None
+    meta = corpus_meta(config, out_dir, resume)
     check_vocab(meta, config.model.vocab_size, config.data.name)
     data_dir = Path(config.data.root) / config.data.name
     check_attention(config, device, amp_dtype, resume)
