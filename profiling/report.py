@@ -496,13 +496,16 @@ def paired_table(rows: list[dict[str, Any]]) -> list[str]:
         return []
     layers = sorted({n for by_layer in paired.values() for n in by_layer})
 
+    def ms(x: float) -> str:
+        return f"{round(x, 2) or 0.0:+.2f}"  # a saving that rounds to nothing: +0.00, not -0.00
+
     def cell(s: dict[str, Any] | None) -> str:
         if s is None:
             return "–"
         if s["interval"] is None:
-            return f"{s['median']:+.2f} (n={s['n']})"
+            return f"{ms(s['median'])} (n={s['n']})"
         low, high = s["interval"]
-        return f"{s['median']:+.2f} [{low:+.2f}, {high:+.2f}]"
+        return f"{ms(s['median'])} [{ms(low)}, {ms(high)}]"
 
     return [
         "Each round of a depth's timed steps runs every cell once, so the reference's step less "
