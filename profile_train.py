@@ -41,7 +41,7 @@ from profiling.analysis import fits_by_label
 from profiling.compare import comparable, compare_text
 from profiling.findings import diff_text
 from profiling.results import render_results
-from profiling.sweep import COMPILE_MODES, Sweep
+from profiling.sweep import COMPILE_MODES, Sweep, SweepOptions
 from runtime import (
     SignalScope,
     autocast_dtype,
@@ -200,6 +200,27 @@ def main(argv: list[str] | None = None) -> int:
         return _main(argv, interrupts)
 
 
+def sweep_options(
+    args: argparse.Namespace, trace_layers: frozenset[int] = frozenset(), link_latest: bool = False
+) -> SweepOptions:
+    """The sweep's part of the flags, once _main has checked them."""
+    return SweepOptions(
+        config_file=args.config,
+        out=args.out,
+        data=args.data,
+        steps=args.steps,
+        warmup=args.warmup,
+        profile_steps=args.profile_steps,
+        peak_seconds=args.peak_seconds,
+        traces=args.traces,
+        trace_layers=trace_layers,
+        trace_stacks=args.trace_stacks,
+        compile=args.compile,
+        host_memory=args.host_memory,
+        link_latest=link_latest,
+    )
+
+
 def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
     args, overrides = parse_args(argv)
     ours: Path | None = None  # --out once known to be new or empty: what it holds is this sweep's
@@ -248,7 +269,6 @@ def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
                 f"--trace-layers={args.trace_layers}: "
                 f"{','.join(map(str, sorted(traced - set(layers))))} not among --layers={args.layers}"
             )
-        args.trace_layers = traced
         device = pick_device(config.train.device)
         if device.type == "cpu":
             # libkineto prints "USDT: profiler_start/stop" to stderr for every profiled cell,
@@ -276,16 +296,15 @@ def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
         else:
             variants = available_variants(device, dtype, mc.head_size, mc.dropout)
             why = dict.fromkeys(variants)  # each can run: its probe said so
-        sweep = Sweep(config, args)  # the last check of the input; nothing is written before
-        sweep.unavailable.update(why)  # the probe runs each variant (flex compiles): not twice
+        options = sweep_options(args, frozenset(traced), link_latest=default_out)
+        # The last check of the input; nothing is written before
+        sweep = Sweep(config, options, why, raise_if_interrupted=interrupts.raise_if_received)
         if args.compile is None and sweep.compile_mode == "on":
             print(
                 f"compiled cells only, as {args.config} sets train.compile = true "
                 "(--compile off or both for eager ones)",
                 file=sys.stderr,
             )
-        sweep.link_latest = default_out
-        sweep.raise_if_interrupted = interrupts.raise_if_received
         sweep.run(variants, layers, COMPILE_MODES[sweep.compile_mode])
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)

@@ -7,7 +7,6 @@ command line around it.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import datetime as dt
@@ -98,15 +97,42 @@ MEASURED = (
 COMPILE_MODES = {"off": [False], "on": [True], "both": [False, True]}
 
 
+@dataclasses.dataclass(frozen=True)
+class SweepOptions:
+    """What profile_train.py's flags ask of a sweep, checked there."""
+
+    config_file: Path  # --config, recorded in meta
+    out: Path  # a new or empty folder
+    data: str  # "synthetic", or a prepared corpus's name
+    steps: int  # timed steps per cell
+    warmup: int
+    profile_steps: int  # the profiler's active steps
+    peak_seconds: float  # per matmul size, measuring the peak
+    traces: bool
+    trace_layers: frozenset[int]  # the depths whose cells write a trace; empty: all
+    trace_stacks: bool
+    compile: str | None  # off, on or both; None: as the config's train.compile says
+    host_memory: str  # keep or release
+    link_latest: bool = False  # a default (timestamped) folder: `latest` points at it
+
+
 class Sweep:
-    def __init__(self, config: Config, args: argparse.Namespace) -> None:
+    def __init__(
+        self,
+        config: Config,
+        options: SweepOptions,
+        unavailable: dict[str, str | None] | None = None,
+        raise_if_interrupted: Callable[[], None] = lambda: None,
+    ) -> None:
         # One process: a global batch size is grad_accum micro-batches here, recorded as such
         grad_accum = config.train.micro_batches(world_size=1)
         # --compile off|on|both, by default as the config's train.compile says; train.compile
         # then records whether any cell compiles (meta.compile says which).
-        self.compile_mode = args.compile or ("on" if config.train.compile else "off")
+        self.compile_mode = options.compile or ("on" if config.train.compile else "off")
         if self.compile_mode not in COMPILE_MODES:
-            raise ConfigError(f"--compile={args.compile}: choose one of {', '.join(COMPILE_MODES)}")
+            raise ConfigError(
+                f"--compile={options.compile}: choose one of {', '.join(COMPILE_MODES)}"
+            )
         config = dataclasses.replace(
             config,
             train=dataclasses.replace(
@@ -115,9 +141,9 @@ class Sweep:
                 global_batch_size=0,
                 compile=self.compile_mode != "off",
             ),
-            data=dataclasses.replace(config.data, name=args.data),  # what the sweep reads
+            data=dataclasses.replace(config.data, name=options.data),  # what the sweep reads
         )
-        self.config, self.args = config, args
+        self.config, self.options = config, options
         self.device = pick_device(config.train.device)
         set_fp32_matmul_precision(config.train.dtype, self.device)  # before the peak is measured
         self.amp_dtype = autocast_dtype(config.train.dtype, self.device)
@@ -132,17 +158,19 @@ class Sweep:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         self.host_memory = "release"
-        if args.host_memory == "keep" and self.device.type == "cpu" and keep_freed_host_memory():
+        if options.host_memory == "keep" and self.device.type == "cpu" and keep_freed_host_memory():
             self.host_memory = "keep"
-        self.out = Path(args.out)
-        self.link_latest = False  # set by main for a default (timestamped) output folder
-        # Set by main: raises if a Ctrl-C or SIGTERM arrived, in case Python dropped the
-        # exception its handler raised. Called before every step.
-        self.raise_if_interrupted: Callable[[], None] = lambda: None
+        self.out = options.out
+        # Raises if a Ctrl-C or SIGTERM arrived, in case Python dropped the exception its
+        # handler raised. Called before every step.
+        self.raise_if_interrupted = raise_if_interrupted
+        self.latest_pending = options.link_latest  # `latest` is pointed here at the first write
         self.rows: list[dict[str, Any]] = []
         # The depth being profiled: its cells, timed, and the FLOPs of its step (see run)
         self.timed: tuple[list[Cell], tuple[int, int]] | None = None
-        self.unavailable: dict[str, str | None] = {}  # by variant: why it cannot run, probed once
+        # By variant: why it cannot run (None: it can), probed once: the caller's probes, if
+        # it ran them (each runs the variant, and flex compiles), then the sweep's own
+        self.unavailable: dict[str, str | None] = dict(unavailable or {})
         # Set by run: the pinned variants whose compiled cells are left out, as sdpa+compile
         # is among the cells (see _build).
         self.pinned_apart: list[str] = []
@@ -153,16 +181,16 @@ class Sweep:
 
     def _batches(self) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
         mc, tc = self.config.model, self.config.train
-        if self.args.data == "synthetic":
+        if self.options.data == "synthetic":
             g = torch.Generator().manual_seed(tc.seed)
             shape = (tc.batch_size, mc.block_size + 1)
             draw = lambda: torch.randint(mc.vocab_size, shape, generator=g).to(self.device)
             pool = [[draw() for _ in range(tc.grad_accum)] for _ in range(BATCH_POOL)]
             return [[(xy[:, :-1], xy[:, 1:]) for xy in step] for step in pool]
-        meta = load_meta(self.config.data.root, self.args.data, mc.vocab_size)
-        check_vocab(meta, mc.vocab_size, self.args.data)
+        meta = load_meta(self.config.data.root, self.options.data, mc.vocab_size)
+        check_vocab(meta, mc.vocab_size, self.options.data)
         source = TokenBatches(
-            Path(self.config.data.root) / self.args.data / "train.bin",
+            Path(self.config.data.root) / self.options.data / "train.bin",
             mc.block_size,
             tc.batch_size,
             tc.seed,
@@ -193,14 +221,14 @@ class Sweep:
             "dtype": self.dtype_name,
             "autocast": self.amp_dtype is not None,
             "config": dataclasses.asdict(self.config),
-            "config_file": str(self.args.config),
-            "data": self.args.data,
-            "steps": self.args.steps,
-            "warmup": self.args.warmup,
+            "config_file": str(self.options.config_file),
+            "data": self.options.data,
+            "steps": self.options.steps,
+            "warmup": self.options.warmup,
             "compile": self.compile_mode,  # off, on or both
             **METHOD,
-            "profile_steps": self.args.profile_steps,
-            "traces": bool(self.args.traces),  # False: --no-traces
+            "profile_steps": self.options.profile_steps,
+            "traces": bool(self.options.traces),  # False: --no-traces
             "command": "python " + shlex.join(sys.argv),
             "out": str(self.out),
             "started_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -254,7 +282,7 @@ class Sweep:
         try:
             # A default folder is this sweep's alone: one started in the same second may have
             # taken the name since main chose it.
-            self.out.mkdir(parents=True, exist_ok=not self.link_latest)
+            self.out.mkdir(parents=True, exist_ok=not self.options.link_latest)
         except FileExistsError:
             raise ConfigError(
                 f"{self.out} was taken by another sweep started at the same time; run again"
@@ -270,7 +298,7 @@ class Sweep:
             f"measuring the {self.dtype_name} matmul peak of {self.meta['device_name']} ...",
             file=sys.stderr,
         )
-        start = matmul_peaks(self.device, self.dtype, self.args.peak_seconds)
+        start = matmul_peaks(self.device, self.dtype, self.options.peak_seconds)
         self.meta["peak_flops_start"] = max(start.values())
         self.meta["peak_flops"] = self.meta["peak_flops_start"]
         self.meta["peak_flops_by_path"] = start
@@ -285,11 +313,11 @@ class Sweep:
             for c in compile_modes
         )
         orders = len(balanced_orders(timed))
-        if self.args.steps % orders:
+        if self.options.steps % orders:
             print(
-                f"warning: --steps {self.args.steps} is not a multiple of {orders}, the number "
+                f"warning: --steps {self.options.steps} is not a multiple of {orders}, the number "
                 f"of orders that balance {timed} cells per depth: some cells will run in some "
-                f"positions more often (--steps {orders * max(1, round(self.args.steps / orders))}"
+                f"positions more often (--steps {orders * max(1, round(self.options.steps / orders))}"
                 " would balance them)",
                 file=sys.stderr,
             )
@@ -301,7 +329,12 @@ class Sweep:
             recompile_limit=max(8, 2 * len(variants)), fail_on_recompile_limit_hit=True
         )
         # A cell's warm-up, timed and profiled (wait, warmup, active) steps
-        steps = self.args.warmup + self.args.steps + PROFILE_LEAD_STEPS + self.args.profile_steps
+        steps = (
+            self.options.warmup
+            + self.options.steps
+            + PROFILE_LEAD_STEPS
+            + self.options.profile_steps
+        )
         try:
             self.progress = Progress(layers, len(variants) * len(compile_modes), steps, total)
             with no_silent_eager, self.progress:
@@ -318,7 +351,7 @@ class Sweep:
                     if self.device.type == "cuda":
                         torch.cuda.empty_cache()
             # A second reading of the peak: the MFU denominator is the higher of the two.
-            end = matmul_peaks(self.device, self.dtype, self.args.peak_seconds)
+            end = matmul_peaks(self.device, self.dtype, self.options.peak_seconds)
         except BaseException:  # Ctrl-C above all: the plots of what was measured, then stop
             self._record_timed_only()
             if self.rows:
@@ -440,9 +473,9 @@ class Sweep:
                         pinned_built = True
                 else:
                     cell.first_step_compiled = cache != "none"
-                for _ in range(self.args.warmup - 1):
+                for _ in range(self.options.warmup - 1):
                     timed(cell.step, self.device)
-                self.progress.advance(cell, self.args.warmup)
+                self.progress.advance(cell, self.options.warmup)
         if self.host_memory == "keep":
             # Room for the heap's growth as the cells' allocations interleave: fragmentation
             # would otherwise fault fresh pages in during the timed steps (at the profile
@@ -475,9 +508,9 @@ class Sweep:
         orders = balanced_orders(len(cells))
         # What the report checks the rounds against: a whole number of these orders or not
         self.meta.setdefault("round_cells", {})[str(cells[0].n_layer)] = len(cells)
-        for r in range(self.args.steps):
+        for r in range(self.options.steps):
             self.progress.say(
-                len(self.rows), f"L{cells[0].n_layer} round {r + 1}/{self.args.steps}"
+                len(self.rows), f"L{cells[0].n_layer} round {r + 1}/{self.options.steps}"
             )
             # Rounds of every cell: drift hits every variant alike; each round's order from a
             # balanced Latin square, so each cell follows every other equally often and what a
@@ -635,18 +668,18 @@ class Sweep:
         return fields
 
     def _profile(self, cell: Cell) -> dict[str, Any]:
-        active = self.args.profile_steps
+        active = self.options.profile_steps
         trace = (
             self.out / "traces" / f"{label(cell.variant, cell.compiled)}_L{cell.n_layer}.json.gz"
         )
-        wanted = self.args.traces and (
-            not self.args.trace_layers or cell.n_layer in self.args.trace_layers
+        wanted = self.options.traces and (
+            not self.options.trace_layers or cell.n_layer in self.options.trace_layers
         )
         marked = contextlib.nullcontext() if cell.compiled else attention_calls_marked(cell.model)
         with (
             marked,
             profiled_steps(
-                self.device, active, trace if wanted else None, self.args.trace_stacks and wanted
+                self.device, active, trace if wanted else None, self.options.trace_stacks and wanted
             ) as (advance, results),
         ):
             for _ in range(PROFILE_LEAD_STEPS + active):
@@ -715,9 +748,9 @@ class Sweep:
         `latest` moves to a default folder once it holds a result."""
         self.meta["other_cpu_share"] = self.other_load.share()
         write_results(self.out, self.meta, self.rows, plots)
-        if self.link_latest:
+        if self.latest_pending:
             _point_latest(self.out)
-            self.link_latest = False
+            self.latest_pending = False
 
 
 def _point_latest(out: Path) -> None:

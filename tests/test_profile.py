@@ -1571,7 +1571,7 @@ def test_meta_flop_count_equals_a_real_naive_steps(
     args, overrides = profile_train.parse_args(
         ["--config", str(config), "--out", str(tmp_path), *flags]
     )
-    s = Sweep(load_config(args.config, overrides), args)
+    s = Sweep(load_config(args.config, overrides), profile_train.sweep_options(args))
     assert s.onednn == (linear == "onednn") and s.config.train.grad_accum == 2
     for n_layer in (1, 3):
         cell = Cell("naive", n_layer, False)
