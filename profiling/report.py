@@ -381,6 +381,7 @@ def write_report(out: Path, results: dict[str, Any], plots: bool = True) -> None
         *_busy_warning(meta),
         *_compiled_while_timed(rows),
         *headline_table(results),
+        *_paired_deepest(rows),
         *(["", "Failed or did not run:", *not_run] if not_run else []),
     ]
     (out / "summary.txt").write_text("\n".join(summary) + "\n", encoding="utf-8")
@@ -488,6 +489,33 @@ def compile_gain(rows: list[dict[str, Any]]) -> list[str]:
     ]
 
 
+def _paired_text(s: dict[str, Any]) -> str:
+    """'+5.64 [+4.17, +8.50]': a paired saving's median and its interval, in ms."""
+
+    def ms(x: float) -> str:
+        return f"{round(x, 2) or 0.0:+.2f}"  # a saving that rounds to nothing: +0.00, not -0.00
+
+    if s["interval"] is None:
+        return f"{ms(s['median'])} (n={s['n']})"
+    low, high = s["interval"]
+    return f"{ms(s['median'])} [{ms(low)}, {ms(high)}]"
+
+
+def _paired_deepest(rows: list[dict[str, Any]]) -> list[str]:
+    """The summary's line of paired savings at the deepest depth, where the sweep has them."""
+    paired = paired_savings(rows)
+    deepest = max((n for by_layer in paired.values() for n in by_layer), default=None)
+    at = [(name, by_layer[deepest]) for name, by_layer in paired.items() if deepest in by_layer]
+    if not at:
+        return []
+    return [
+        "",
+        f"Saving per step at L{deepest} against naive, paired by round (ms, median [95% "
+        "interval]; report.md has every depth):",
+        *(f"  {name}: {_paired_text(s)}" for name, s in at),
+    ]
+
+
 def paired_table(rows: list[dict[str, Any]]) -> list[str]:
     """The saving at each depth from the round-by-round pairs (analysis.paired_savings), with
     its interval; [] for a sweep without them (no naive, or one that recorded no times_ms)."""
@@ -496,16 +524,8 @@ def paired_table(rows: list[dict[str, Any]]) -> list[str]:
         return []
     layers = sorted({n for by_layer in paired.values() for n in by_layer})
 
-    def ms(x: float) -> str:
-        return f"{round(x, 2) or 0.0:+.2f}"  # a saving that rounds to nothing: +0.00, not -0.00
-
     def cell(s: dict[str, Any] | None) -> str:
-        if s is None:
-            return "–"
-        if s["interval"] is None:
-            return f"{ms(s['median'])} (n={s['n']})"
-        low, high = s["interval"]
-        return f"{ms(s['median'])} [{ms(low)}, {ms(high)}]"
+        return "–" if s is None else _paired_text(s)
 
     return [
         "Each round of a depth's timed steps runs every cell once, so the reference's step less "

@@ -1360,7 +1360,12 @@ def test_report_rerender_and_diff(
             strict=True,
         )
     )
-    assert "| inplace | " in paired and f"{saving:+.2f} (n=2) |" in paired
+    shown = f"{round(saving, 2) or 0.0:+.2f}"  # +0.00 for a saving that rounds to nothing
+    assert "| inplace | " in paired and f"{shown} (n=2) |" in paired
+    # What make profile prints: the deepest depth's
+    summary = (Path(out) / "summary.txt").read_text()
+    assert "Saving per step at L3 against naive, paired by round" in summary
+    assert f"  inplace: {shown} (n=2)\n" in summary
     # A label that was not measured is an error naming the valid ones, not "the same counts".
     assert profile_train.main(["--report", out, "--diff", "inplcae,naive"]) == 2
     err = capsys.readouterr().err
