@@ -216,14 +216,15 @@ def run_config(out: Path, config_file: Path | None, overrides: list[str], resume
                 file=sys.stderr,
             )
         return build_config(recorded, overrides, source=f"the config {out / CHECKPOINT} records")
-    missing = missing_fields(read_toml(saved), recorded or {})
+    raw = read_toml(saved)  # read once: checked, compared with the checkpoint's, then used
+    missing = missing_fields(raw, recorded or {})
     if missing:
         raise ConfigError(
             f"{saved} lacks {', '.join(missing)}, which train.py writes: it is damaged or was cut; "
             f"delete it to resume with the config {out / CHECKPOINT} records, or restore them"
         )
-    config = load_config(saved, overrides)
-    stale = _stale_fields(saved, recorded)
+    config = build_config(raw, overrides, source=str(saved))
+    stale = _stale_fields(raw, saved, recorded)
     own = f"{saved}, the run's own config"  # what the run resumes with, as said below
     if stale:
         own = f"the config {out / CHECKPOINT} records"
@@ -261,7 +262,9 @@ def run_config(out: Path, config_file: Path | None, overrides: list[str], resume
     return config
 
 
-def _stale_fields(saved: Path, recorded: dict[str, Any] | None) -> list[tuple[str, Any, Any]]:
+def _stale_fields(
+    raw: dict[str, Any], saved: Path, recorded: dict[str, Any] | None
+) -> list[tuple[str, Any, Any]]:
     """The fields where config.toml and the checkpoint's config differ, as config_diff gives
     them (the checkpoint's value first). train.py writes the checkpoint before replacing
     config.toml with a resume's new settings, so the two differ only where a run stopped
@@ -269,7 +272,7 @@ def _stale_fields(saved: Path, recorded: dict[str, Any] | None) -> list[tuple[st
     if recorded is None:
         return []
     try:  # a checkpoint from a newer train.py, with fields this one lacks: resuming says so
-        return config_diff(build_config(recorded), load_config(saved))
+        return config_diff(build_config(recorded), build_config(raw, source=str(saved)))
     except ConfigError:
         return []
 

@@ -20,6 +20,7 @@ from profiling.analysis import (
     points_by_label,
     savings,
 )
+from profiling.method import METHOD
 from profiling.report import BUSY_SHARE
 
 # What must be the same for savings to be one quantity, from each sweep's results.json, and
@@ -249,7 +250,8 @@ def _slowed(meta: dict[str, Any]) -> bool:
     """Whether other processes took more than BUSY_SHARE of the CPUs in the timed steps (not
     counted so in sweeps that counted them over the whole sweep, compiling included)."""
     share = meta.get("other_cpu_share")
-    return meta.get("other_cpu_window") == "timed rounds" and (share or 0) > BUSY_SHARE
+    timed_only = meta.get("other_cpu_window") == METHOD["other_cpu_window"]
+    return timed_only and (share or 0) > BUSY_SHARE
 
 
 def _value(s: dict[str, Any] | None) -> float | None:
