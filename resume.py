@@ -1,6 +1,7 @@
-"""Resuming a run: its checkpoint's state put back, and what the settings given now change
-against the run so far (attention variant, Linear path, schedule, batch, processes), said
-before the first step, since a resumed run then will not match one that never stopped."""
+"""Resuming a run: the corpus and seed it trained with checked, its checkpoint's state put
+back, and what the settings given now change against the run so far (attention variant,
+Linear path, schedule, batch, processes), said before the first step, since a resumed run then
+will not match one that never stopped."""
 
 from __future__ import annotations
 
@@ -12,12 +13,77 @@ from typing import Any
 
 import torch
 
-from checkpoint import restoring
-from config import Config, TrainConfig
+from checkpoint import CHECKPOINT, CheckpointError, load_checkpoint, restoring
+from config import Config, ConfigError, TrainConfig
 from cpu_linear import LINEAR_PATHS
 from data.loader import TokenBatches
+from data.meta import DataError, load_meta, rebuild_command
 from model import GPT
 from optim import SCHEDULE_FIELDS, apply_optimizer_settings, lr_at
+
+
+def check_seed(ckpt: dict[str, Any], seed: int, out_dir: Path) -> None:
+    """A resume goes on from the checkpoint's random state (dropout, the batch order), so
+    another train.seed would change only the windows val_loss and train_loss are evaluated
+    on: the curve would jump, the randomness not change. An error, before anything runs."""
+    before = ckpt.get("config", {}).get("train", {}).get("seed")
+    if before is not None and before != seed:
+        raise ConfigError(
+            f"train.seed={seed}: {out_dir} was seeded with {before}. A resumed run goes on "
+            "from its checkpoint's random state, so another seed would only move the windows "
+            f"its losses are evaluated on; resume with train.seed={before}, or train another "
+            "run (--out) with this seed"
+        )
+
+
+def trained_on(ckpt_path: Path, data_dir: Path) -> tuple[str | None, str | None]:
+    """The data.name of the corpus the checkpoint trained on, and the command that makes that
+    corpus again into `data_dir`; each None where the checkpoint does not say (the command:
+    checkpoints from before it was recorded)."""
+    try:
+        ckpt = load_checkpoint(ckpt_path, needs=())
+    except CheckpointError:
+        return None, None
+    try:
+        name = ckpt["config"]["data"]["name"]
+    except (KeyError, TypeError):
+        name = None
+    try:
+        corpus = ckpt["corpus"]
+        command = rebuild_command(data_dir, corpus["source"], corpus["settings"])
+    except (KeyError, TypeError, AttributeError):
+        command = None
+    return (name if isinstance(name, str) else None), command
+
+
+def corpus_meta(config: Config, out_dir: Path, resume: bool) -> dict[str, Any]:
+    """The corpus's meta.json. A resume whose corpus is gone is told how to get it back: the
+    corpus it trained on (another --data.name given now), or the command that makes it again."""
+    try:
+        return load_meta(config.data.root, config.data.name, config.model.vocab_size)
+    except DataError as e:
+        tokenizer = out_dir / "tokenizer.json"
+        if not (resume and tokenizer.is_file()):
+            raise
+        data_dir = Path(config.data.root) / config.data.name
+        # Problem first: a missing corpus's own hint, a stdlib command, makes another one.
+        problem = e if (data_dir / "meta.json").is_file() else f"no prepared corpus at {data_dir}/"
+        name, command = trained_on(out_dir / CHECKPOINT, data_dir)
+        if name not in (None, config.data.name):  # --data.name=other on resume
+            raise DataError(
+                f"{problem}; {out_dir} trained on corpus '{name}' (data.name): resume it on "
+                f"that one (--data.name={name}, or leave --data.name out)"
+            ) from None
+        again = (
+            f"prepare it again as the run's was made: {command}"
+            if command is not None
+            else "prepare it again from the source and with the settings the run trained on"
+        )
+        raise DataError(
+            f"{problem}; to resume {out_dir}, give "
+            f"--data.root=FOLDER where that corpus is now, or {again} (its tokenizer must "
+            f"come out as {tokenizer})"
+        ) from None
 
 
 def say_what_resuming_changes(ckpt: dict[str, Any], config: Config, linear: str | None) -> None:

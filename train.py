@@ -16,7 +16,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -31,7 +31,6 @@ from checkpoint import (
     CHECKPOINT,
     CheckpointError,
     describe_os_error,
-    load_checkpoint,
     provenance,
     restore_rng,
     restoring,
@@ -48,11 +47,13 @@ from config import (
 )
 from cpu_linear import LINEAR_PATHS, use_onednn_linears, wants_onednn
 from data.loader import TokenBatches
-from data.meta import DataError, check_vocab, load_meta, rebuild_command
+from data.meta import DataError, check_vocab
 from metrics import MetricsLog, start_metrics
 from model import GPT, GPTConfig
 from optim import build_optimizer, lr_at
 from resume import (
+    check_seed,
+    corpus_meta,
     restore_state,
     say_the_batch_changed,
     say_the_corpus_changed,
@@ -313,70 +314,6 @@ def _say_how_it_runs(
         )
 
 
-def check_seed(ckpt: dict[str, Any], seed: int, out_dir: Path) -> None:
-    """A resume goes on from the checkpoint's random state (dropout, the batch order), so
-    another train.seed would change only the windows val_loss and train_loss are evaluated
-    on: the curve would jump, the randomness not change. An error, before anything runs."""
-    before = ckpt.get("config", {}).get("train", {}).get("seed")
-    if before is not None and before != seed:
-        raise TrainError(
-            f"train.seed={seed}: {out_dir} was seeded with {before}. A resumed run goes on "
-            "from its checkpoint's random state, so another seed would only move the windows "
-            f"its losses are evaluated on; resume with train.seed={before}, or train another "
-            "run (--out) with this seed"
-        )
-
-
-def trained_on(ckpt_path: Path, data_dir: Path) -> tuple[str | None, str | None]:
-    """The data.name of the corpus the checkpoint trained on, and the command that makes that
-    corpus again into `data_dir`; each None where the checkpoint does not say (the command:
-    checkpoints from before it was recorded)."""
-    try:
-        ckpt = load_checkpoint(ckpt_path, needs=())
-    except CheckpointError:
-        return None, None
-    try:
-        name = ckpt["config"]["data"]["name"]
-    except (KeyError, TypeError):
-        name = None
-    try:
-        corpus = ckpt["corpus"]
-        command = rebuild_command(data_dir, corpus["source"], corpus["settings"])
-    except (KeyError, TypeError, AttributeError):
-        command = None
-    return (name if isinstance(name, str) else None), command
-
-
-def corpus_meta(config: Config, out_dir: Path, resume: bool) -> dict[str, Any]:
-    """The corpus's meta.json. A resume whose corpus is gone is told how to get it back: the
-    corpus it trained on (another --data.name given now), or the command that makes it again."""
-    try:
-        return load_meta(config.data.root, config.data.name, config.model.vocab_size)
-    except DataError as e:
-        tokenizer = out_dir / "tokenizer.json"
-        if not (resume and tokenizer.is_file()):
-            raise
-        data_dir = Path(config.data.root) / config.data.name
-        # Problem first: a missing corpus's own hint, a stdlib command, makes another one.
-        problem = e if (data_dir / "meta.json").is_file() else f"no prepared corpus at {data_dir}/"
-        name, command = trained_on(out_dir / CHECKPOINT, data_dir)
-        if name not in (None, config.data.name):  # --data.name=other on resume
-            raise DataError(
-                f"{problem}; {out_dir} trained on corpus '{name}' (data.name): resume it on "
-                f"that one (--data.name={name}, or leave --data.name out)"
-            ) from None
-        again = (
-            f"prepare it again as the run's was made: {command}"
-            if command is not None
-            else "prepare it again from the source and with the settings the run trained on"
-        )
-        raise DataError(
-            f"{problem}; to resume {out_dir}, give "
-            f"--data.root=FOLDER where that corpus is now, or {again} (its tokenizer must "
-            f"come out as {tokenizer})"
-        ) from None
-
-
 def train(
     config: Config,
     out_dir: Path,
@@ -401,6 +338,8 @@ def _train(
     config_read: bytes | None,
     held: contextlib.ExitStack,
 ) -> RunEnd:
+    """Everything checked that can be before a byte is written, then the model, the
+    checkpoint's state and the run's files; then the loop (`Run`)."""
     tc = config.train
     rank, world_size, device = init_distributed(tc)
     lock_run_dir(held, out_dir, config, resume, rank, world_size, device)
@@ -458,22 +397,9 @@ def _train(
     model = wrap_ddp(raw_model, device) if world_size > 1 else raw_model
 
     tokens_per_step = tc.batch_size * grad_accum * world_size * config.model.block_size
-    flops_per_step = raw_model.flops_per_token() * tokens_per_step
-
-    # config.toml is the config of the run's checkpoint: a new run's is written now; on
-    # resume, one with other settings replaces it only after the first checkpoint they make,
-    # so a resume that fails before (a NaN from a bad override) leaves the run as it was.
-    unsaved_config: bytes | None = None  # rank 0's settings config.toml does not hold yet
+    unsaved_config = None
     if master:  # the directory was made and locked by lock_run_dir
-        text = dump_toml(config).encode("utf-8")
-        if not resumed:
-            write_atomically(saved, lambda f: f.write(text))
-        elif not (saved.is_file() and saved.read_bytes() == text):
-            unsaved_config = text
-        start_metrics(out_dir / "metrics.jsonl", step if resumed else None)
-        # Atomically, as every file of the run: sample.py may be reading it.
-        tokenizer = (data_dir / "tokenizer.json").read_bytes()
-        write_atomically(out_dir / "tokenizer.json", lambda f: f.write(tokenizer))
+        unsaved_config = _write_run_files(config, out_dir, data_dir, step if resumed else None)
         if resumed:
             print(f"resuming {out_dir} after step {step} of {tc.max_steps}")
         _say_how_it_runs(
@@ -486,118 +412,232 @@ def _train(
             linear,
             kept_host_memory,
         )
-    # Asked once, not at every save; with the device and, on CPU, the Linear path it ran.
-    written_by = {**provenance(), "device": str(device), "linear": linear} if master else {}
-    bpb_factor = meta["splits"]["val"]["tokens"] / meta["splits"]["val"]["bytes"] / math.log(2)
-
-    first_step = step
-    last_step = tc.max_steps if stop_after is None else min(tc.max_steps, step + stop_after)
-    bar = tqdm(
-        total=tc.max_steps,
-        initial=step,
-        disable=not master,
-        desc=config.model.attention,
-        dynamic_ncols=True,
-        mininterval=1.0,
-    )
-    logs = MetricsLog(
-        out_dir / "metrics.jsonl",
-        enabled=master,
-        log_interval=tc.log_interval,
-        last_step=last_step,
+    run = Run(
+        config=config,
+        out_dir=out_dir,
+        device=device,
+        rank=rank,
+        world_size=world_size,
+        raw_model=raw_model,
+        model=model,
+        optimizer=optimizer,
+        batches=batches,
+        meta=meta,
+        amp_dtype=amp_dtype,
+        grad_accum=grad_accum,
         tokens_per_step=tokens_per_step,
-        flops_per_step=flops_per_step,
-        peak_tflops=tc.peak_tflops,
-        devices=world_size,
-        warn=lambda message: bar.write(message, file=sys.stderr),
+        ckpt_path=ckpt_path,
+        step=step,
+        last_step=tc.max_steps if stop_after is None else min(tc.max_steps, step + stop_after),
+        resumed=resumed,
+        unsaved_config=unsaved_config,
+        # Asked once, not at every save; with the device and, on CPU, the Linear path it ran.
+        written_by={**provenance(), "device": str(device), "linear": linear} if master else {},
     )
+    return run.loop()
 
-    def stopped_unsaved(what: str) -> TrainError:
-        last = f"the last good one is {ckpt_path}" if ckpt_path.is_file() else "none yet"
-        return TrainError(f"{what}; stopped without saving a checkpoint ({last})")
 
-    # A step's worth of windows per eval batch: the same ones on any number of ranks.
-    eval_micro_batches = tc.eval_batches * grad_accum
+def _write_run_files(
+    config: Config, out_dir: Path, data_dir: Path, resumed_at: int | None
+) -> bytes | None:
+    """Rank 0's files beside the checkpoint: config.toml, metrics.jsonl (on resume, cut back to
+    the checkpoint's step) and the corpus's tokenizer. Returns the settings config.toml is to
+    hold once this call saves its first checkpoint, where they differ from what it holds.
 
-    def evaluate_and_log() -> tuple[float, str]:
-        """val_loss and train_loss now, logged to metrics.jsonl; val_loss, and both as the
-        progress line shows them."""
-        val_loss = evaluate(model, batches["val"], eval_micro_batches, amp_dtype)
-        if not math.isfinite(val_loss):  # the same on every rank: evaluate all-reduces it
-            # Weights a step made non-finite while its own loss, computed before the update,
-            # was finite (without clipping no norm shows it): never over the last good save.
-            raise stopped_unsaved(
-                f"val loss is {val_loss} at step {step}: the weights are not finite"
-                if step
-                else f"val loss is {val_loss} before training: the model's initial outputs "
-                "are not finite (its config, or train.dtype)"
-            )
-        train_loss = evaluate(model, batches["train_eval"], eval_micro_batches, amp_dtype)
-        if master:
-            logs.write(
-                {
-                    "step": step,
-                    "val_loss": val_loss,
-                    "val_bpb": val_loss * bpb_factor,
-                    "train_loss": train_loss,
-                }
-            )
-        losses = (
-            f"val loss {val_loss:.4f}, {val_loss * bpb_factor:.3f} bits/byte "
-            f"(train {train_loss:.4f})"
+    config.toml is the config of the run's checkpoint: a new run's is written now; on resume,
+    one with other settings replaces it only after the first checkpoint they make, so a
+    resume that fails before (a NaN from a bad override) leaves the run as it was."""
+    saved = out_dir / "config.toml"
+    text = dump_toml(config).encode("utf-8")
+    unsaved = None
+    if resumed_at is None:
+        write_atomically(saved, lambda f: f.write(text))
+    elif not (saved.is_file() and saved.read_bytes() == text):
+        unsaved = text
+    start_metrics(out_dir / "metrics.jsonl", resumed_at)
+    # Atomically, as every file of the run: sample.py may be reading it.
+    tokenizer = (data_dir / "tokenizer.json").read_bytes()
+    write_atomically(out_dir / "tokenizer.json", lambda f: f.write(tokenizer))
+    return unsaved
+
+
+@dataclass
+class Run:
+    """A run under way, as `_train` set it up: the loop, and what it does between steps
+    (read a step's values, evaluate, save)."""
+
+    config: Config
+    out_dir: Path
+    device: torch.device
+    rank: int
+    world_size: int
+    raw_model: GPT
+    model: torch.nn.Module  # raw_model, or its DDP wrapper under torchrun
+    optimizer: torch.optim.Optimizer
+    batches: dict[str, TokenBatches]
+    meta: dict[str, Any]  # the corpus's meta.json
+    amp_dtype: torch.dtype | None
+    grad_accum: int  # micro-batches per step on each rank
+    tokens_per_step: int  # of the whole job, all ranks
+    ckpt_path: Path
+    step: int  # the run's step count: optimizer steps taken, by this call and before
+    last_step: int  # where this call stops: train.max_steps, or before it with --stop-after
+    resumed: bool
+    unsaved_config: bytes | None  # rank 0's settings that config.toml does not hold yet
+    written_by: dict[str, Any]  # saved with each checkpoint: torch, host, device, Linear path
+    bar: tqdm = field(init=False)
+    logs: MetricsLog = field(init=False)
+    bpb_factor: float = field(init=False)  # val_loss (nats per token) -> bits per byte
+    eval_micro_batches: int = field(init=False)
+    to_means: Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        tc = self.config.train
+        val = self.meta["splits"]["val"]
+        self.bpb_factor = val["tokens"] / val["bytes"] / math.log(2)
+        # A step's worth of windows per eval batch: the same ones on any number of ranks.
+        self.eval_micro_batches = tc.eval_batches * self.grad_accum
+        self.bar = tqdm(
+            total=tc.max_steps,
+            initial=self.step,
+            disable=not self.master,
+            desc=self.config.model.attention,
+            dynamic_ncols=True,
+            mininterval=1.0,
         )
-        return val_loss, losses
+        self.logs = MetricsLog(
+            self.out_dir / "metrics.jsonl",
+            enabled=self.master,
+            log_interval=tc.log_interval,
+            last_step=self.last_step,
+            tokens_per_step=self.tokens_per_step,
+            flops_per_step=self.raw_model.flops_per_token() * self.tokens_per_step,
+            peak_tflops=tc.peak_tflops,
+            devices=self.world_size,
+            warn=lambda message: self.bar.write(message, file=sys.stderr),
+        )
+        # Turns the all-reduced sums of (loss, stop flag, norm) into the mean loss, the
+        # number of ranks asked to stop, and the norm (the same on every rank).
+        self.to_means = torch.tensor(
+            [1 / self.world_size, 1.0, 1 / self.world_size], device=self.device
+        )
 
-    def eval_and_save() -> None:
-        nonlocal unsaved_config
-        val_loss, losses = evaluate_and_log()
-        rngs = rng_states(device, world_size)
-        if master:
-            state = {
-                "model": raw_model.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "step": step,
-                "rng": rngs,
-                "data": batches["train"].state_dict(),
-                "config": asdict(config),
-                "tokenizer_sha256": meta["tokenizer_sha256"],
-                "corpus_sha256": meta["content_sha256"],  # said on resume if it changed
-                # How it was made: said on resume if it is gone.
-                "corpus": {"source": meta["source"], "settings": meta["settings"]},
-                "val_loss": val_loss,
-                "written_by": written_by,
-            }
-            save_checkpoint(ckpt_path, state)
-            if unsaved_config is not None:  # a resume's new settings, now the checkpoint's
-                write_atomically(saved, lambda f: f.write(unsaved_config))
-                unsaved_config = None
-            bar.write(f"step {step}: {losses}; saved {ckpt_path}")
-        if world_size > 1:
-            # No rank leaves before rank 0 has saved: torchrun ends the others when one exits
-            # with an error status, which a stopped run does.
-            dist.barrier()
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
 
-    def report(pending: Pending, following: StepReadout | None) -> bool:
+    def loop(self) -> RunEnd:
+        """Train from `step` to `last_step`, evaluating and saving every train.eval_interval
+        steps and at the end; a signal ends it early, saved."""
+        tc = self.config.train
+        first_step = self.step
+        other_load = OtherLoad()
+        with (
+            StopSignal(torchrun="TORCHELASTIC_RUN_ID" in os.environ) as stop,
+            self.bar,
+        ):  # the bar closes on errors too, before the message
+            if not self.resumed and tc.eval_interval:
+                # The untrained model's losses (about ln(vocab_size)): where the curve starts.
+                _, losses = self.evaluate()
+                if self.master:
+                    self.bar.write(f"step 0: {losses}, before training")
+            self.model.train()
+            unread: Pending | None = None  # the step before, until it is read
+            while self.step < self.last_step:
+                pending = self.queue_step(stop.received is not None)
+                # The host reads a step's values only once the next step is queued, so the
+                # device never idles while Python logs and fetches the next batch (on the
+                # CPU, where nothing is queued, this gains nothing). A non-finite loss is thus
+                # caught one step late; nothing is saved in between.
+                stop_requested = self.read(unread, pending.readout) if unread is not None else False
+                unread = pending
+                # A single process knows of its signal at once; ranks learn of each other's
+                # through the flags.
+                stop_requested |= self.world_size == 1 and stop.received is not None
+                evaluating = bool(tc.eval_interval) and self.step % tc.eval_interval == 0
+                if not (stop_requested or evaluating or self.step == self.last_step):
+                    continue
+                stop_requested |= self.read(unread, None)  # checked before anything is saved
+                unread = None
+                if stop_requested and self.step < self.last_step:  # the last step ends as planned
+                    self.save()
+                    stopped_by = agreed_signal(stop.received, self.device, self.world_size)
+                    self.bar.close()
+                    self.note_other_load(other_load)
+                    if self.master:
+                        print(
+                            f"stopped by {stopped_by} after step {self.step}; resume with "
+                            f"{resume_hint(self.out_dir)}",
+                            file=sys.stderr,
+                        )
+                    return RunEnd(self.out_dir, self.step, self.step - first_step, stopped_by)
+                if evaluating and self.step != self.last_step:
+                    self.save()
+            self.save()
+        self.note_other_load(other_load)
+        if self.master and self.step < tc.max_steps:
+            print(
+                f"paused after step {self.step} of {tc.max_steps} (--stop-after "
+                f"{self.last_step - first_step}); resume with {resume_hint(self.out_dir)}",
+                file=sys.stderr,
+            )
+        return RunEnd(self.out_dir, self.step, self.step - first_step, None)
+
+    def queue_step(self, stop_received: bool) -> Pending:
+        """One training step, queued; its loss, norm and this rank's stop flag not yet read."""
+        tc = self.config.train
+        readout = StepReadout(self.device)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(self.step, tc)
+        micro = [self.batches["train"].next() for _ in range(self.grad_accum)]
+        loss, grad_norm = train_step(
+            self.model, self.optimizer, micro, tc.grad_clip, self.amp_dtype
+        )
+        self.step += 1
+        # One small all-reduce carries both the mean loss and "anyone asked to stop", so every
+        # rank stops at the same step and none waits forever on a collective. The norm rides
+        # along: DDP's gradients, and so their norm, are the same on every rank. Made on the
+        # device (torch.full, not torch.tensor): copying a value from pageable host memory to
+        # a GPU waits for the GPU, which is what reading a step late avoids.
+        stop_flag = torch.full((), float(stop_received), device=self.device)
+        norm = grad_norm.float() if grad_norm is not None else torch.zeros((), device=self.device)
+        flags = torch.stack([loss.float(), stop_flag, norm])
+        if self.world_size > 1:
+            dist.all_reduce(flags)
+            flags *= self.to_means
+        readout.finish(flags)
+        # The allocator counts what the host has queued, so the peak is read now, before the
+        # next step is queued; it is reset where a line is logged, so each line has the peak
+        # since the one before.
+        peak_mem = None
+        if self.device.type == "cuda":
+            peak_mem = torch.cuda.max_memory_allocated(self.device)
+            if self.logs.wants(self.step):
+                torch.cuda.reset_peak_memory_stats(self.device)
+        return Pending(self.step, readout, peak_mem)
+
+    def read(self, pending: Pending, following: StepReadout | None) -> bool:
         """Wait for a step's values, check, show and log them; True if a rank asked to stop."""
+        tc = self.config.train
         (loss, stops, norm), seconds = pending.readout.read(following)
         if not math.isfinite(loss):
-            raise stopped_unsaved(f"loss is {loss} at step {pending.step}")
+            raise self.stopped_unsaved(f"loss is {loss} at step {pending.step}")
         if tc.grad_clip > 0 and not math.isfinite(norm):
             # The loss came before the update; non-finite gradients made the weights NaN.
-            raise stopped_unsaved(
+            raise self.stopped_unsaved(
                 f"gradient norm is {norm} at step {pending.step}, so the step's update may "
                 "have left the weights not finite"
             )
         # Shown at the bar's next redraw (at most once a second), not written out every step.
-        bar.set_postfix(
+        self.bar.set_postfix(
             loss=f"{loss:.3f}",
-            tok_s=f"{tokens_per_step / seconds:,.0f}",
+            tok_s=f"{self.tokens_per_step / seconds:,.0f}",
             ms=f"{seconds * 1e3:.0f}",
             refresh=False,
         )
-        bar.update(1)
-        if logs.wants(pending.step):
-            logs.step(
+        self.bar.update(1)
+        if self.logs.wants(pending.step):
+            self.logs.step(
                 pending.step,
                 loss=loss,
                 lr=lr_at(pending.step - 1, tc),
@@ -607,96 +647,86 @@ def _train(
             )
         return stops > 0
 
-    other_load = OtherLoad()
+    def evaluate(self) -> tuple[float, str]:
+        """val_loss and train_loss now, logged to metrics.jsonl; val_loss, and both as the
+        progress line shows them."""
+        val_loss = evaluate(
+            self.model, self.batches["val"], self.eval_micro_batches, self.amp_dtype
+        )
+        if not math.isfinite(val_loss):  # the same on every rank: evaluate all-reduces it
+            # Weights a step made non-finite while its own loss, computed before the update,
+            # was finite (without clipping no norm shows it): never over the last good save.
+            raise self.stopped_unsaved(
+                f"val loss is {val_loss} at step {self.step}: the weights are not finite"
+                if self.step
+                else f"val loss is {val_loss} before training: the model's initial outputs "
+                "are not finite (its config, or train.dtype)"
+            )
+        train_loss = evaluate(
+            self.model, self.batches["train_eval"], self.eval_micro_batches, self.amp_dtype
+        )
+        val_bpb = val_loss * self.bpb_factor
+        if self.master:
+            self.logs.write(
+                {
+                    "step": self.step,
+                    "val_loss": val_loss,
+                    "val_bpb": val_bpb,
+                    "train_loss": train_loss,
+                }
+            )
+        return (
+            val_loss,
+            f"val loss {val_loss:.4f}, {val_bpb:.3f} bits/byte (train {train_loss:.4f})",
+        )
 
-    def note_other_load() -> None:
+    def save(self) -> None:
+        """Evaluate, then save the checkpoint (rank 0) with its loss and the state to go on."""
+        val_loss, losses = self.evaluate()
+        rngs = rng_states(self.device, self.world_size)
+        if self.master:
+            meta = self.meta
+            state = {
+                "model": self.raw_model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "step": self.step,
+                "rng": rngs,
+                "data": self.batches["train"].state_dict(),
+                "config": asdict(self.config),
+                "tokenizer_sha256": meta["tokenizer_sha256"],
+                "corpus_sha256": meta["content_sha256"],  # said on resume if it changed
+                # How it was made: said on resume if it is gone.
+                "corpus": {"source": meta["source"], "settings": meta["settings"]},
+                "val_loss": val_loss,
+                "written_by": self.written_by,
+            }
+            save_checkpoint(self.ckpt_path, state)
+            if self.unsaved_config is not None:  # a resume's new settings, now the checkpoint's
+                text = self.unsaved_config
+                write_atomically(self.out_dir / "config.toml", lambda f: f.write(text))
+                self.unsaved_config = None
+            self.bar.write(f"step {self.step}: {losses}; saved {self.ckpt_path}")
+        if self.world_size > 1:
+            # No rank leaves before rank 0 has saved: torchrun ends the others when one exits
+            # with an error status, which a stopped run does.
+            dist.barrier()
+
+    def stopped_unsaved(self, what: str) -> TrainError:
+        last = f"the last good one is {self.ckpt_path}" if self.ckpt_path.is_file() else "none yet"
+        return TrainError(f"{what}; stopped without saving a checkpoint ({last})")
+
+    def note_other_load(self, other_load: OtherLoad) -> None:
         """On a CPU, say when other processes took a large share of it: the step times, and
         so the time to train, say as much about them as about this run."""
-        share = other_load.share() if device.type == "cpu" and world_size == 1 else None
-        if master and share is not None and share > OTHER_LOAD_NOTE:
-            workers = " (Inductor's compile workers among them)" * tc.compile
+        single_cpu = self.device.type == "cpu" and self.world_size == 1
+        share = other_load.share() if single_cpu else None
+        if self.master and share is not None and share > OTHER_LOAD_NOTE:
+            workers = " (Inductor's compile workers among them)" * self.config.train.compile
             print(
                 f"note: other processes{workers} used {share:.0%} of the CPUs while this run "
                 "trained; its step times (ms/step, tokens/s) are slower for it",
                 file=sys.stderr,
             )
-
-    with (
-        StopSignal(torchrun="TORCHELASTIC_RUN_ID" in os.environ) as stop,
-        bar,
-    ):  # the bar closes on errors too, before the message
-        if not resumed and tc.eval_interval:
-            # The untrained model's losses (about ln(vocab_size)): where the curve starts.
-            _, losses = evaluate_and_log()
-            if master:
-                bar.write(f"step 0: {losses}, before training")
-        model.train()
-        to_means = torch.tensor([1 / world_size, 1.0, 1 / world_size], device=device)
-        unread: Pending | None = None  # the step before, until it is read
-        while step < last_step:
-            readout = StepReadout(device)
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(step, tc)
-            micro = [batches["train"].next() for _ in range(grad_accum)]
-            loss, grad_norm = train_step(model, optimizer, micro, tc.grad_clip, amp_dtype)
-            step += 1
-            # One small all-reduce carries both the mean loss and "anyone asked to stop", so
-            # every rank stops at the same step and none waits forever on a collective. The
-            # norm rides along: DDP's gradients, and so their norm, are the same on every rank.
-            # Made on the device (torch.full, not torch.tensor): copying a value from pageable
-            # host memory to a GPU waits for the GPU, which is what the lag below avoids.
-            stop_flag = torch.full((), float(stop.received is not None), device=device)
-            norm = grad_norm.float() if grad_norm is not None else torch.zeros((), device=device)
-            flags = torch.stack([loss.float(), stop_flag, norm])
-            if world_size > 1:
-                dist.all_reduce(flags)
-                flags *= to_means
-            readout.finish(flags)
-            # The allocator counts what the host has queued, so the peak is read now, before
-            # the next step is queued; it is reset where a line is logged, so each line has
-            # the peak since the one before.
-            peak_mem = None
-            if device.type == "cuda":
-                peak_mem = torch.cuda.max_memory_allocated(device)
-                if logs.wants(step):
-                    torch.cuda.reset_peak_memory_stats(device)
-            # The host reads a step's values only once the next step is queued, so the device
-            # never idles while Python logs and fetches the next batch (on the CPU, where
-            # nothing is queued, this gains nothing). A non-finite loss is thus caught one
-            # step late; nothing is saved in between.
-            stop_requested = report(unread, readout) if unread is not None else False
-            unread = Pending(step, readout, peak_mem)
-            # A single process knows of its signal at once; ranks learn of each other's
-            # through the flags.
-            stop_requested |= world_size == 1 and stop.received is not None
-            evaluating = bool(tc.eval_interval) and step % tc.eval_interval == 0
-            if not (stop_requested or evaluating or step == last_step):
-                continue
-            stop_requested |= report(unread, None)  # checked before anything is saved
-            unread = None
-            if stop_requested and step < last_step:  # on the last step, the run ends as planned
-                eval_and_save()
-                stopped_by = agreed_signal(stop.received, device, world_size)
-                bar.close()
-                note_other_load()
-                if master:
-                    print(
-                        f"stopped by {stopped_by} after step {step}; resume with "
-                        f"{resume_hint(out_dir)}",
-                        file=sys.stderr,
-                    )
-                return RunEnd(out_dir, step, step - first_step, stopped_by)
-            if evaluating and step != last_step:
-                eval_and_save()
-        eval_and_save()
-    note_other_load()
-    if master and step < tc.max_steps:
-        print(
-            f"paused after step {step} of {tc.max_steps} (--stop-after {stop_after}); "
-            f"resume with {resume_hint(out_dir)}",
-            file=sys.stderr,
-        )
-    return RunEnd(out_dir, step, step - first_step, None)
 
 
 def main(argv: list[str] | None = None) -> int:
