@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 from checkpoint import CHECKPOINT, CheckpointError, load_checkpoint, model_config_diff, restoring
 from config import DTYPES, Config, ConfigError, build_config, load_config
@@ -196,8 +197,9 @@ def sample_run(
 
 class Shown:
     """The sampled text given to `stream` as it grows: each new token's text once it decodes
-    whole (a character split over byte-level tokens waits for its last byte), nothing after
-    the separator `eot` (None: it is text like any other)."""
+    whole (a character split over byte-level tokens waits for its last byte, as
+    `tokenizers`' DecodeStream buffers it), nothing after the separator `eot` (None: it is
+    text like any other)."""
 
     def __init__(
         self,
@@ -206,27 +208,27 @@ class Shown:
         eot: int | None,
         stream: Callable[[str], None] | None,
     ) -> None:
-        self.tokenizer, self.ids, self.eot, self.stream = tokenizer, list(ids), eot, stream
+        self.tokenizer, self.eot, self.stream = tokenizer, eot, stream
         self.done, self.stopped = "", False
-        self._show(tokenizer.decode(self.ids, skip_special_tokens=False))
+        self.decoder = DecodeStream(skip_special_tokens=False)
+        # The prompt as one piece; one healed in the middle of a character shows it whole later.
+        self._show("".join(self._decode(token) for token in ids))
 
     def add(self, next_id: torch.Tensor) -> None:
         token = int(next_id[0, 0])
         self.stopped |= token == self.eot
-        if not self.stopped:
-            self.ids.append(token)
-            self._show(self.tokenizer.decode(self.ids, skip_special_tokens=False))
+        if not self.stopped and self.stream is not None:
+            self._show(self.done + self._decode(token))
 
     def finish(self, text: str) -> None:
         """The rest of the text returned, a split character's replacement included."""
-        self._show(text, whole=True)
+        self._show(text)
 
-    def _show(self, text: str, whole: bool = False) -> None:
-        if self.stream is None or not text.startswith(self.done):
-            return
-        if not whole:
-            text = text.rstrip("\ufffd")  # a character whose bytes are not all drawn yet
-        if len(text) > len(self.done):
+    def _decode(self, token: int) -> str:
+        return self.decoder.step(self.tokenizer, token) or ""  # None: a character's bytes so far
+
+    def _show(self, text: str) -> None:
+        if self.stream is not None and text.startswith(self.done) and len(text) > len(self.done):
             self.stream(text[len(self.done) :])
             self.done = text
 

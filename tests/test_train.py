@@ -2012,6 +2012,12 @@ def test_sampled_text_streams_as_it_is_drawn(base_run: Path) -> None:
     assert pieces == ["a"]  # half a character: not yet
     shown.add(torch.tensor([[tail]]))
     assert pieces == ["a", "é"]
+    # A prompt cut in the middle of é (healing drops its last token): é once the byte comes.
+    pieces = []
+    shown = sample.Shown(tokenizer, [*tokenizer.encode("a").ids, lead], None, pieces.append)
+    shown.add(torch.tensor([[tail]]))
+    shown.finish("aé")
+    assert pieces == ["a", "é"]
 
 
 def test_sample_from_a_missing_dir_or_a_file_says_so(
