@@ -21,7 +21,7 @@ from profiling.analysis import (
     savings,
 )
 from profiling.method import METHOD
-from profiling.report import BUSY_SHARE
+from profiling.report import BUSY_SHARE, rate_text
 
 # What must be the same for savings to be one quantity, from each sweep's results.json, and
 # the depths (see comparable); the sweep's own knobs (steps, warm-up, commit) may differ, and
@@ -69,7 +69,7 @@ def comparable(sweeps: list[tuple[Path, dict[str, Any]]]) -> str | None:
     peaks = [r["meta"]["peak_flops"] for _, r in sweeps if "peak_flops_end" in r["meta"]]
     if len(peaks) > 1 and max(peaks) > PEAK_RATIO * min(peaks):
         shown = [
-            f"{r['meta']['peak_flops'] / 1e9:.1f} GFLOP/s"
+            rate_text(r["meta"]["peak_flops"])
             + " (start only)" * ("peak_flops_end" not in r["meta"])
             for _, r in sweeps
         ]
@@ -153,7 +153,7 @@ def compare_text(sweeps: list[tuple[Path, dict[str, Any]]]) -> str:
             if _stopped(results)
             else ""
         )
-        peak = f", matmul peak {m['peak_flops'] / 1e9:.1f} GFLOP/s" if m.get("peak_flops") else ""
+        peak = f", matmul peak {rate_text(m['peak_flops'])}" if m.get("peak_flops") else ""
         if m.get("other_cpu_share") is not None:
             peak += f", other processes {m['other_cpu_share']:.0%} of the CPUs"
             peak += " §" * busy[i - 1]

@@ -50,6 +50,12 @@ def _rate_unit(flops: float) -> tuple[float, str]:
     return (1e12, "TFLOP/s") if flops >= 1e13 else (1e9, "GFLOP/s")
 
 
+def rate_text(flops: float) -> str:
+    """'483.8 GFLOP/s', '700.0 TFLOP/s'."""
+    scale, unit = _rate_unit(flops)
+    return f"{flops / scale:.1f} {unit}"
+
+
 def _peak_readings(meta: dict[str, Any]) -> str:
     scale, unit = _rate_unit(meta["peak_flops"])
     start = meta.get("peak_flops_start", meta["peak_flops"]) / scale
@@ -559,6 +565,16 @@ def _fits_table(fits: dict[str, dict[str, dict[str, float]]]) -> list[str]:
     return lines
 
 
+def _step_parts(meta: dict[str, Any]) -> str:
+    """What the timed step does, as the sweep's config has it."""
+    tc = meta["config"]["train"]
+    clip = (
+        f"gradient clipping (norm {tc['grad_clip']:g}) and " if tc.get("grad_clip", 0) > 0 else ""
+    )
+    decay = " without weight decay" if tc.get("weight_decay", 0) == 0 else ""
+    return f"forward, backward, {clip}a fused AdamW step{decay}"
+
+
 def _report_md(results: dict[str, Any], plots: tuple[str, ...] = tuple(PLOTS)) -> str:
     """The report; `plots` are the PNGs it shows, those drawn."""
     meta, rows, fits = results["meta"], results["rows"], results["fits"]
@@ -676,8 +692,8 @@ def _report_md(results: dict[str, Any], plots: tuple[str, ...] = tuple(PLOTS)) -
             "",
             "## How this was measured",
             "",
-            "- **Step**: `train.train_step`, imported from train.py: forward, backward, gradient clipping "
-            "and a fused AdamW step over one global batch. Batches are drawn before timing and cycled.",
+            f"- **Step**: `train.train_step`, imported from train.py: {_step_parts(meta)} over one "
+            "global batch. Batches are drawn before timing and cycled.",
             "- **Step time**: no profiler attached; warm-up steps excluded; the device synchronised before "
             "and after each step"
             + serialised_text(meta)

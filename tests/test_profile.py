@@ -1387,6 +1387,47 @@ def test_report_rerender_and_diff(
     assert "cannot write the report there (Permission denied)" in capsys.readouterr().err
 
 
+def test_report_says_what_the_timed_step_does(naive_vs_inplace: dict, tmp_path: Path) -> None:
+    """The report's method names clipping and weight decay as the sweep's config had them."""
+    results = copy.deepcopy(naive_vs_inplace)
+    step_line = "- **Step**: `train.train_step`, imported from train.py: forward, backward, "
+    for clip, decay, said in [
+        (1.0, 0.1, "gradient clipping (norm 1) and a fused AdamW step over"),
+        (0.0, 0.1, "backward, a fused AdamW step over"),
+        (0.5, 0.0, "gradient clipping (norm 0.5) and a fused AdamW step without weight decay"),
+    ]:
+        results["meta"]["config"]["train"].update(grad_clip=clip, weight_decay=decay)
+        (tmp_path / "results.json").write_text(json.dumps(results))
+        assert profile_train.main(["--report", str(tmp_path)]) == 0
+        line = next(
+            x for x in (tmp_path / "report.md").read_text().splitlines() if x.startswith(step_line)
+        )
+        assert said in line and ("clipping" in line) == (clip > 0)
+
+
+def test_compare_names_a_gpus_peak_in_tflops(
+    naive_vs_inplace: dict, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A GPU's matmul peak reads in TFLOP/s in --compare, as in the report; in the listing
+    and in the refusal of two machines of different speed."""
+    folders = []
+    for i, peak in enumerate([7.0e14, 7.1e14]):
+        results = copy.deepcopy(naive_vs_inplace)
+        results["meta"].update(peak_flops=peak, peak_flops_end=peak)
+        results["meta"]["started_at"] = f"2026-11-30T1{i}:00:00+00:00"
+        folders.append(tmp_path / f"s{i}")
+        folders[-1].mkdir()
+        (folders[-1] / "results.json").write_text(json.dumps(results))
+    assert profile_train.main(["--compare", *map(str, folders)]) == 0
+    printed = capsys.readouterr().out
+    assert ", matmul peak 700.0 TFLOP/s" in printed and "GFLOP/s" not in printed
+    results["meta"].update(peak_flops=3.5e14)
+    (folders[-1] / "results.json").write_text(json.dumps(results))
+    assert profile_train.main(["--compare", *map(str, folders)]) == 2
+    err = capsys.readouterr().err
+    assert "differ in matmul peak" in err and "350.0 TFLOP/s" in err
+
+
 def test_compare_reads_the_savings_of_several_sweeps(
     naive_vs_inplace: dict, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
