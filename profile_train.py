@@ -40,6 +40,7 @@ from model import VARIANTS, unknown_variant
 from profiling.analysis import fits_by_label
 from profiling.compare import comparable, compare_text
 from profiling.findings import diff_text
+from profiling.method import MIN_TIMED_STEPS
 from profiling.results import render_results
 from profiling.sweep import COMPILE_MODES, Sweep, SweepOptions
 from runtime import (
@@ -116,7 +117,12 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         help="compile the cells, or both (default: as the config's train.compile says: on for "
         "configs/gpt2-small.toml, off for the profile configs)",
     )
-    p.add_argument("--steps", type=int, default=20, help="timed steps per cell")
+    p.add_argument(
+        "--steps",
+        type=int,
+        help=f"timed steps per cell (default: {MIN_TIMED_STEPS}, rounded up to whole sets of the "
+        "round orders that balance the cells)",
+    )
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per cell before timing")
     p.add_argument(
         "--profile-steps", type=int, default=1, help="active steps in the profiled window"
@@ -259,7 +265,7 @@ def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
         if not layers or min(layers) < 1:
             raise ConfigError(f"--layers={args.layers!r}: give positive integers, e.g. 1,2,4,8")
         for flag in ("steps", "warmup", "profile_steps"):
-            if getattr(args, flag) < 1:
+            if getattr(args, flag) is not None and getattr(args, flag) < 1:
                 raise ConfigError(f"--{flag.replace('_', '-')}={getattr(args, flag)}: must be >= 1")
         if not (math.isfinite(args.peak_seconds) and args.peak_seconds > 0):
             raise ConfigError(f"--peak-seconds={args.peak_seconds}: must be a positive number")

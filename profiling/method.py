@@ -17,6 +17,10 @@ from profiling.analysis import balanced_orders, label, ok_rows
 PROFILE_WAIT, PROFILE_WARMUP = 1, 1
 PROFILE_LEAD_STEPS = PROFILE_WAIT + PROFILE_WARMUP
 
+# Timed steps per cell without --steps: at least this many, rounded up to whole sets of the
+# round orders that balance the depth's cells (see analysis.balanced_orders).
+MIN_TIMED_STEPS = 20
+
 # How this code's sweeps measure, written into results.json's meta (the sweep adds `startup`
 # once its warm-up has run). The notes below test these keys: a sweep written before a change
 # lacks its key, or holds another value, and is described as it was measured.
@@ -202,6 +206,9 @@ def round_order_text(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         # The cells each depth's rounds ran; sweeps before round_cells ran every cell's turn,
         # those left out included (they were skipped)
         per_depth = meta.get("round_cells") or Counter(str(r["n_layer"]) for r in rows)
+        most = max(per_depth.values(), default=0)
+        if most <= 2:  # nothing to balance
+            return "the two cells alternating (A B A B …)" if most == 2 else "one cell per depth"
         short = sorted({n for n in per_depth.values() if meta["steps"] % len(balanced_orders(n))})
         partial = (
             f" (here {meta['steps']} rounds of "

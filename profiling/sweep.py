@@ -12,6 +12,7 @@ import dataclasses
 import datetime as dt
 import gc
 import itertools
+import math
 import os
 import platform
 import shlex
@@ -57,7 +58,7 @@ from profiling.measure import (
     timed,
     verify_backend,
 )
-from profiling.method import METHOD, PROFILE_LEAD_STEPS, STARTUP
+from profiling.method import METHOD, MIN_TIMED_STEPS, PROFILE_LEAD_STEPS, STARTUP
 from profiling.progress import Progress
 from profiling.results import write_json, write_results
 from runtime import (
@@ -104,7 +105,7 @@ class SweepOptions:
     config_file: Path  # --config, recorded in meta
     out: Path  # a new or empty folder
     data: str  # "synthetic", or a prepared corpus's name
-    steps: int  # timed steps per cell
+    steps: int | None  # timed steps per cell; None: MIN_TIMED_STEPS, in whole sets of orders
     warmup: int
     profile_steps: int  # the profiler's active steps
     peak_seconds: float  # per matmul size, measuring the peak
@@ -164,6 +165,8 @@ class Sweep:
         # Raises if a Ctrl-C or SIGTERM arrived, in case Python dropped the exception its
         # handler raised. Called before every step.
         self.raise_if_interrupted = raise_if_interrupted
+        # Timed steps per cell; without --steps, run rounds it up to whole sets of orders
+        self.steps = options.steps or MIN_TIMED_STEPS
         self.latest_pending = options.link_latest  # `latest` is pointed here at the first write
         self.rows: list[dict[str, Any]] = []
         # The depth being profiled: its cells, timed, and the FLOPs of its step (see run)
@@ -223,7 +226,7 @@ class Sweep:
             "config": dataclasses.asdict(self.config),
             "config_file": str(self.options.config_file),
             "data": self.options.data,
-            "steps": self.options.steps,
+            "steps": self.steps,
             "warmup": self.options.warmup,
             "compile": self.compile_mode,  # off, on or both
             **METHOD,
@@ -313,11 +316,13 @@ class Sweep:
             for c in compile_modes
         )
         orders = len(balanced_orders(timed))
-        if self.options.steps % orders:
+        self.steps = self.options.steps or orders * math.ceil(MIN_TIMED_STEPS / orders)
+        self.meta["steps"] = self.steps
+        if self.steps % orders:
             print(
-                f"warning: --steps {self.options.steps} is not a multiple of {orders}, the number "
+                f"warning: --steps {self.steps} is not a multiple of {orders}, the number "
                 f"of orders that balance {timed} cells per depth: some cells will run in some "
-                f"positions more often (--steps {orders * max(1, round(self.options.steps / orders))}"
+                f"positions more often (--steps {orders * max(1, round(self.steps / orders))}"
                 " would balance them)",
                 file=sys.stderr,
             )
@@ -329,12 +334,7 @@ class Sweep:
             recompile_limit=max(8, 2 * len(variants)), fail_on_recompile_limit_hit=True
         )
         # A cell's warm-up, timed and profiled (wait, warmup, active) steps
-        steps = (
-            self.options.warmup
-            + self.options.steps
-            + PROFILE_LEAD_STEPS
-            + self.options.profile_steps
-        )
+        steps = self.options.warmup + self.steps + PROFILE_LEAD_STEPS + self.options.profile_steps
         try:
             self.progress = Progress(layers, len(variants) * len(compile_modes), steps, total)
             with no_silent_eager, self.progress:
@@ -508,10 +508,8 @@ class Sweep:
         orders = balanced_orders(len(cells))
         # What the report checks the rounds against: a whole number of these orders or not
         self.meta.setdefault("round_cells", {})[str(cells[0].n_layer)] = len(cells)
-        for r in range(self.options.steps):
-            self.progress.say(
-                len(self.rows), f"L{cells[0].n_layer} round {r + 1}/{self.options.steps}"
-            )
+        for r in range(self.steps):
+            self.progress.say(len(self.rows), f"L{cells[0].n_layer} round {r + 1}/{self.steps}")
             # Rounds of every cell: drift hits every variant alike; each round's order from a
             # balanced Latin square, so each cell follows every other equally often and what a
             # step inherits from the one before (caches, the heap's layout) is shared too.

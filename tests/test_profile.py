@@ -375,7 +375,17 @@ def test_the_sweep_times_rounds_in_balanced_orders(
     )
     assert rc == 0 and results["meta"]["round_cells"] == {"1": 2}
     assert "warning: --steps" not in capsys.readouterr().err
-    assert "not complete" not in (tmp_path / "3" / "report.md").read_text()
+    report = (tmp_path / "3" / "report.md").read_text()
+    assert "the two cells alternating (A B A B …)" in report and "every position" not in report
+    # Without --steps: at least the minimum, in whole sets of orders (here 4, rounded up to 6)
+    monkeypatch.setattr(profiling.sweep, "MIN_TIMED_STEPS", 4)
+    out = tmp_path / "default"
+    argv = ["--config", str(ROOT / "configs" / "profile.toml"), "--out", str(out), *TINY]
+    argv += ["--variants", "naive,inplace,sdpa", "--layers", "1", "--warmup", "1"]
+    assert profile_train.main([*argv, "--peak-seconds", "0.02"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["meta"]["steps"] == 6 and results["rows"][0]["step_ms"]["n"] == 6
+    assert "warning: --steps" not in capsys.readouterr().err
 
 
 TIMES_MS = [10, 20, 30, 40, 100]  # median 30 (the mean is 40), p10 14, p90 76
