@@ -34,7 +34,7 @@ from tokenizers.decoders import DecodeStream
 
 from checkpoint import CHECKPOINT, CheckpointError, load_checkpoint, model_config_diff, restoring
 from config import DTYPES, Config, ConfigError, build_config, load_config
-from data.prepare import EOT
+from data.meta import EOT
 from data.store import file_sha256
 from model import GPT, VARIANTS
 from rundir import MAKE_TRAIN_RUN
@@ -158,9 +158,9 @@ def sample_run(
     `device_setting` is what an error calls the device choice. `stream` is given the text in
     pieces as it is sampled, the prompt first; together they are the text returned."""
     dev = pick_device(device, device_setting)
-    model, tokenizer, config = load_run(run_dir, dev, attention, dtype)
-    if dtype == "tf32" and dev.type != "cuda":
+    if dtype == "tf32" and dev.type != "cuda":  # before the checkpoint is read
         raise SampleError(f"--dtype tf32: TF32 is a CUDA mode, and this samples on {dev}")
+    model, tokenizer, config = load_run(run_dir, dev, attention, dtype)
     ids = tokenizer.encode(prompt).ids
     if not ids:
         raise SampleError("the prompt is empty; give at least one character")

@@ -13,6 +13,9 @@ from typing import Any
 
 PROJECT = Path(__file__).resolve().parents[1]
 
+EOT = "<|endoftext|>"  # the separator prepare.py puts between documents, a special token
+EOT_ID = 0  # the tokenizer trainer gives special tokens the first ids
+
 
 class DataError(RuntimeError):
     """A prepared corpus that is missing or too small for the run."""

@@ -99,6 +99,7 @@ from data.corpus import (
     load_text_files,
     stdlib_corpus,
 )
+from data.meta import EOT, EOT_ID
 from data.store import (
     content_hash,
     file_sha256,
@@ -114,8 +115,6 @@ from data.store import (
 if TYPE_CHECKING:
     from datasets import Dataset
 
-EOT = "<|endoftext|>"
-EOT_ID = 0  # the trainer gives special tokens the first ids
 DEFAULT_VOCAB_SIZE = 2048
 MIN_VOCAB_SIZE = 256 + 1  # every byte, plus EOT
 MAX_VOCAB_SIZE = 2**16  # ids are stored as uint16

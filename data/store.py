@@ -2,7 +2,8 @@
 that what is there is whole and of these inputs (reuse), what a replacement loses, and files
 moved into place whole (meta.json last, see _write_outputs in prepare.py).
 
-Imports only the standard library and data.meta.
+Imports only the standard library, data.meta and data.corpus (whose `datasets` is imported
+only where a corpus is read).
 """
 
 from __future__ import annotations
