@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -88,12 +89,12 @@ def _(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
-def _save(ctx, inputs: tuple[Tensor, Tensor, Tensor | None], output: Tensor) -> None:
+def _save(ctx: Any, inputs: tuple[Tensor, Tensor, Tensor | None], output: Tensor) -> None:
     x, weight, _ = inputs
     ctx.save_for_backward(x, weight)
 
 
-def _backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+def _backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
     x, weight = ctx.saved_tensors  # x (M, K), weight (N, K); grad (M, N)
     grad_x = grad_w = grad_b = None
     if ctx.needs_input_grad[0]:
@@ -144,5 +145,7 @@ def use_onednn_linears(model: nn.Module) -> int:
 
 
 @register_flop_formula(torch.ops.cpu_linear.linear)
-def _linear_flops(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
+def _linear_flops(
+    x_shape: torch.Size, w_shape: torch.Size, *args: Any, out_shape: Any = None, **kwargs: Any
+) -> int:
     return 2 * x_shape[0] * x_shape[1] * w_shape[0]

@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -539,7 +539,7 @@ class Sweep:
         return allocator_counts(torch.cuda.memory_stats(self.device))
 
     @contextlib.contextmanager
-    def _guard(self, cell: Cell, during: str | None = None):
+    def _guard(self, cell: Cell, during: str | None = None) -> Iterator[None]:
         """A cell that fails is recorded as failed (the reason after `during`, if given); the
         sweep goes on."""
         try:

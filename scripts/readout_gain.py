@@ -25,6 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import torch
+
 import runtime
 import train
 
@@ -32,13 +34,13 @@ STARTS: list[float] = []  # when the host began each step of the current run
 
 
 class _Timed(runtime.StepReadout):
-    def __init__(self, device) -> None:
+    def __init__(self, device: torch.device) -> None:
         super().__init__(device)
         STARTS.append(self.began)
 
 
 class _ReadAtOnce(_Timed):
-    def finish(self, t) -> None:
+    def finish(self, t: torch.Tensor) -> None:
         super().finish(t)
         if self._copied is not None:
             self._copied.synchronize()
