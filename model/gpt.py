@@ -15,6 +15,7 @@ from torch import Tensor
 
 from model.attention import Mask, get_variant
 from model.config import GPTConfig
+from model.sampling import check_sampling, next_token
 
 
 class CausalSelfAttention(nn.Module):
@@ -160,12 +161,8 @@ class GPT(nn.Module):
         first_allowed: Tensor | None = None,
         on_token: Callable[[Tensor], None] | None = None,
     ) -> Tensor:
-        """Extend idx (B, T) by max_new_tokens sampled tokens; temperature 0 (or below fp32's
-        smallest normal number, ~1e-38) is greedy, and an infinite one samples uniformly.
-
-        top_k keeps the k likeliest tokens; top_p (nucleus sampling) then the fewest of the
-        likeliest whose probabilities, after temperature, add up to at least top_p. Likeliest
-        by the model's scores: with an infinite temperature, top_k=1 is still greedy.
+        """Extend idx (B, T) by max_new_tokens tokens, each drawn by `sampling.next_token`
+        (temperature, top_k, top_p: see there).
 
         vocab_limit: sample only ids below it, for a tokenizer with fewer tokens than the
         model's (padded) vocab_size; the rows above it have no text to decode to.
@@ -176,12 +173,7 @@ class GPT(nn.Module):
         that start with the text of a prompt's last token, which the caller dropped).
         on_token: called with each step's sampled ids (B, 1) as they are drawn (to stream).
         """
-        if not temperature >= 0:  # NaN too
-            raise ValueError(f"temperature={temperature}: must be >= 0")
-        if top_k is not None and top_k <= 0:
-            raise ValueError(f"top_k={top_k}: must be a positive integer or None")
-        if top_p is not None and not 0 < top_p <= 1:  # NaN too
-            raise ValueError(f"top_p={top_p}: must be in (0, 1] or None")
+        check_sampling(temperature, top_k, top_p)
         if vocab_limit is not None and not 0 < vocab_limit <= self.config.vocab_size:
             raise ValueError(
                 f"vocab_limit={vocab_limit}: must be in 1..vocab_size ({self.config.vocab_size})"
@@ -200,30 +192,14 @@ class GPT(nn.Module):
         for step in range(max_new_tokens):
             context = idx[:, -self.config.block_size :]
             # Only the last position's scores are needed: (B, C) @ (C, V), not (B, T, C) @ (C, V).
-            # The shift and softmax below in fp32 (under autocast the head's output is bf16:
-            # this upcasts it, its rounding stays).
+            # Drawn from in fp32 (under autocast the head's output is bf16: this upcasts it,
+            # its rounding stays).
             logits = self.lm_head(self.features(context)[:, -1, :]).float()  # (B, V)
             if vocab_limit is not None:
                 logits = logits[:, :vocab_limit]  # ids from vocab_limit up are never drawn
             if step == 0 and first_allowed is not None:
                 logits = logits.masked_fill(~first_allowed.to(logits.device), float("-inf"))
-            if temperature < torch.finfo(logits.dtype).tiny:  # 0, or too small for fp32: greedy
-                next_id = logits.argmax(dim=-1, keepdim=True)
-            else:
-                # Shifted so the largest is 0: a tiny temperature then gives 0 and -inf, not inf,
-                # and an infinite one all zeros (uniform), not NaN.
-                shifted = logits - logits.amax(dim=-1, keepdim=True)
-                # Masked-out ids (-inf) stay -inf, where an infinite temperature would make NaN.
-                scaled = (shifted / temperature).masked_fill(shifted.isneginf(), float("-inf"))
-                # The likeliest are chosen by the model's scores, not the scaled ones: a huge
-                # temperature ties them all at 0, and top_k or top_p would then keep any.
-                if top_k is not None:
-                    kth = torch.topk(shifted, min(top_k, shifted.size(-1))).values[:, [-1]]
-                    scaled = scaled.masked_fill(shifted < kth, float("-inf"))
-                probs = F.softmax(scaled, dim=-1)
-                if top_p is not None and top_p < 1:
-                    probs = _nucleus(probs, top_p, shifted)
-                next_id = torch.multinomial(probs, num_samples=1, generator=generator)
+            next_id = next_token(logits, temperature, top_k, top_p, generator)  # (B, 1)
             idx = torch.cat((idx, next_id), dim=1)
             if on_token is not None:
                 on_token(next_id)
@@ -232,15 +208,3 @@ class GPT(nn.Module):
                 if bool(stopped.all()):
                     break
         return idx
-
-
-def _nucleus(probs: Tensor, top_p: float, scores: Tensor) -> Tensor:
-    """probs (B, V) cut to the fewest likeliest tokens whose mass reaches top_p (the likeliest
-    is always kept); multinomial renormalises what is left. Likeliest by scores (B, V), which
-    order the tokens as probs do but without the ties a huge temperature makes."""
-    # Stable: of tokens tied at the cut, the same ones are kept on every device.
-    order = scores.argsort(dim=-1, descending=True, stable=True)
-    sorted_probs = probs.gather(-1, order)
-    # Drop a token when the mass before it already reaches top_p.
-    drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
-    return probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from model import GPT, VARIANTS, GPTConfig
 from model.attention import inplace, naive
-from model.gpt import _nucleus
+from model.sampling import nucleus
 from runtime import VariantUnavailable, available_variants, check_variant, unavailable_reason
 
 CPU_F64 = available_variants("cpu", torch.float64, head_size=8)
@@ -407,7 +407,7 @@ def test_nucleus_keeps_the_fewest_likeliest_tokens_reaching_top_p(
         if kept is None
         else torch.empty(4).scatter_(0, torch.tensor(order), torch.tensor(kept))[None]
     )
-    assert torch.equal(_nucleus(unsorted, top_p, unsorted.log()), expected)
+    assert torch.equal(nucleus(unsorted, top_p, unsorted.log()), expected)
 
 
 def test_generate_top_p() -> None:
