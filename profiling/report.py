@@ -577,38 +577,12 @@ def _step_parts(meta: dict[str, Any]) -> str:
 
 def _report_md(results: dict[str, Any], plots: tuple[str, ...] = tuple(PLOTS)) -> str:
     """The report; `plots` are the PNGs it shows, those drawn."""
-    meta, rows, fits = results["meta"], results["rows"], results["fits"]
+    meta, rows = results["meta"], results["rows"]
     doubled = doubled_ops(meta)  # a caveat for sweeps that counted re-dispatched ops twice
-    saved = savings(rows)
-    reference_of = baselines(rows)
-    noisy = {  # (label, n_layer) of the cells marked *
-        (label(r["variant"], r["compile"]), r["n_layer"])
-        for r in rows
-        if r["step_ms"] and _noisy(r["step_ms"])
-    }
-    shaky = {  # projections whose lines were fitted through one
-        name
-        for name, s in saved.items()
-        if any((x, n) in noisy for x in (name, reference_of[name]) for n in s["depths"])
-    }
-    projected = [
-        f"| {name}{'*' if name in shaky else ''} | "
-        + " | ".join(_projected(s["projected"][str(n)]) for n in PROJECT_AT)
-        + " |"
-        for name, s in saved.items()
-    ]
     problems = _not_run(rows, bold=True)
     return "\n".join(
         [
-            "# Training-step profile by attention variant and depth",
-            "",
-            *_completeness(meta, rows),
-            *_busy_warning(meta),
-            *_compiled_while_timed(rows),
-            f"- **Machine**: {_machine_line(meta)}",
-            f"- **Setup**: {_setup_line(meta)}; {_steps(meta['steps'], 'timed step')} per cell after {_steps(meta['warmup'], 'warm-up step')}",
-            f"- **Matmul peak** ({meta['dtype']}): {_peak_readings(meta)}{_peak_paths(meta)}",
-            f"- **Command**: `{meta['command']}` (config `{meta['config_file']}`{_commit_text(meta)}), started {meta['started_at']}",
+            *_header(meta, rows),
             "",
             "## Headline",
             "",
@@ -645,31 +619,7 @@ def _report_md(results: dict[str, Any], plots: tuple[str, ...] = tuple(PLOTS)) -
                 if (paired := paired_table(rows))
                 else []
             ),
-            "## Projected savings against naive (`+compile` rows: against naive+compile; from "
-            "the fitted lines)",
-            "",
-            "± the standard error of the fitted line of per-depth differences at that depth. It says how well "
-            "the line is pinned down there, not whether a layer's cost stays the same that far "
-            "beyond the depths measured.",
-            "",
-            *(
-                [
-                    "| variant | " + " | ".join(f"at {n} layers" for n in PROJECT_AT) + " |",
-                    "|---|" + "---|" * len(PROJECT_AT),
-                    *projected,
-                    *(
-                        [
-                            "",
-                            "\\* fitted through cells marked * in the headline (they varied "
-                            "widely while timed): less certain than shown.",
-                        ]
-                        if shaky
-                        else []
-                    ),
-                ]
-                if projected
-                else ["(needs `naive` and another variant measured at two depths or more)"]
-            ),
+            *_projections(rows),
             "",
             "## Every cell",
             "",
@@ -688,52 +638,9 @@ def _report_md(results: dict[str, Any], plots: tuple[str, ...] = tuple(PLOTS)) -
             ),
             "## Fits: metric = intercept + slope × n_layer",
             "",
-            *_fits_table(fits),
+            *_fits_table(results["fits"]),
             "",
-            "## How this was measured",
-            "",
-            f"- **Step**: `train.train_step`, imported from train.py: {_step_parts(meta)} over one "
-            "global batch. Batches are drawn before timing and cycled.",
-            "- **Step time**: no profiler attached; warm-up steps excluded; the device synchronised before "
-            "and after each step"
-            + serialised_text(meta)
-            + "; the variants of one depth run interleaved round by round, so machine drift "
-            "hits all alike, "
-            + round_order_text(meta, rows)
-            + ". Median with 10th/90th percentiles over the timed steps.",
-            *(_compile_time_lines(meta, rows) if any(r["compile"] for r in rows) else []),
-            *host_memory_lines(meta, rows),
-            *device_memory_lines(rows),
-            "- **Ops and kernels**: separate steps under torch.profiler with a "
-            f"wait={PROFILE_WAIT}/warmup={PROFILE_WARMUP}/active schedule; "
-            "ATen ops (and the oneDNN linear's `cpu_linear::linear`/`mkldnn::_linear_pointwise`) counted (nested calls included, so `aten::masked_fill` and the `aten::clone` it makes both "
-            "count) by the `record_function` region their start falls in; CUDA kernels (and memcpy/memset) by "
-            "the region of the runtime call that launched them, matched by correlation id."
-            + one_call_text(meta)
-            + (KERNEL_LABELS if any(r.get("kernels_per_step") for r in rows) else ""),
-            *unattributed_lines(rows),
-            f"- **Peak memory**: {meta.get('resident', 'parameters and optimizer state')} resident before the step, plus the step's own "
-            "peak above that: on CUDA from the caching allocator (`max_memory_allocated`) over one more step, "
-            "on CPU from the profiler's allocation events in the profiled step.",
-            "- **FLOPs and MFU**: `torch.utils.flop_counter` over one eager `naive` step at each depth"
-            + flop_count_text(meta)
-            + " (matmul-class ops; attention counted over the full T×T, not halved for causality). All "
-            "variants compute the same function, so they share that count. MFU = FLOPs / median step time / "
-            "matmul peak, the peak measured on the spot with square matmuls in the run's dtype by every "
-            "path PyTorch offers here (`torch.mm`, i.e. the BLAS; on CPUs also oneDNN), the fastest taken."
-            + causal_note(rows),
-            "- **Backend check**: every pinned SDPA cell's trace must contain its backend's ATen op "
-            "(and, on CUDA, a kernel whose name matches it); otherwise the cell is marked failed.",
-            "- **Fits**: least squares of each metric against n_layer; the slope is the per-layer cost, "
-            f"± its standard error, which has n − 2 degrees of freedom for n depths ({_interval_text(rows)}). "
-            "Savings are the difference of slopes against naive (a "
-            "`+compile` variant's against `naive+compile`), both fitted over the depths the two "
-            "measured, ± the "
-            "standard error of the line fitted to the per-depth differences: the variants of a depth "
-            "are timed interleaved, so a disturbance they share cancels there. These errors measure "
-            "this run's scatter about its lines, not how far another run would land: on a shared "
-            "machine, repeat sweeps have differed by more than them, so rerun before trusting a "
-            "small saving.",
+            *_method(meta, rows),
             "",
             "## How to read it",
             "",
@@ -744,6 +651,119 @@ def _report_md(results: dict[str, Any], plots: tuple[str, ...] = tuple(PLOTS)) -
             "",
         ]
     )
+
+
+def _header(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
+    """The title, warnings about the sweep as a whole, and where and how it ran."""
+    return [
+        "# Training-step profile by attention variant and depth",
+        "",
+        *_completeness(meta, rows),
+        *_busy_warning(meta),
+        *_compiled_while_timed(rows),
+        f"- **Machine**: {_machine_line(meta)}",
+        f"- **Setup**: {_setup_line(meta)}; {_steps(meta['steps'], 'timed step')} per cell after {_steps(meta['warmup'], 'warm-up step')}",
+        f"- **Matmul peak** ({meta['dtype']}): {_peak_readings(meta)}{_peak_paths(meta)}",
+        f"- **Command**: `{meta['command']}` (config `{meta['config_file']}`{_commit_text(meta)}), started {meta['started_at']}",
+    ]
+
+
+def _projections(rows: list[dict[str, Any]]) -> list[str]:
+    """The savings against naive projected to PROJECT_AT layers, from the fitted lines; those
+    fitted through a noisy cell (marked * in the headline) are marked too."""
+    saved = savings(rows)
+    reference_of = baselines(rows)
+    noisy = {  # (label, n_layer) of the cells marked *
+        (label(r["variant"], r["compile"]), r["n_layer"])
+        for r in rows
+        if r["step_ms"] and _noisy(r["step_ms"])
+    }
+    shaky = {  # projections whose lines were fitted through one
+        name
+        for name, s in saved.items()
+        if any((x, n) in noisy for x in (name, reference_of[name]) for n in s["depths"])
+    }
+    projected = [
+        f"| {name}{'*' if name in shaky else ''} | "
+        + " | ".join(_projected(s["projected"][str(n)]) for n in PROJECT_AT)
+        + " |"
+        for name, s in saved.items()
+    ]
+    if not projected:
+        table = ["(needs `naive` and another variant measured at two depths or more)"]
+    else:
+        table = [
+            "| variant | " + " | ".join(f"at {n} layers" for n in PROJECT_AT) + " |",
+            "|---|" + "---|" * len(PROJECT_AT),
+            *projected,
+        ]
+        if shaky:
+            table += [
+                "",
+                "\\* fitted through cells marked * in the headline (they varied "
+                "widely while timed): less certain than shown.",
+            ]
+    return [
+        "## Projected savings against naive (`+compile` rows: against naive+compile; from "
+        "the fitted lines)",
+        "",
+        "± the standard error of the fitted line of per-depth differences at that depth. It says how well "
+        "the line is pinned down there, not whether a layer's cost stays the same that far "
+        "beyond the depths measured.",
+        "",
+        *table,
+    ]
+
+
+def _method(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
+    """How this sweep measured: the step, its time, ops and kernels, memory, FLOPs and MFU,
+    the backend check and the fits, as the code that ran it did."""
+    return [
+        "## How this was measured",
+        "",
+        f"- **Step**: `train.train_step`, imported from train.py: {_step_parts(meta)} over one "
+        "global batch. Batches are drawn before timing and cycled.",
+        "- **Step time**: no profiler attached; warm-up steps excluded; the device synchronised before "
+        "and after each step"
+        + serialised_text(meta)
+        + "; the variants of one depth run interleaved round by round, so machine drift "
+        "hits all alike, "
+        + round_order_text(meta, rows)
+        + ". Median with 10th/90th percentiles over the timed steps.",
+        *(_compile_time_lines(meta, rows) if any(r["compile"] for r in rows) else []),
+        *host_memory_lines(meta, rows),
+        *device_memory_lines(rows),
+        "- **Ops and kernels**: separate steps under torch.profiler with a "
+        f"wait={PROFILE_WAIT}/warmup={PROFILE_WARMUP}/active schedule; "
+        "ATen ops (and the oneDNN linear's `cpu_linear::linear`/`mkldnn::_linear_pointwise`) counted (nested calls included, so `aten::masked_fill` and the `aten::clone` it makes both "
+        "count) by the `record_function` region their start falls in; CUDA kernels (and memcpy/memset) by "
+        "the region of the runtime call that launched them, matched by correlation id."
+        + one_call_text(meta)
+        + (KERNEL_LABELS if any(r.get("kernels_per_step") for r in rows) else ""),
+        *unattributed_lines(rows),
+        f"- **Peak memory**: {meta.get('resident', 'parameters and optimizer state')} resident before the step, plus the step's own "
+        "peak above that: on CUDA from the caching allocator (`max_memory_allocated`) over one more step, "
+        "on CPU from the profiler's allocation events in the profiled step.",
+        "- **FLOPs and MFU**: `torch.utils.flop_counter` over one eager `naive` step at each depth"
+        + flop_count_text(meta)
+        + " (matmul-class ops; attention counted over the full T×T, not halved for causality). All "
+        "variants compute the same function, so they share that count. MFU = FLOPs / median step time / "
+        "matmul peak, the peak measured on the spot with square matmuls in the run's dtype by every "
+        "path PyTorch offers here (`torch.mm`, i.e. the BLAS; on CPUs also oneDNN), the fastest taken."
+        + causal_note(rows),
+        "- **Backend check**: every pinned SDPA cell's trace must contain its backend's ATen op "
+        "(and, on CUDA, a kernel whose name matches it); otherwise the cell is marked failed.",
+        "- **Fits**: least squares of each metric against n_layer; the slope is the per-layer cost, "
+        f"± its standard error, which has n − 2 degrees of freedom for n depths ({_interval_text(rows)}). "
+        "Savings are the difference of slopes against naive (a "
+        "`+compile` variant's against `naive+compile`), both fitted over the depths the two "
+        "measured, ± the "
+        "standard error of the line fitted to the per-depth differences: the variants of a depth "
+        "are timed interleaved, so a disturbance they share cancels there. These errors measure "
+        "this run's scatter about its lines, not how far another run would land: on a shared "
+        "machine, repeat sweeps have differed by more than them, so rerun before trusting a "
+        "small saving.",
+    ]
 
 
 def _compile_time_lines(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
