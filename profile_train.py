@@ -36,7 +36,7 @@ import torch
 
 from checkpoint import describe_os_error
 from config import ConfigError, fields_help, load_config
-from model import VARIANTS, unknown_variant
+from model import VARIANTS, GPTConfig, unknown_variant
 from profiling.analysis import fits_by_label
 from profiling.compare import comparable, compare_text
 from profiling.findings import diff_text
@@ -256,25 +256,7 @@ def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
         # The folders the sweep will make above --out: an interruption before the first cell
         # removes them too, where still empty
         made_above = [p for p in args.out.parents if not p.exists()]
-        if args.diff is not None:
-            raise ConfigError("--diff compares two variants of an existing sweep: add --report DIR")
-        for override in overrides:
-            if override.split("=")[0] in SWEEP_SETS:
-                raise ConfigError(SWEEP_SETS[override.split("=")[0]])
-        layers = _csv_list(args.layers, int, "--layers")
-        if not layers or min(layers) < 1:
-            raise ConfigError(f"--layers={args.layers!r}: give positive integers, e.g. 1,2,4,8")
-        for flag in ("steps", "warmup", "profile_steps"):
-            if getattr(args, flag) is not None and getattr(args, flag) < 1:
-                raise ConfigError(f"--{flag.replace('_', '-')}={getattr(args, flag)}: must be >= 1")
-        if not (math.isfinite(args.peak_seconds) and args.peak_seconds > 0):
-            raise ConfigError(f"--peak-seconds={args.peak_seconds}: must be a positive number")
-        traced = set(_csv_list(args.trace_layers or "", int, "--trace-layers"))
-        if traced - set(layers):
-            raise ConfigError(
-                f"--trace-layers={args.trace_layers}: "
-                f"{','.join(map(str, sorted(traced - set(layers))))} not among --layers={args.layers}"
-            )
+        layers, traced = _sweep_flags(args, overrides)
         device = pick_device(config.train.device)
         if device.type == "cpu":
             # libkineto prints "USDT: profiler_start/stop" to stderr for every profiled cell,
@@ -283,25 +265,7 @@ def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
             # first profile; a user's own setting wins.
             os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         dtype = autocast_dtype(config.train.dtype, device) or torch.float32
-        mc = config.model
-        if args.variants is not None:
-            variants = _csv_list(args.variants, str, "--variants")
-            if not variants:
-                raise ConfigError("--variants is empty; name at least one, or leave it out for all")
-            unknown = [v for v in variants if v not in VARIANTS]
-            if unknown:
-                raise ConfigError(f"--variants: {unknown_variant(*unknown)}")
-            why = {
-                v: unavailable_reason(v, device, dtype, mc.head_size, mc.dropout) for v in variants
-            }
-            if all(why.values()):  # some that cannot run are recorded as such; none, refused
-                raise ConfigError(
-                    f"--variants: none can run on {device} ({str(dtype).removeprefix('torch.')}): "
-                    + "; ".join(f"{v}: {reason}" for v, reason in why.items())
-                )
-        else:
-            variants = available_variants(device, dtype, mc.head_size, mc.dropout)
-            why = dict.fromkeys(variants)  # each can run: its probe said so
+        variants, why = _variants(args.variants, config.model, device, dtype)
         options = sweep_options(args, frozenset(traced), link_latest=default_out)
         # The last check of the input; nothing is written before
         sweep = Sweep(config, options, why, raise_if_interrupted=interrupts.raise_if_received)
@@ -353,6 +317,54 @@ def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
         print("error: no cell was measured; the reasons are above", file=sys.stderr)
         return 1
     return 0
+
+
+def _sweep_flags(args: argparse.Namespace, overrides: list[str]) -> tuple[list[int], set[int]]:
+    """The flags of a new sweep checked: its depths, and those whose cells write a trace."""
+    if args.diff is not None:
+        raise ConfigError("--diff compares two variants of an existing sweep: add --report DIR")
+    for override in overrides:
+        if override.split("=")[0] in SWEEP_SETS:
+            raise ConfigError(SWEEP_SETS[override.split("=")[0]])
+    layers = _csv_list(args.layers, int, "--layers")
+    if not layers or min(layers) < 1:
+        raise ConfigError(f"--layers={args.layers!r}: give positive integers, e.g. 1,2,4,8")
+    for flag in ("steps", "warmup", "profile_steps"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')}={getattr(args, flag)}: must be >= 1")
+    if not (math.isfinite(args.peak_seconds) and args.peak_seconds > 0):
+        raise ConfigError(f"--peak-seconds={args.peak_seconds}: must be a positive number")
+    traced = set(_csv_list(args.trace_layers or "", int, "--trace-layers"))
+    if traced - set(layers):
+        raise ConfigError(
+            f"--trace-layers={args.trace_layers}: "
+            f"{','.join(map(str, sorted(traced - set(layers))))} not among --layers={args.layers}"
+        )
+    return layers, traced
+
+
+def _variants(
+    asked: str | None, mc: GPTConfig, device: torch.device, dtype: torch.dtype
+) -> tuple[list[str], dict[str, str | None]]:
+    """The variants to sweep (--variants, or every one that runs here) and why each cannot run
+    here (None: it can). Those named that cannot run are recorded as such; if none can, an
+    error."""
+    if asked is None:
+        variants = available_variants(device, dtype, mc.head_size, mc.dropout)
+        return variants, dict.fromkeys(variants)  # each can run: its probe said so
+    variants = _csv_list(asked, str, "--variants")
+    if not variants:
+        raise ConfigError("--variants is empty; name at least one, or leave it out for all")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise ConfigError(f"--variants: {unknown_variant(*unknown)}")
+    why = {v: unavailable_reason(v, device, dtype, mc.head_size, mc.dropout) for v in variants}
+    if all(why.values()):
+        raise ConfigError(
+            f"--variants: none can run on {device} ({str(dtype).removeprefix('torch.')}): "
+            + "; ".join(f"{v}: {reason}" for v, reason in why.items())
+        )
+    return variants, why
 
 
 def _default_out(config_path: Path, now: dt.datetime | None = None) -> Path:
