@@ -461,7 +461,7 @@ def _write_run_files(
     return unsaved
 
 
-@dataclass
+@dataclass(eq=False, repr=False)  # holds the model: no field-by-field == or repr
 class Run:
     """A run under way, as `_train` set it up: the loop, and what it does between steps
     (read a step's values, evaluate, save)."""
@@ -538,13 +538,13 @@ class Run:
         ):  # the bar closes on errors too, before the message
             if not self.resumed and tc.eval_interval:
                 # The untrained model's losses (about ln(vocab_size)): where the curve starts.
-                _, losses = self.evaluate()
+                _, losses = self.eval_and_log()
                 if self.master:
                     self.bar.write(f"step 0: {losses}, before training")
             self.model.train()
             unread: Pending | None = None  # the step before, until it is read
             while self.step < self.last_step:
-                pending = self.queue_step(stop.received is not None)
+                pending = self.queue_step(stop)
                 # The host reads a step's values only once the next step is queued, so the
                 # device never idles while Python logs and fetches the next batch (on the
                 # CPU, where nothing is queued, this gains nothing). A non-finite loss is thus
@@ -560,7 +560,7 @@ class Run:
                 stop_requested |= self.read(unread, None)  # checked before anything is saved
                 unread = None
                 if stop_requested and self.step < self.last_step:  # the last step ends as planned
-                    self.save()
+                    self.eval_and_save()
                     stopped_by = agreed_signal(stop.received, self.device, self.world_size)
                     self.bar.close()
                     self.note_other_load(other_load)
@@ -572,8 +572,8 @@ class Run:
                         )
                     return RunEnd(self.out_dir, self.step, self.step - first_step, stopped_by)
                 if evaluating and self.step != self.last_step:
-                    self.save()
-            self.save()
+                    self.eval_and_save()
+            self.eval_and_save()
         self.note_other_load(other_load)
         if self.master and self.step < tc.max_steps:
             print(
@@ -583,8 +583,10 @@ class Run:
             )
         return RunEnd(self.out_dir, self.step, self.step - first_step, None)
 
-    def queue_step(self, stop_received: bool) -> Pending:
-        """One training step, queued; its loss, norm and this rank's stop flag not yet read."""
+    def queue_step(self, stop: StopSignal) -> Pending:
+        """One training step, queued; its loss, norm and this rank's stop flag not yet read.
+        The flag is made after the step: a signal that came during it stops every rank after
+        this step, not the next."""
         tc = self.config.train
         readout = StepReadout(self.device)
         for group in self.optimizer.param_groups:
@@ -599,7 +601,7 @@ class Run:
         # along: DDP's gradients, and so their norm, are the same on every rank. Made on the
         # device (torch.full, not torch.tensor): copying a value from pageable host memory to
         # a GPU waits for the GPU, which is what reading a step late avoids.
-        stop_flag = torch.full((), float(stop_received), device=self.device)
+        stop_flag = torch.full((), float(stop.received is not None), device=self.device)
         norm = grad_norm.float() if grad_norm is not None else torch.zeros((), device=self.device)
         flags = torch.stack([loss.float(), stop_flag, norm])
         if self.world_size > 1:
@@ -647,7 +649,7 @@ class Run:
             )
         return stops > 0
 
-    def evaluate(self) -> tuple[float, str]:
+    def eval_and_log(self) -> tuple[float, str]:
         """val_loss and train_loss now, logged to metrics.jsonl; val_loss, and both as the
         progress line shows them."""
         val_loss = evaluate(
@@ -680,9 +682,9 @@ class Run:
             f"val loss {val_loss:.4f}, {val_bpb:.3f} bits/byte (train {train_loss:.4f})",
         )
 
-    def save(self) -> None:
+    def eval_and_save(self) -> None:
         """Evaluate, then save the checkpoint (rank 0) with its loss and the state to go on."""
-        val_loss, losses = self.evaluate()
+        val_loss, losses = self.eval_and_log()
         rngs = rng_states(self.device, self.world_size)
         if self.master:
             meta = self.meta

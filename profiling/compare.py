@@ -69,7 +69,7 @@ def comparable(sweeps: list[tuple[Path, dict[str, Any]]]) -> str | None:
     peaks = [r["meta"]["peak_flops"] for _, r in sweeps if "peak_flops_end" in r["meta"]]
     if len(peaks) > 1 and max(peaks) > PEAK_RATIO * min(peaks):
         shown = [
-            rate_text(r["meta"]["peak_flops"])
+            rate_text(r["meta"]["peak_flops"], unit_of=max(peaks))
             + " (start only)" * ("peak_flops_end" not in r["meta"])
             for _, r in sweeps
         ]
@@ -146,6 +146,7 @@ def compare_text(sweeps: list[tuple[Path, dict[str, Any]]]) -> str:
         f"{meta['torch_version']}, {meta['dtype']}, n_layer {','.join(map(str, layers))}.",
         "",
     ]
+    top_peak = max(r["meta"].get("peak_flops") or 0 for _, r in sweeps)  # one unit for all
     for i, (path, results) in enumerate(sweeps, 1):
         m = results["meta"]
         stopped = (
@@ -153,7 +154,9 @@ def compare_text(sweeps: list[tuple[Path, dict[str, Any]]]) -> str:
             if _stopped(results)
             else ""
         )
-        peak = f", matmul peak {rate_text(m['peak_flops'])}" if m.get("peak_flops") else ""
+        peak = (
+            f", matmul peak {rate_text(m['peak_flops'], top_peak)}" if m.get("peak_flops") else ""
+        )
         if m.get("other_cpu_share") is not None:
             peak += f", other processes {m['other_cpu_share']:.0%} of the CPUs"
             peak += " §" * busy[i - 1]

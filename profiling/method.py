@@ -208,7 +208,9 @@ def round_order_text(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         per_depth = meta.get("round_cells") or Counter(str(r["n_layer"]) for r in rows)
         most = max(per_depth.values(), default=0)
         if most <= 2:  # nothing to balance
-            return "the two cells alternating (A B A B …)" if most == 2 else "one cell per depth"
+            return {0: "no cell ran", 1: "one cell per depth"}.get(
+                most, "the two cells alternating (A B A B …)"
+            )
         short = sorted({n for n in per_depth.values() if meta["steps"] % len(balanced_orders(n))})
         partial = (
             f" (here {meta['steps']} rounds of "

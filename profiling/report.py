@@ -50,9 +50,10 @@ def _rate_unit(flops: float) -> tuple[float, str]:
     return (1e12, "TFLOP/s") if flops >= 1e13 else (1e9, "GFLOP/s")
 
 
-def rate_text(flops: float) -> str:
-    """'483.8 GFLOP/s', '700.0 TFLOP/s'."""
-    scale, unit = _rate_unit(flops)
+def rate_text(flops: float, unit_of: float | None = None) -> str:
+    """'483.8 GFLOP/s', '700.0 TFLOP/s'; in the unit `unit_of` reads best in, if given (rates
+    shown side by side share one)."""
+    scale, unit = _rate_unit(flops if unit_of is None else unit_of)
     return f"{flops / scale:.1f} {unit}"
 
 

@@ -166,7 +166,7 @@ class Sweep:
         # handler raised. Called before every step.
         self.raise_if_interrupted = raise_if_interrupted
         # Timed steps per cell; without --steps, run rounds it up to whole sets of orders
-        self.steps = options.steps or MIN_TIMED_STEPS
+        self.steps = MIN_TIMED_STEPS if options.steps is None else options.steps
         self.latest_pending = options.link_latest  # `latest` is pointed here at the first write
         self.rows: list[dict[str, Any]] = []
         # The depth being profiled: its cells, timed, and the FLOPs of its step (see run)
@@ -316,7 +316,8 @@ class Sweep:
             for c in compile_modes
         )
         orders = len(balanced_orders(timed))
-        self.steps = self.options.steps or orders * math.ceil(MIN_TIMED_STEPS / orders)
+        if self.options.steps is None:
+            self.steps = orders * math.ceil(MIN_TIMED_STEPS / orders)
         self.meta["steps"] = self.steps
         if self.steps % orders:
             print(

@@ -1436,6 +1436,11 @@ def test_compare_names_a_gpus_peak_in_tflops(
     assert profile_train.main(["--compare", *map(str, folders)]) == 2
     err = capsys.readouterr().err
     assert "differ in matmul peak" in err and "350.0 TFLOP/s" in err
+    results["meta"].update(peak_flops=9.5e12, peak_flops_end=9.5e12)  # beside 700 TFLOP/s
+    (folders[-1] / "results.json").write_text(json.dumps(results))
+    assert profile_train.main(["--compare", *map(str, folders)]) == 2
+    err = capsys.readouterr().err
+    assert "9.5 TFLOP/s" in err and "GFLOP/s" not in err
 
 
 def test_compare_reads_the_savings_of_several_sweeps(

@@ -1697,6 +1697,26 @@ def test_ctrl_c_saves_and_exits_130_unless_it_came_on_the_last_step(
     assert ("--- sample" in captured.out) == (saved_at == 4), "a sample only at the run's end"
 
 
+def test_a_signal_during_a_step_is_in_that_steps_stop_flag(
+    data_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ranks learn of each other's signals only through the flags all-reduced after each
+    step: one that came during a step must be in that step's flags, or a torchrun job runs a
+    step more before it stops (one process also stops at once, without the flags)."""
+    flags: list[list[float]] = []
+    real_finish = runtime.StepReadout.finish
+
+    def finish(self: runtime.StepReadout, t: torch.Tensor) -> None:
+        flags.append(t.tolist())
+        real_finish(self, t)
+
+    monkeypatch.setattr(runtime.StepReadout, "finish", finish)
+    misbehave_at(monkeypatch, 2, before=lambda: os.kill(os.getpid(), signal.SIGINT))
+    out = tmp_path / "run"
+    assert run(data_root, out, "--train.max_steps=4", "--train.eval_interval=0") == 130
+    assert [f[1] for f in flags] == [0.0, 1.0]  # (loss, stop, norm) of steps 1 and 2
+
+
 def test_a_second_sigterm_stops_at_once_with_sigterms_status(
     data_root: Path,
     tmp_path: Path,
