@@ -2674,9 +2674,16 @@ def test_other_load_counts_only_the_cpus_this_process_may_use(
         pytest.skip("/proc/stat does not list this machine's CPUs one by one")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {mine})
     # A spinner on this process's one CPU fills it; one on the other CPU adds nothing. (Counted
-    # over every CPU, both would read about 1/2, plus whatever else runs.)
-    on_mine, on_other = share_while_busy(mine), share_while_busy(other)
-    assert on_mine > 0.7 and on_mine - on_other > 0.3, (on_mine, on_other)
+    # over every CPU, both would read about 1/2, plus whatever else runs.) Whatever else runs
+    # on this CPU reads as load too, so a busy machine gets three tries.
+    readings = []
+    for _ in range(3):
+        on_mine, on_other = share_while_busy(mine), share_while_busy(other)
+        readings.append((on_mine, on_other))
+        if on_mine > 0.7 and on_mine - on_other > 0.3:
+            break
+    else:
+        pytest.fail(f"(share with a spinner on this CPU, on the other): {readings}")
 
 
 def test_other_load_counts_only_inside_its_windows() -> None:
