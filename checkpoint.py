@@ -205,35 +205,36 @@ def _not_ours(path: Path, entry: str, detail: str) -> CheckpointError:
     )
 
 
-def model_config_diff(ckpt: dict[str, Any], current: dict[str, Any], now: str = "now") -> str:
-    """The model fields whose values differ between the checkpoint and `current`, or ''
-    (also when the checkpoint records no config).
+# Model fields that hold no weights, so a checkpoint goes on (or samples) under another value:
+# every attention variant computes the same function (a run trained with cuDNN's attention on a
+# GPU goes on with `sdpa` on a CPU), and dropout's rate is a training choice, as in nanoGPT.
+NO_WEIGHTS = ("attention", "dropout")
 
-    The attention variant is not compared: it holds no weights, and every variant computes the
-    same function, so a run trained with cuDNN's attention on a GPU goes on, or samples, with
-    `sdpa` on a CPU.
-    """
+
+def model_config_diff(ckpt: dict[str, Any], current: dict[str, Any], now: str = "now") -> str:
+    """The model fields whose values differ between the checkpoint and `current`, NO_WEIGHTS
+    aside, or '' (also when the checkpoint records no config)."""
     saved = _saved_model_config(ckpt)
     if saved is None:
         return ""
     return "; ".join(
         f"{k}: {saved.get(k)!r} in checkpoint, {v!r} {now}"
         for k, v in current.items()
-        if saved.get(k) != v and k != "attention"
+        if saved.get(k) != v and k not in NO_WEIGHTS
     )
 
 
 def check_compatible(
     ckpt: dict[str, Any], config: Config, tokenizer_sha256: str, path: Path
 ) -> None:
-    """Resuming needs the same model config (the attention variant aside) and the same
-    tokenizer as the checkpoint."""
+    """Resuming needs the same model config (NO_WEIGHTS aside) and the same tokenizer as the
+    checkpoint."""
     diff = model_config_diff(ckpt, asdict(config.model))
     if diff:
         raise CheckpointError(
             f"checkpoint {path} was made with another model config: {diff}. Its weights "
-            "have that shape: of the model's fields only model.attention may change on "
-            f"resume; to train these settings, start another run (--out)"
+            "have that shape: of the model's fields only model.attention and model.dropout "
+            "may change on resume; to train these settings, start another run (--out)"
         )
     if ckpt["tokenizer_sha256"] != tokenizer_sha256:
         trained = ckpt.get("config", {}).get("data", {}).get("name")

@@ -88,8 +88,9 @@ def corpus_meta(config: Config, out_dir: Path, resume: bool) -> dict[str, Any]:
 
 def say_what_resuming_changes(ckpt: dict[str, Any], config: Config, linear: str | None) -> None:
     """A resume through another attention variant or nn.Linear path computes the same
-    function, rounded differently: said, as the run will not match an uninterrupted one.
-    (Checkpoints from before the path was recorded have no "linear".)"""
+    function, rounded differently, and another dropout rate regularises differently: said, as
+    the run will not match an uninterrupted one. (Checkpoints from before the path was
+    recorded have no "linear".)"""
     rounding = (
         "the same function, rounded differently, so the run will not match one that never "
         "stopped to the last bit"
@@ -99,6 +100,13 @@ def say_what_resuming_changes(ckpt: dict[str, Any], config: Config, linear: str 
         print(
             f"resuming with attention {config.model.attention}; the run trained with "
             f"{trained_with} so far (attention holds no weights; {rounding})",
+            file=sys.stderr,
+        )
+    dropout_before = ckpt["config"]["model"].get("dropout")
+    if dropout_before not in (None, config.model.dropout):
+        print(
+            f"resuming with model.dropout={config.model.dropout}; the run trained with "
+            f"{dropout_before} so far",
             file=sys.stderr,
         )
     linear_before = ckpt.get("written_by", {}).get("linear")

@@ -244,6 +244,7 @@ def token_batches(
             rank,
             world_size,
             expected_tokens=meta["splits"][split]["tokens"],
+            whole_batches=split == "train",
         )
         # "train_eval": fixed windows of the train split, evaluated beside val so the gap
         # between the two (overfitting) shows; "train" is the sampler the steps draw from.

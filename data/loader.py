@@ -32,8 +32,11 @@ class TokenBatches:
         rank: int = 0,
         world_size: int = 1,
         expected_tokens: int | None = None,
+        whole_batches: bool = True,
     ) -> None:
-        """`expected_tokens`: what meta.json says the file holds; checked against its size."""
+        """`expected_tokens`: what meta.json says the file holds; checked against its size.
+        `whole_batches`: refuse a batch of more tokens than the file holds (a typo, in the
+        split training draws from; the windows of a small val split may overlap)."""
         problem = token_file_problem(path, expected_tokens)
         if problem is not None:
             raise DataError(f"{problem}; {rebuild_hint(path.parent)}")
@@ -43,7 +46,7 @@ class TokenBatches:
                 f"{path} holds {len(self.tokens)} tokens, fewer than block_size + 1 = "
                 f"{block_size + 1}: prepare a larger corpus or lower model.block_size"
             )
-        if batch_size * world_size * block_size > len(self.tokens):
+        if whole_batches and batch_size * world_size * block_size > len(self.tokens):
             # Not wrong as sampling, but surely a typo: and the rows are gathered in host
             # memory before the device, which a batch of 10^8 rows fills.
             raise DataError(

@@ -64,3 +64,14 @@ def test_a_file_of_the_wrong_size_is_refused(tokens: Path) -> None:
         TokenBatches(tokens, T, 4, 0, CPU, expected_tokens=N + 1)
     with pytest.raises(DataError, match=r"fewer than block_size \+ 1 = 51"):
         TokenBatches(tokens, N, 1, 0, CPU)
+
+
+def test_a_batch_larger_than_the_file_is_refused_where_training_draws_from_it(
+    tokens: Path,
+) -> None:
+    """More tokens a batch than the file holds is a typo in the split training draws from;
+    a small val split's windows may overlap (evaluation reads it), so that one is read."""
+    with pytest.raises(DataError, match=r"more than .*train\.bin holds \(50\)"):
+        TokenBatches(tokens, T, batch_size=7, seed=0, device=CPU)
+    x, y = TokenBatches(tokens, T, batch_size=7, seed=0, device=CPU, whole_batches=False).next()
+    assert x.shape == (7, T) and torch.equal(y, x + 1)

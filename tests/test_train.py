@@ -668,8 +668,8 @@ def test_resume_with_another_model_config_names_the_field(
     err = error_of(capsys.readouterr().err)
     assert "n_layer" in err and "model config" in err
     assert (
-        "only model.attention may change on resume; to train these settings, start another run (--out)"
-        in err
+        "only model.attention and model.dropout may change on resume; to train these "
+        "settings, start another run (--out)" in err
     )
     assert "n_embd" not in err, "only the fields that differ are named"
     assert ((out / checkpoint.CHECKPOINT).read_bytes(), (out / "config.toml").read_text()) == before
@@ -688,6 +688,24 @@ def test_resume_with_another_seed_is_refused(
     assert f"train.seed={seed + 1}: {out} was seeded with {seed}" in err
     assert f"resume with train.seed={seed}" in err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_resume_may_change_the_dropout_rate(
+    base_run: Path, data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Dropout holds no weights: a run goes on with another rate, as nanoGPT allows, and says
+    so; the run's config then records it."""
+    out = copy_run(base_run, tmp_path / "run")
+    before = load_ckpt(out)["config"]["model"]["dropout"]
+    capsys.readouterr()
+    args = (f"--train.max_steps={STEPS + 1}", "--model.dropout=0.2", "--resume")
+    assert run(data_root, out, *args) == 0
+    assert (
+        f"resuming with model.dropout=0.2; the run trained with {before} so far"
+        in capsys.readouterr().err
+    )
+    assert load_ckpt(out)["config"]["model"]["dropout"] == 0.2
+    assert load_config(out / "config.toml").model.dropout == 0.2
 
 
 def test_resume_may_change_the_attention_variant(
