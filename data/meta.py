@@ -7,6 +7,7 @@ Imports only the standard library, so it runs where `datasets` and `tokenizers` 
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,8 @@ PROJECT = Path(__file__).resolve().parents[1]
 
 EOT = "<|endoftext|>"  # the separator prepare.py puts between documents, a special token
 EOT_ID = 0  # the tokenizer trainer gives special tokens the first ids
+MIN_VOCAB_SIZE = 256 + 1  # a byte-level tokenizer's least: every byte, plus EOT
+CORPUS_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # a plain folder name under data.root
 
 
 class DataError(RuntimeError):
@@ -50,7 +53,11 @@ def load_meta(root: str | Path, name: str, vocab_size: int | None = None) -> dic
 
 def prepare_command(corpus: Path, vocab_size: int | None = None) -> str:
     """A command that makes the corpus folder `corpus` (from the stdlib, the offline source)."""
-    vocab = ["--vocab-size", str(vocab_size)] if vocab_size is not None else []
+    vocab = (
+        []
+        if vocab_size is None or vocab_size < MIN_VOCAB_SIZE
+        else ["--vocab-size", str(vocab_size)]
+    )
     return _command(corpus, ["--stdlib", *vocab])
 
 
@@ -136,6 +143,10 @@ def check_vocab(meta: dict[str, Any], vocab_size: int, name: str) -> None:
         raise DataError(
             f"model.vocab_size={vocab_size} is smaller than the tokenizer of corpus "
             f"'{name}' ({meta['vocab_size']} tokens): give --model.vocab_size="
-            f"{meta['vocab_size']} or more (a multiple of 64 runs faster), or prepare the corpus "
-            f"with --vocab-size {vocab_size}"
+            f"{meta['vocab_size']} or more (a multiple of 64 runs faster)"
+            + (
+                f", or prepare the corpus with --vocab-size {vocab_size}"
+                if vocab_size >= MIN_VOCAB_SIZE
+                else f" (a byte-level tokenizer has at least {MIN_VOCAB_SIZE})"
+            )
         )

@@ -48,7 +48,9 @@ Decisions, so that a reader need not reverse-engineer them:
   a row, dropping the newlines and splitting a file's lines between train and val. An empty
   file there is skipped and counted, as an empty Hub row is (--files calls it an error).
 * `--max-bytes N` keeps the longest prefix of whole documents, in input order, that fits in
-  N bytes (raw file bytes for --files/--stdlib, UTF-8 bytes for --hub).
+  N bytes (raw file bytes for --files/--stdlib, UTF-8 bytes for --hub). meta.json's
+  skipped.over_max_bytes counts the inputs left unread from the first that did not fit on,
+  whatever they hold (an empty one among them is not counted as empty too).
 * meta.json bytes are the UTF-8 bytes of the documents as tokenized. Files are read as
   text with universal newlines, so "\\r\\n" and a lone "\\r" both become one "\\n"; a
   compressed file is its own bytes (not unpacked: those are what was checked and hashed).
@@ -76,7 +78,6 @@ import hashlib
 import itertools
 import math
 import os
-import re
 import sys
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
@@ -99,7 +100,7 @@ from data.corpus import (
     load_text_files,
     stdlib_corpus,
 )
-from data.meta import EOT, EOT_ID
+from data.meta import CORPUS_NAME, EOT, EOT_ID, MIN_VOCAB_SIZE
 from data.store import (
     content_hash,
     file_sha256,
@@ -116,7 +117,6 @@ if TYPE_CHECKING:
     from datasets import Dataset
 
 DEFAULT_VOCAB_SIZE = 2048
-MIN_VOCAB_SIZE = 256 + 1  # every byte, plus EOT
 MAX_VOCAB_SIZE = 2**16  # ids are stored as uint16
 DEFAULT_VAL_FRACTION = 0.1
 DEFAULT_OUT_ROOT = Path("data")  # relative to the working directory, as data.root is
@@ -125,7 +125,6 @@ FORMAT_VERSION = 2  # 2: train/val chosen by content hash, meta.json duplicate_d
 OUTPUT_FILES = ("tokenizer.json", "train.bin", "val.bin")
 HF_CACHE_DIR = ".hf_cache"
 BATCH_DOCUMENTS = 64  # per encode_batch call: enough for tokenizers' threads, small in memory
-_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 def prepare(
@@ -316,7 +315,7 @@ def _check_arguments(
     """Validate the name and source; return the source kind."""
     if isinstance(files, str):  # a string is a sequence too: of one-character "paths"
         raise PrepareError(f"files={files!r}: give a list of paths or globs, e.g. [{files!r}]")
-    if not _NAME_RE.fullmatch(name):
+    if not CORPUS_NAME.fullmatch(name):
         raise PrepareError(
             f"--name {name!r} must be a plain folder name (letters, digits, '.', '_', '-')"
         )

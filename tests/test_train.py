@@ -656,7 +656,11 @@ def test_a_model_vocabulary_smaller_than_the_corpus_says_what_to_give(
     err = error_of(capsys.readouterr().err)
     assert f"model.vocab_size=256 is smaller than the tokenizer of corpus 'tiny' ({tokens}" in err
     assert f"give --model.vocab_size={tokens} or more" in err
+    # 256 is below a byte-level tokenizer's least: no prepare command that would be refused
+    assert "--vocab-size 256" not in err and "has at least 257" in err
     assert not (tmp_path / "run").exists()
+    assert run(data_root, tmp_path / "run", "--model.vocab_size=300") == 2
+    assert "or prepare the corpus with --vocab-size 300" in capsys.readouterr().err
 
 
 def test_resume_with_another_model_config_names_the_field(
