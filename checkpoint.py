@@ -240,7 +240,8 @@ def check_compatible(
         trained = ckpt.get("config", {}).get("data", {}).get("name")
         raise CheckpointError(
             f"checkpoint {path} was made with another tokenizer (sha256 "
-            f"{ckpt['tokenizer_sha256'][:12]}, corpus '{config.data.name}' has {tokenizer_sha256[:12]})"
+            f"{ckpt['tokenizer_sha256'][:12]}, corpus '{config.data.name}' has "
+            f"{tokenizer_sha256[:12]})"
             + (
                 f"; it trained on corpus '{trained}' (--data.name={trained})"
                 if isinstance(trained, str) and trained != config.data.name

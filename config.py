@@ -48,8 +48,9 @@ class TrainConfig:
     # bfloat16 (autocast; parameters and optimizer state stay fp32)
     dtype: str = "auto"
     compile: bool = False  # torch.compile each block; pays off on GPUs, costs a compile up front
-    # fp32 nn.Linear on CPUs (cpu_linear.py): auto takes oneDNN on AMD CPUs with AVX-512 (about 2x MKL's
-    # rate there), torch keeps PyTorch's BLAS, onednn insists (an error off CPU or under autocast)
+    # fp32 nn.Linear on CPUs (cpu_linear.py): auto takes oneDNN on AMD CPUs with AVX-512 (about
+    # 2x MKL's rate there), torch keeps PyTorch's BLAS, onednn insists (an error off CPU or
+    # under autocast)
     cpu_linear: str = "auto"
     seed: int = 1337  # one seed for init, dropout and batch sampling: runs are reproducible
     batch_size: int = 16  # sequences per micro-batch per process
@@ -136,7 +137,8 @@ class TrainConfig:
                 torch.device(self.device)
             except RuntimeError:
                 raise ValueError(
-                    f"train.device={self.device!r}: not a device; use auto, cpu, cuda, cuda:N or mps"
+                    f"train.device={self.device!r}: not a device; "
+                    "use auto, cpu, cuda, cuda:N or mps"
                 ) from None
 
     def micro_batches(self, world_size: int) -> int:

@@ -32,7 +32,8 @@ def build_optimizer(
 def apply_optimizer_settings(optimizer: torch.optim.AdamW, cfg: TrainConfig) -> None:
     """The config's weight decay and betas on build_optimizer's two groups. Called again after
     resuming: load_state_dict brings back the checkpoint's, and a run resumed with
-    --train.weight_decay=... must use the value its config.toml now records. (lr is set each step.)"""
+    --train.weight_decay=... must use the value its config.toml now records. (lr is set each
+    step.)"""
     for group, decay in zip(optimizer.param_groups, (cfg.weight_decay, 0.0), strict=True):
         group["weight_decay"] = decay
         group["betas"] = (cfg.beta1, cfg.beta2)

@@ -158,7 +158,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         "--report",
         type=Path,
         metavar="DIR",
-        help="re-render the report of an existing sweep from its results.json, which stays as it is",
+        help=(
+            "re-render the report of an existing sweep from its results.json, which stays as it is"
+        ),
     )
     p.add_argument(
         "--diff", metavar="A,B", help="with --report: print the op/kernel diff of A minus B"

@@ -256,7 +256,7 @@ def token_batches(
     }
 
 
-# --- the loop ---------------------------------------------------------------------------------------
+# --- the loop -------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -785,8 +785,8 @@ def main(argv: list[str] | None = None) -> int:
         if not oom and "can't allocate memory" not in str(e):
             raise
         print(
-            f"error: out of memory ({(str(e).strip() or type(e).__name__).splitlines()[0][:200]}); lower "
-            "train.batch_size (raise train.grad_accum to keep the tokens per step; with "
+            f"error: out of memory ({(str(e).strip() or type(e).__name__).splitlines()[0][:200]}); "
+            "lower train.batch_size (raise train.grad_accum to keep the tokens per step; with "
             "train.global_batch_size set, that is derived), or the "
             "model's size (model.block_size, n_layer, n_embd); the last checkpoint, if any, is "
             "as it was",

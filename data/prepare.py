@@ -34,10 +34,10 @@ Decisions, so that a reader need not reverse-engineer them:
   except those below a site-packages/dist-packages (not the stdlib), test/tests (large,
   repetitive fixtures) or idlelib (a GUI app) folder, and the charmap codec tables
   (encodings/cp437.py, koi8_r.py, ...: each a 256-entry decoding_table, near-copies of one
-  another, which would put most of a val table's lines in train). Empty files (bare __init__.py) and non-UTF-8
-  files are skipped too; meta.json counts all three, since the corpus is fixed and the user
-  cannot fix it. That leaves about 10 MB / 600 files for CPython 3.11, which prepare in ~6 s on
-  2 cores, so there is no cap by default.
+  another, which would put most of a val table's lines in train). Empty files (bare
+  __init__.py) and non-UTF-8 files are skipped too; meta.json counts all three, since the
+  corpus is fixed and the user cannot fix it. That leaves about 10 MB / 600 files for CPython
+  3.11, which prepare in ~6 s on 2 cores, so there is no cap by default.
 * `--files`: an empty file is an error (a glob that picked one up is more likely a mistake
   than intent), and so is non-UTF-8 input, naming the file and byte offset;
   `--encoding-errors replace` instead decodes with Python's "replace" handler, which puts

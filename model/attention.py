@@ -202,7 +202,9 @@ VARIANTS: dict[str, Variant] = {
             flex,
             "flex_attention with a causal block mask, compiled",
             supports_dropout=False,
-            cuda_only_reason="PyTorch has no flex_attention backward off CUDA; only its forward runs here",
+            cuda_only_reason=(
+                "PyTorch has no flex_attention backward off CUDA; only its forward runs here"
+            ),
             forward_off_cuda=True,
             make_mask=causal_block_mask,
         ),

@@ -204,7 +204,9 @@ def savings(
                     "percent": None,
                     "saving_se": None,
                     "percent_se": None,
-                    "why_none": f"{worse}'s fitted {metric} is {min(ref, this):.1f} at {layers} layers",
+                    "why_none": (
+                        f"{worse}'s fitted {metric} is {min(ref, this):.1f} at {layers} layers"
+                    ),
                 }
                 continue
             saving_se = line_se_at(diffs, layers)

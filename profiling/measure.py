@@ -266,10 +266,10 @@ def parse_events(events: list, device: torch.device) -> StepProfile:
 
     Regions are the record_function ranges `forward`, `backward` and `optimizer`; an op, on
     whichever thread, belongs to the region its start falls in (the autograd engine runs CUDA
-    backward ops on another thread, so parent links would miss them). A kernel belongs to the region of the CPU runtime call
-    that launched it (cudaLaunchKernel, cuLaunchKernelEx, cudaMemcpyAsync, ...), found by
-    correlation id, since GPU timestamps run behind the CPU's; its category is that call's,
-    from the ops around it, else its own name's.
+    backward ops on another thread, so parent links would miss them). A kernel belongs to the
+    region of the CPU runtime call that launched it (cudaLaunchKernel, cuLaunchKernelEx,
+    cudaMemcpyAsync, ...), found by correlation id, since GPU timestamps run behind the CPU's;
+    its category is that call's, from the ops around it, else its own name's.
     """
     result = StepProfile()
     cpu = [e for e in events if e.device_type() == DeviceType.CPU]

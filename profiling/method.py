@@ -307,7 +307,8 @@ def device_memory_lines(rows: list[dict[str, Any]]) -> list[str]:
     retried = [r for r in counted if r.get("alloc_retries")]
     line = (
         "- **Device memory**: the CUDA caching allocator's calls to allocate or free device "
-        f"memory (cudaMalloc, cudaFree) per timed step: median {_per_step(statistics.median(calls))}"
+        "memory (cudaMalloc, cudaFree) per timed step: "
+        f"median {_per_step(statistics.median(calls))}"
         f", at most {_per_step(max(calls))} over the cells"
         + (f" ({label(most['variant'], most['compile'])} L{most['n_layer']})" if max(calls) else "")
         + "."

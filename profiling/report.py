@@ -356,7 +356,8 @@ def _busy_warning(meta: dict[str, Any]) -> list[str]:
     if other is None or other <= BUSY_SHARE:
         return []
     return [
-        f"**Warning**: other processes used {other:.0%} of the CPUs {_while(meta, 'during this sweep')}; its "
+        f"**Warning**: other processes used {other:.0%} of the CPUs "
+        f"{_while(meta, 'during this sweep')}; its "
         "times are slower and noisier than this machine's. Rerun on a quiet machine.",
         "",
     ]
@@ -380,7 +381,8 @@ def write_report(out: Path, results: dict[str, Any], plots: bool = True) -> None
         "Full training steps (forward + backward + AdamW), median step time in ms",
         f"machine: {_machine_line(meta)}",
         f"setup:   {_setup_line(meta)}",
-        f"peak:    {meta['peak_flops'] / scale:.1f} {unit} {meta['dtype']} matmul, measured on the spot"
+        f"peak:    {meta['peak_flops'] / scale:.1f} {unit} {meta['dtype']} matmul, "
+        "measured on the spot"
         f"{_peak_paths(meta)}",
         f"command: {meta['command']}{_commit_text(meta)}",
         "",
@@ -645,10 +647,11 @@ def _report_md(results: dict[str, Any], plots: tuple[str, ...] = tuple(PLOTS)) -
             "",
             "## How to read it",
             "",
-            "The slope column is what one more layer costs per training step. A variant's saving per layer, "
-            "multiplied by depth and by steps, is what the change buys over a training run. Ops per layer count "
-            "dispatcher calls (a rough proxy for launch overhead on GPUs); the op diff above says which ops a "
-            "variant adds or removes. " + _traces_text(meta, rows),
+            "The slope column is what one more layer costs per training step. A variant's saving "
+            "per layer, multiplied by depth and by steps, is what the change buys over a training "
+            "run. Ops per layer count dispatcher calls (a rough proxy for launch overhead on "
+            "GPUs); the op diff above says which ops a variant adds or removes. "
+            + _traces_text(meta, rows),
             "",
         ]
     )
@@ -663,9 +666,11 @@ def _header(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
         *_busy_warning(meta),
         *_compiled_while_timed(rows),
         f"- **Machine**: {_machine_line(meta)}",
-        f"- **Setup**: {_setup_line(meta)}; {_steps(meta['steps'], 'timed step')} per cell after {_steps(meta['warmup'], 'warm-up step')}",
+        f"- **Setup**: {_setup_line(meta)}; {_steps(meta['steps'], 'timed step')} per cell "
+        f"after {_steps(meta['warmup'], 'warm-up step')}",
         f"- **Matmul peak** ({meta['dtype']}): {_peak_readings(meta)}{_peak_paths(meta)}",
-        f"- **Command**: `{meta['command']}` (config `{meta['config_file']}`{_commit_text(meta)}), started {meta['started_at']}",
+        f"- **Command**: `{meta['command']}` "
+        f"(config `{meta['config_file']}`{_commit_text(meta)}), started {meta['started_at']}",
     ]
 
 
@@ -708,9 +713,9 @@ def _projections(rows: list[dict[str, Any]]) -> list[str]:
         "## Projected savings against naive (`+compile` rows: against naive+compile; from "
         "the fitted lines)",
         "",
-        "± the standard error of the fitted line of per-depth differences at that depth. It says how well "
-        "the line is pinned down there, not whether a layer's cost stays the same that far "
-        "beyond the depths measured.",
+        "± the standard error of the fitted line of per-depth differences at that depth. It says "
+        "how well the line is pinned down there, not whether a layer's cost stays the same "
+        "that far beyond the depths measured.",
         "",
         *table,
     ]
@@ -724,8 +729,8 @@ def _method(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
         "",
         f"- **Step**: `train.train_step`, imported from train.py: {_step_parts(meta)} over one "
         "global batch. Batches are drawn before timing and cycled.",
-        "- **Step time**: no profiler attached; warm-up steps excluded; the device synchronised before "
-        "and after each step"
+        "- **Step time**: no profiler attached; warm-up steps excluded; the device synchronised "
+        "before and after each step"
         + serialised_text(meta)
         + "; the variants of one depth run interleaved round by round, so machine drift "
         "hits all alike, "
@@ -736,26 +741,30 @@ def _method(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
         *device_memory_lines(rows),
         "- **Ops and kernels**: separate steps under torch.profiler with a "
         f"wait={PROFILE_WAIT}/warmup={PROFILE_WARMUP}/active schedule; "
-        "ATen ops (and the oneDNN linear's `cpu_linear::linear`/`mkldnn::_linear_pointwise`) counted (nested calls included, so `aten::masked_fill` and the `aten::clone` it makes both "
-        "count) by the `record_function` region their start falls in; CUDA kernels (and memcpy/memset) by "
-        "the region of the runtime call that launched them, matched by correlation id."
+        "ATen ops (and the oneDNN linear's `cpu_linear::linear`/`mkldnn::_linear_pointwise`) "
+        "counted (nested calls included, so `aten::masked_fill` and the `aten::clone` it makes "
+        "both count) by the `record_function` region their start falls in; CUDA kernels (and "
+        "memcpy/memset) by the region of the runtime call that launched them, matched by "
+        "correlation id."
         + one_call_text(meta)
         + (KERNEL_LABELS if any(r.get("kernels_per_step") for r in rows) else ""),
         *unattributed_lines(rows),
-        f"- **Peak memory**: {meta.get('resident', 'parameters and optimizer state')} resident before the step, plus the step's own "
-        "peak above that: on CUDA from the caching allocator (`max_memory_allocated`) over one more step, "
-        "on CPU from the profiler's allocation events in the profiled step.",
+        f"- **Peak memory**: {meta.get('resident', 'parameters and optimizer state')} resident "
+        "before the step, plus the step's own peak above that: on CUDA from the caching "
+        "allocator (`max_memory_allocated`) over one more step, on CPU from the profiler's "
+        "allocation events in the profiled step.",
         "- **FLOPs and MFU**: `torch.utils.flop_counter` over one eager `naive` step at each depth"
         + flop_count_text(meta)
-        + " (matmul-class ops; attention counted over the full T×T, not halved for causality). All "
-        "variants compute the same function, so they share that count. MFU = FLOPs / median step time / "
-        "matmul peak, the peak measured on the spot with square matmuls in the run's dtype by every "
-        "path PyTorch offers here (`torch.mm`, i.e. the BLAS; on CPUs also oneDNN), the fastest taken."
-        + causal_note(rows),
+        + " (matmul-class ops; attention counted over the full T×T, not halved for causality). "
+        "All variants compute the same function, so they share that count. MFU = FLOPs / median "
+        "step time / matmul peak, the peak measured on the spot with square matmuls in the run's "
+        "dtype by every path PyTorch offers here (`torch.mm`, i.e. the BLAS; on CPUs also "
+        "oneDNN), the fastest taken." + causal_note(rows),
         "- **Backend check**: every pinned SDPA cell's trace must contain its backend's ATen op "
         "(and, on CUDA, a kernel whose name matches it); otherwise the cell is marked failed.",
-        "- **Fits**: least squares of each metric against n_layer; the slope is the per-layer cost, "
-        f"± its standard error, which has n − 2 degrees of freedom for n depths ({_interval_text(rows)}). "
+        "- **Fits**: least squares of each metric against n_layer; the slope is the per-layer "
+        "cost, ± its standard error, which has n − 2 degrees of freedom for n depths "
+        f"({_interval_text(rows)}). "
         "Savings are the difference of slopes against naive (a "
         "`+compile` variant's against `naive+compile`), both fitted over the depths the two "
         "measured, ± the "
