@@ -186,58 +186,7 @@ def prepare(
                 return out_dir
             if out_dir.exists():  # not reused: it will be written, before the tokenizer is trained
                 _check_writable(out_dir, out_dir)
-
-            # Arrow files for local corpora are only needed while tokenizing. They are as big as
-            # the corpus, so they go by the output (not to /tmp, which may be a small tmpfs).
-            try:
-                scratch = tempfile.TemporaryDirectory(prefix=".prepare-", dir=out_dir.parent)
-            except OSError as e:
-                raise _cannot_write(out_dir.parent, e, "nothing was changed") from None
-            with scratch as cache_dir:
-                documents = corpus.documents
-                if documents is None:
-                    try:
-                        documents = load_text_files(corpus, Path(cache_dir))
-                    except OSError as e:  # a full disk
-                        raise _cannot_write(Path(cache_dir), e, "nothing was changed") from None
-                texts = itertools.chain.from_iterable(_text_batches(documents))
-                split = split_documents(texts, val_fraction, seed)
-                # Once the documents are known to make a corpus, not before an error about them.
-                say_what_is_replaced(out_dir, settings, corpus.digest)
-                splits = {
-                    "train": documents.select(split.train),
-                    "val": documents.select(split.val),
-                }
-                print(
-                    f"training a {vocab_size}-token byte-level BPE on {len(split.train)} documents"
-                )
-                tokenizer = _train_tokenizer(splits["train"], vocab_size)
-                if tokenizer.get_vocab_size() < vocab_size:
-                    print(
-                        f"note: the tokenizer has {tokenizer.get_vocab_size()} tokens, fewer than "
-                        f"--vocab-size {vocab_size}: the training documents allow no more merges"
-                    )
-                try:
-                    meta = _write_outputs(
-                        out_dir,
-                        tokenizer,
-                        splits,
-                        name,
-                        corpus,
-                        content_sha256,
-                        settings,
-                        split.duplicates,
-                    )
-                except OSError as e:  # a full disk, a folder made read-only meanwhile
-                    # meta.json is removed just before the renames and the new one written last:
-                    # one there now is the old corpus's, whose files are untouched.
-                    if (out_dir / "meta.json").exists():
-                        then = "the corpus there before is as it was"
-                    else:
-                        then = (
-                            "no meta.json describes unfinished files, so the next run redoes them"
-                        )
-                    raise _cannot_write(out_dir, e, then) from None
+            meta = _build(out_dir, name, corpus, settings, content_sha256)
         counts = meta["splits"]
         print(
             f"prepared {out_dir}: vocab {meta['vocab_size']}, "
@@ -245,6 +194,61 @@ def prepare(
             f"val {counts['val']['documents']} docs / {counts['val']['tokens']} tokens"
         )
         return out_dir
+
+
+def _build(
+    out_dir: Path, name: str, corpus: Corpus, settings: dict[str, Any], content_sha256: str
+) -> dict[str, Any]:
+    """Split the documents, train the tokenizer on the train side, and write the corpus
+    folder (meta.json last); its meta.json. Called holding the out-root's lock."""
+    vocab_size = settings["vocab_size"]
+    # Arrow files for local corpora are only needed while tokenizing. They are as big as the
+    # corpus, so they go by the output (not to /tmp, which may be a small tmpfs).
+    try:
+        scratch = tempfile.TemporaryDirectory(prefix=".prepare-", dir=out_dir.parent)
+    except OSError as e:
+        raise _cannot_write(out_dir.parent, e, "nothing was changed") from None
+    with scratch as cache_dir:
+        documents = corpus.documents
+        if documents is None:
+            try:
+                documents = load_text_files(corpus, Path(cache_dir))
+            except OSError as e:  # a full disk
+                raise _cannot_write(Path(cache_dir), e, "nothing was changed") from None
+        texts = itertools.chain.from_iterable(_text_batches(documents))
+        assignment = split_documents(texts, settings["val_fraction"], settings["seed"])
+        # Once the documents are known to make a corpus, not before an error about them.
+        say_what_is_replaced(out_dir, settings, corpus.digest)
+        splits = {
+            "train": documents.select(assignment.train),
+            "val": documents.select(assignment.val),
+        }
+        print(f"training a {vocab_size}-token byte-level BPE on {len(assignment.train)} documents")
+        tokenizer = _train_tokenizer(splits["train"], vocab_size)
+        if tokenizer.get_vocab_size() < vocab_size:
+            print(
+                f"note: the tokenizer has {tokenizer.get_vocab_size()} tokens, fewer than "
+                f"--vocab-size {vocab_size}: the training documents allow no more merges"
+            )
+        try:
+            return _write_outputs(
+                out_dir,
+                tokenizer,
+                splits,
+                name,
+                corpus,
+                content_sha256,
+                settings,
+                assignment.duplicates,
+            )
+        except OSError as e:  # a full disk, a folder made read-only meanwhile
+            # meta.json is removed just before the renames and the new one written last: one
+            # there now is the old corpus's, whose files are untouched.
+            if (out_dir / "meta.json").exists():
+                then = "the corpus there before is as it was"
+            else:
+                then = "no meta.json describes unfinished files, so the next run redoes them"
+            raise _cannot_write(out_dir, e, then) from None
 
 
 def _hub_cache(hub: str, out_dir: Path) -> contextlib.AbstractContextManager[str]:
