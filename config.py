@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-from data.meta import CORPUS_NAME
 from model import GPTConfig
 
 CPU_LINEAR = ("auto", "onednn", "torch")  # see cpu_linear.py
@@ -31,13 +30,6 @@ DTYPES = ("auto", "float32", "tf32", "bfloat16")  # auto: bf16 autocast on CUDA,
 class DataConfig:
     name: str = "stdlib"  # a corpus prepared by data/prepare.py into <root>/<name>/
     root: str = "data"  # folder holding prepared corpora, relative to the working directory
-
-    def __post_init__(self) -> None:
-        if not (isinstance(self.name, str) and CORPUS_NAME.fullmatch(self.name)):
-            raise ValueError(
-                f"data.name={self.name!r}: must be a corpus folder's plain name (letters, "
-                "digits, '.', '_', '-'), under data.root"
-            )
 
 
 @dataclass

@@ -36,6 +36,7 @@ import torch
 
 from checkpoint import describe_os_error
 from config import ConfigError, fields_help, load_config
+from data.meta import CORPUS_NAME, CORPUS_NAME_RULE
 from model import VARIANTS, GPTConfig, unknown_variant
 from profiling.analysis import fits_by_label
 from profiling.compare import comparable, compare_text
@@ -325,6 +326,11 @@ def _sweep_flags(args: argparse.Namespace, overrides: list[str]) -> tuple[list[i
     """The flags of a new sweep checked: its depths, and those whose cells write a trace."""
     if args.diff is not None:
         raise ConfigError("--diff compares two variants of an existing sweep: add --report DIR")
+    if args.data != "synthetic" and not CORPUS_NAME.fullmatch(args.data):
+        raise ConfigError(
+            f"--data={args.data!r}: 'synthetic', or a corpus prepared under data.root by its "
+            f"name, {CORPUS_NAME_RULE}"
+        )
     for override in overrides:
         if override.split("=")[0] in SWEEP_SETS:
             raise ConfigError(SWEEP_SETS[override.split("=")[0]])

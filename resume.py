@@ -17,7 +17,7 @@ from checkpoint import CHECKPOINT, CheckpointError, load_checkpoint, restoring
 from config import Config, ConfigError, TrainConfig
 from cpu_linear import LINEAR_PATHS
 from data.loader import TokenBatches
-from data.meta import DataError, load_meta, rebuild_command
+from data.meta import CORPUS_NAME, DataError, load_meta, rebuild_command
 from model import GPT
 from optim import SCHEDULE_FIELDS, apply_optimizer_settings, lr_at
 
@@ -63,7 +63,7 @@ def corpus_meta(config: Config, out_dir: Path, resume: bool) -> dict[str, Any]:
         return load_meta(config.data.root, config.data.name, config.model.vocab_size)
     except DataError as e:
         tokenizer = out_dir / "tokenizer.json"
-        if not (resume and tokenizer.is_file()):
+        if not (resume and tokenizer.is_file() and CORPUS_NAME.fullmatch(config.data.name)):
             raise
         data_dir = Path(config.data.root) / config.data.name
         # Problem first: a missing corpus's own hint, a stdlib command, makes another one.
@@ -106,7 +106,8 @@ def say_what_resuming_changes(ckpt: dict[str, Any], config: Config, linear: str 
     if dropout_before not in (None, config.model.dropout):
         print(
             f"resuming with model.dropout={config.model.dropout}; the run trained with "
-            f"{dropout_before} so far",
+            f"{dropout_before} so far (dropout holds no weights; the run will not match one "
+            "that never stopped)",
             file=sys.stderr,
         )
     linear_before = ckpt.get("written_by", {}).get("linear")

@@ -18,6 +18,7 @@ EOT = "<|endoftext|>"  # the separator prepare.py puts between documents, a spec
 EOT_ID = 0  # the tokenizer trainer gives special tokens the first ids
 MIN_VOCAB_SIZE = 256 + 1  # a byte-level tokenizer's least: every byte, plus EOT
 CORPUS_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # a plain folder name under data.root
+CORPUS_NAME_RULE = "a plain folder name: a letter or digit, then letters, digits, '.', '_' or '-'"
 
 
 class DataError(RuntimeError):
@@ -25,12 +26,21 @@ class DataError(RuntimeError):
 
 
 def load_meta(root: str | Path, name: str, vocab_size: int | None = None) -> dict[str, Any]:
-    """The corpus's meta.json; the error for a missing one says how to prepare it."""
+    """The corpus's meta.json; the error for a missing one says how to prepare it. `name`
+    must be a plain folder name: a path would read outside `root`, or the root itself."""
+    if not CORPUS_NAME.fullmatch(name):
+        raise DataError(f"data.name={name!r}: a corpus name must be {CORPUS_NAME_RULE}")
     path = Path(root) / name / "meta.json"
     if not path.is_file():
+        too_few = vocab_size is not None and vocab_size < MIN_VOCAB_SIZE
         raise DataError(
             f"no prepared corpus at {path.parent}/{_outside_note(path)} (missing meta.json); "
             f"prepare it first, e.g. {prepare_command(path.parent, vocab_size)}"
+            + (
+                f"; and model.vocab_size={vocab_size} is below the {MIN_VOCAB_SIZE} tokens any "
+                "byte-level tokenizer has: raise it"
+            )
+            * too_few
         )
     try:
         meta = json.loads(path.read_text())
@@ -143,10 +153,10 @@ def check_vocab(meta: dict[str, Any], vocab_size: int, name: str) -> None:
         raise DataError(
             f"model.vocab_size={vocab_size} is smaller than the tokenizer of corpus "
             f"'{name}' ({meta['vocab_size']} tokens): give --model.vocab_size="
-            f"{meta['vocab_size']} or more (a multiple of 64 runs faster)"
+            f"{meta['vocab_size']} or more (a multiple of 64 runs faster"
             + (
-                f", or prepare the corpus with --vocab-size {vocab_size}"
+                f"), or prepare the corpus with --vocab-size {vocab_size}"
                 if vocab_size >= MIN_VOCAB_SIZE
-                else f" (a byte-level tokenizer has at least {MIN_VOCAB_SIZE})"
+                else f"; a byte-level tokenizer has at least {MIN_VOCAB_SIZE})"
             )
         )

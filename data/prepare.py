@@ -100,7 +100,7 @@ from data.corpus import (
     load_text_files,
     stdlib_corpus,
 )
-from data.meta import CORPUS_NAME, EOT, EOT_ID, MIN_VOCAB_SIZE
+from data.meta import CORPUS_NAME, CORPUS_NAME_RULE, EOT, EOT_ID, MIN_VOCAB_SIZE
 from data.store import (
     content_hash,
     file_sha256,
@@ -320,9 +320,7 @@ def _check_arguments(
     if isinstance(files, str):  # a string is a sequence too: of one-character "paths"
         raise PrepareError(f"files={files!r}: give a list of paths or globs, e.g. [{files!r}]")
     if not CORPUS_NAME.fullmatch(name):
-        raise PrepareError(
-            f"--name {name!r} must be a plain folder name (letters, digits, '.', '_', '-')"
-        )
+        raise PrepareError(f"--name {name!r} must be {CORPUS_NAME_RULE}")
     given = [
         kind
         for kind, on in [("stdlib", stdlib), ("files", files is not None), ("hub", hub is not None)]

@@ -163,9 +163,6 @@ BAD = {
         ["model.attention", "bogus", "naive"],
     ),
     "negative-size": (None, ["--model.n_layer=0"], ["model.n_layer"]),
-    # A path, or nothing, would read a corpus outside data.root (or the root itself)
-    "corpus-path": (None, ["--data.name=../data/tiny"], ["data.name='../data/tiny'", "plain name"]),
-    "empty-corpus-name": (None, ["--data.name="], ["data.name=''", "plain name"]),
     "dropout-out-of-range": (None, ["--model.dropout=1.5"], ["model.dropout"]),
     "zero-log-interval": (None, ["--train.log_interval=0"], ["train.log_interval"]),
     "nan-lr": (None, ["--train.lr=nan"], ["train.lr", "finite"]),

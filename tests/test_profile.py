@@ -1229,6 +1229,8 @@ def test_bad_arguments_name_the_problem(tmp_path: Path, capsys: pytest.CaptureFi
         ("--model.n_layer=3", None),  # the sweep sets n_layer itself
         ("--train.compile=true", None),  # --compile decides, per cell
         ("--data.name=stdlib", None),  # --data decides
+        ("--data", "../data/tiny"),  # a path: outside data.root
+        ("--data=", None),
     ]
     for flag, value in bad:
         rc, _ = sweep(tmp_path, "--layers", "1", flag, *([value] if value is not None else []))
