@@ -204,13 +204,15 @@ def run_config(out: Path, config_file: Path | None, overrides: list[str], resume
     saved = out / "config.toml"
     if not resume:
         return load_config(config_file, overrides)
+    # Read before torchrun's process group exists: rank 0 alone says what it resumes with
+    master = int(os.environ.get("RANK", 0)) == 0
     recorded = _recorded_config(out / CHECKPOINT)  # None: no readable run here; open_run says
     if not saved.is_file():
         if not (out / CHECKPOINT).is_file():  # no run here (a mistyped --out): say so first
             raise no_checkpoint(out / CHECKPOINT)
         if recorded is None:
             return load_config(config_file, overrides)
-        if int(os.environ.get("RANK", 0)) == 0:
+        if master:
             print(
                 f"{saved} is missing; resuming with the config {out / CHECKPOINT} records",
                 file=sys.stderr,
@@ -228,7 +230,7 @@ def run_config(out: Path, config_file: Path | None, overrides: list[str], resume
     own = f"{saved}, the run's own config"  # what the run resumes with, as said below
     if stale:
         own = f"the config {out / CHECKPOINT} records"
-        if int(os.environ.get("RANK", 0)) == 0:
+        if master:
             fields = ", ".join(
                 f"{name} = {theirs!r} there, {ours!r} in the checkpoint"
                 for name, ours, theirs in stale
@@ -241,7 +243,7 @@ def run_config(out: Path, config_file: Path | None, overrides: list[str], resume
                 file=sys.stderr,
             )
         config = build_config(recorded, overrides, source=own)
-    if config_file is not None and int(os.environ.get("RANK", 0)) == 0:
+    if config_file is not None and master:
         try:  # --config is read only to say how it differs: its errors do not stop the run
             differ = config_diff(config, load_config(config_file, overrides))
         except ConfigError as e:
