@@ -26,6 +26,17 @@ CPU_LINEAR = ("auto", "onednn", "torch")  # see cpu_linear.py
 DTYPES = ("auto", "float32", "tf32", "bfloat16")  # auto: bf16 autocast on CUDA, fp32 elsewhere
 
 
+NOT_A_DEVICE = "not a device; use auto, cpu, cuda, cuda:N or mps"
+
+
+def parse_device(name: str) -> torch.device | None:
+    """The torch.device `name` spells, or None; whether this machine has it is not asked."""
+    try:
+        return torch.device(name)
+    except RuntimeError:
+        return None
+
+
 @dataclass
 class DataConfig:
     name: str = "stdlib"  # a corpus prepared by data/prepare.py into <root>/<name>/
@@ -124,14 +135,8 @@ class TrainConfig:
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"train.dtype={self.dtype!r}: valid choices: {', '.join(DTYPES)}")
-        if self.device != "auto":
-            try:
-                torch.device(self.device)
-            except RuntimeError:
-                raise ValueError(
-                    f"train.device={self.device!r}: not a device; "
-                    "use auto, cpu, cuda, cuda:N or mps"
-                ) from None
+        if self.device != "auto" and parse_device(self.device) is None:
+            raise ValueError(f"train.device={self.device!r}: {NOT_A_DEVICE}")
 
     def micro_batches(self, world_size: int) -> int:
         """Micro-batches per rank in one optimizer step: grad_accum, or the number that makes

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from config import ConfigError, TrainConfig
+from config import NOT_A_DEVICE, ConfigError, TrainConfig, parse_device
 from model import VARIANTS, get_variant
 
 
@@ -38,12 +38,9 @@ def pick_device(name: str, setting: str = "train.device") -> torch.device:
         if torch.backends.mps.is_available():
             return torch.device("mps")
         return torch.device("cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ConfigError(
-            f"{setting}={name!r}: not a device; use auto, cpu, cuda, cuda:N or mps"
-        ) from None
+    device = parse_device(name)
+    if device is None:
+        raise ConfigError(f"{setting}={name!r}: {NOT_A_DEVICE}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"{setting}={name!r}: CUDA is not available on this machine")
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
