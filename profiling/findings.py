@@ -6,19 +6,8 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from profiling.analysis import (
-    CATEGORIES,
-    OTHER,
-    baselines,
-    describe_diff,
-    kernel_label,
-    label,
-    labels,
-    ok_rows,
-    op_diff,
-    time_split,
-    unnumbered,
-)
+from profiling.analysis import baselines, describe_diff, label, labels, ok_rows, op_diff
+from profiling.names import CATEGORIES, OTHER, kernel_label, time_split, unnumbered
 
 
 def findings(rows: list[dict[str, Any]]) -> list[str]:

@@ -27,16 +27,16 @@ from torch.utils.flop_counter import FlopCounterMode
 from cpu_linear import onednn_unavailable_reason
 from model.attention import AttentionFn
 from model.gpt import CausalSelfAttention
-from profiling.analysis import (
+from profiling.analysis import REGIONS
+from profiling.method import PROFILE_WAIT, PROFILE_WARMUP
+from profiling.names import (
     ATTENTION_CALL,
     OP_NAMESPACES,
     OTHER,
-    REGIONS,
     enclosing_category,
     shares,
     time_category,
 )
-from profiling.method import PROFILE_WAIT, PROFILE_WARMUP
 
 TRACE_WARN_BYTES = 50 * 2**20
 TOP_TIMES = 12  # ops or kernels listed by name in "where the time goes"
@@ -151,7 +151,7 @@ class StepProfile:
     unattributed: Counter = field(default_factory=Counter)
     peak_transient_bytes: int = 0  # CPU: from the profiler's allocation events
     # Where the time goes: CPU self time of each op, and CUDA time of each kernel (us), by name
-    # and by category (analysis.CATEGORIES).
+    # and by category (names.CATEGORIES).
     cpu_self_us: Counter = field(default_factory=Counter)
     device_us: Counter = field(default_factory=Counter)
     cpu_split_us: Counter = field(default_factory=Counter)
@@ -195,7 +195,7 @@ def _categorised(events: list) -> Iterator[tuple[Any, str | None, int, bool]]:
     the Autocast key, then again as it calls the op in the cast dtype): one call, not two.
 
     Events nest by time within their thread. The category is that of the outermost op around
-    the event, itself included, that gives one (analysis.enclosing_category). Backward work
+    the event, itself included, that gives one (names.enclosing_category). Backward work
     goes where its forward op does: an autograd node carries the sequence number, and the
     forward thread, of the event that created it, the last there to start with that number
     (`ToCopyBackward0` of the cast autocast adds inside `aten::softmax` is attention's; a

@@ -2051,7 +2051,7 @@ def test_self_times_match_the_profilers_own() -> None:
     from config import TrainConfig
     from model import GPT, GPTConfig
     from optim import build_optimizer
-    from profiling.analysis import OP_NAMESPACES
+    from profiling.names import OP_NAMESPACES
     from train import train_step
 
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16))
@@ -2186,7 +2186,7 @@ def test_kernel_labels_name_the_operation_and_its_dtype() -> None:
     """Kernel names as an H200 run recorded them (tests/cuda_kernel_names.json, each with the
     label read off by hand): a PyTorch launcher goes by the operation it runs and its dtype,
     other C++ kernels by their unqualified name, plain names unchanged."""
-    from profiling.analysis import kernel_label
+    from profiling.names import kernel_label
 
     names = json.loads((Path(__file__).parent / "cuda_kernel_names.json").read_text())
     assert len(names) >= 16
@@ -2263,8 +2263,9 @@ def _copy_kernel(vec: int, dtype: str = "c10::BFloat16") -> str:
 def test_kernel_findings_merge_launchers_of_one_operation() -> None:
     """One operation launched through two launchers (vectorized or not) is one label in the
     findings: counts add, a net zero drops out; --diff keeps every full name."""
-    from profiling.analysis import describe_diff, kernel_label
+    from profiling.analysis import describe_diff
     from profiling.findings import diff_text
+    from profiling.names import kernel_label
 
     fill = "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, "
     fill += "std::array<char*, 1ul> >(int, at::native::FillFunctor<float>, std::array<char*, 1ul>)"
@@ -2292,7 +2293,7 @@ def test_kernel_findings_merge_launchers_of_one_operation() -> None:
 def test_time_categories_compare_across_variants() -> None:
     """'Where the time goes' puts naive's batched matmuls and softmax in attention, as it does
     SDPA's fused kernel, and every linear-layer path (BLAS, the oneDNN custom op) in linear."""
-    from profiling.analysis import time_category
+    from profiling.names import time_category
 
     for name in ("aten::addmm", "aten::mm", "mkldnn::_linear_pointwise", "cpu_linear::linear"):
         assert time_category(name) == "linear layers", name
