@@ -45,8 +45,8 @@ from profiling.analysis import (
 )
 from profiling.cells import Cell
 from profiling.measure import BACKEND_OPS, count_flops, parse_events, verify_backend
-from profiling.report import headline_table, paired_table
 from profiling.sweep import Sweep
+from profiling.tables import headline_table, paired_table
 from runtime import OtherLoad
 
 TINY = [
@@ -1095,7 +1095,7 @@ def test_a_flat_or_exact_series_fits_exactly() -> None:
 def test_projected_savings_carry_their_standard_error() -> None:
     """The saving at 12/24/48 layers comes with the se of the fitted difference line there,
     s^2 [1 L] (X'X)^-1 [1 L]'; with two depths there is none, and the report says so."""
-    from profiling.report import _projected
+    from profiling.tables import projected
 
     depths, noise = [1, 2, 4, 8], [0.3, -0.5, 0.1, 0.2]
     rows = [timed_row("naive", n, 10 + 5 * n) for n in depths] + [
@@ -1115,12 +1115,12 @@ def test_projected_savings_carry_their_standard_error() -> None:
         assert p["saving"] == pytest.approx((x @ coef).item())
         assert p["saving_se"] == pytest.approx(expected)
         assert p["percent_se"] == pytest.approx(100 * expected / (10 + 5 * layers))
-    assert "±" in _projected(saved["projected"]["48"])
+    assert "±" in projected(saved["projected"]["48"])
 
     two = [r for r in rows if r["n_layer"] in (1, 2)]
     p = savings(two)["sdpa"]["projected"]["48"]
     assert p["saving_se"] is None and p["percent_se"] is None
-    assert _projected(p).endswith("2 depths: no se")
+    assert projected(p).endswith("2 depths: no se")
 
 
 def test_the_headline_gives_the_saving_measured_at_the_deepest_depth() -> None:
@@ -1139,7 +1139,7 @@ def test_the_headline_gives_the_saving_measured_at_the_deepest_depth() -> None:
 def test_what_compiling_buys_pairs_each_variant_with_its_eager_self() -> None:
     """Eager over compiled median at each depth both timed, and the steps whose savings pay
     for the compile; a variant compiled only, or a failed cell, has no line."""
-    from profiling.report import compile_gain
+    from profiling.tables import compile_gain
 
     rows = [
         timed_row("naive", 1, 20.0),
@@ -1162,28 +1162,28 @@ def test_what_compiling_buys_pairs_each_variant_with_its_eager_self() -> None:
 
 
 def test_a_standard_error_below_the_shown_precision_does_not_read_as_exact() -> None:
-    from profiling.report import _pm, _projected
+    from profiling.tables import _pm, projected
 
     assert _pm(8.22, 0.004) == "8.22 ± <0.01"
     assert _pm(8.22, 0.006) == "8.22 ± 0.01"
     assert _pm(3.0, 0.0) == "3.00 ± 0"  # an exact fit, as op counts have
     p = {"saving": 280.2, "saving_se": 0.04, "percent": 67.0, "percent_se": 0.01}
-    assert _projected(p) == "+280.2 ± <0.1 ms (+67.0 ± <0.1%)"
+    assert projected(p) == "+280.2 ± <0.1 ms (+67.0 ± <0.1%)"
 
 
 def test_a_projection_through_a_line_below_zero_is_not_a_saving() -> None:
     """Noisy fits over few depths can cross zero before 48 layers: no percentage of that."""
-    from profiling.report import _projected
+    from profiling.tables import projected
 
     rows = [timed_row("naive", n, 25 + 5 * n) for n in (1, 2, 4)] + [
         timed_row("sdpa", n, t) for n, t in ((1, 20.0), (2, 19.0), (4, 18.0))
     ]
-    projected = savings(rows)["sdpa"]["projected"]
-    assert projected["12"]["saving"] is not None  # naive's line is still above zero there
-    p = projected["48"]  # sdpa's line: 20.5 - 0.64 n, below zero
+    by_depth = savings(rows)["sdpa"]["projected"]
+    assert by_depth["12"]["saving"] is not None  # naive's line is still above zero there
+    p = by_depth["48"]  # sdpa's line: 20.5 - 0.64 n, below zero
     assert p["saving"] is None and p["percent"] is None
     assert p["why_none"].startswith("sdpa's fitted step_ms is -")
-    assert _projected(p).startswith("n/a: sdpa's fitted step_ms")
+    assert projected(p).startswith("n/a: sdpa's fitted step_ms")
 
 
 def test_causal_mfu_is_called_a_convention() -> None:
@@ -2819,7 +2819,8 @@ def test_report_details_follow_the_cells_that_measured() -> None:
     """Degrees of freedom count the depths that measured; a compiled saving fitted over fewer
     depths names the baseline it is against, naive+compile."""
     from profiling.analysis import baselines
-    from profiling.report import _fewer_depths, _interval_text
+    from profiling.report import _interval_text
+    from profiling.tables import _fewer_depths
 
     def oom(row: dict) -> dict:
         return {**row, "status": "oom", "step_ms": None}
