@@ -39,22 +39,26 @@ def next_token(
     # Masked-out ids (-inf) stay -inf, where an infinite temperature would make NaN.
     scaled = (shifted / temperature).masked_fill(shifted.isneginf(), float("-inf"))
     # The likeliest are chosen by the model's scores, not the scaled ones: a huge temperature
-    # ties them all at 0, and top_k or top_p would then keep any.
+    # ties them all at 0, and top_k or top_p would then keep any. Of tokens tied in score (bf16
+    # scores tie often), the lower id ranks first, as argmax picks it: top_k keeps exactly k,
+    # and top_k=1 is greedy.
+    cut_p = top_p is not None and top_p < 1
+    if top_k is not None or cut_p:
+        order = shifted.argsort(dim=-1, descending=True, stable=True)
     if top_k is not None:
-        kth = torch.topk(shifted, min(top_k, shifted.size(-1))).values[:, [-1]]
-        scaled = scaled.masked_fill(shifted < kth, float("-inf"))
+        drop = torch.ones_like(scaled, dtype=torch.bool).scatter_(-1, order[:, :top_k], False)
+        scaled = scaled.masked_fill(drop, float("-inf"))
     probs = F.softmax(scaled, dim=-1)
-    if top_p is not None and top_p < 1:
-        probs = nucleus(probs, top_p, shifted)
+    if cut_p:
+        probs = nucleus(probs, top_p, order)
     return torch.multinomial(probs, num_samples=1, generator=generator)
 
 
-def nucleus(probs: Tensor, top_p: float, scores: Tensor) -> Tensor:
+def nucleus(probs: Tensor, top_p: float, order: Tensor) -> Tensor:
     """probs (B, V) cut to the fewest likeliest tokens whose mass reaches top_p (the likeliest
-    is always kept); multinomial renormalises what is left. Likeliest by scores (B, V), which
-    order the tokens as probs do but without the ties a huge temperature makes."""
-    # Stable: of tokens tied at the cut, the same ones are kept on every device.
-    order = scores.argsort(dim=-1, descending=True, stable=True)
+    is always kept); multinomial renormalises what is left. order (B, V) ranks the ids from
+    likeliest, by the model's scores: they order the tokens as probs do but without the ties a
+    huge temperature makes, and a stable sort keeps the same tokens on every device."""
     sorted_probs = probs.gather(-1, order)
     # Drop a token when the mass before it already reaches top_p.
     drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from model import GPT, VARIANTS, GPTConfig
 from model.attention import inplace, naive
-from model.sampling import nucleus
+from model.sampling import next_token, nucleus
 from runtime import VariantUnavailable, available_variants, check_variant, unavailable_reason
 
 CPU_F64 = available_variants("cpu", torch.float64, head_size=8)
@@ -407,7 +407,7 @@ def test_nucleus_keeps_the_fewest_likeliest_tokens_reaching_top_p(
         if kept is None
         else torch.empty(4).scatter_(0, torch.tensor(order), torch.tensor(kept))[None]
     )
-    assert torch.equal(nucleus(unsorted, top_p, unsorted.log()), expected)
+    assert torch.equal(nucleus(unsorted, top_p, torch.tensor([order])), expected)
 
 
 def test_generate_top_p() -> None:
@@ -444,6 +444,19 @@ def test_top_k_and_top_p_keep_the_likeliest_at_any_temperature(temperature: floa
     assert torch.equal(sample(temperature=temperature, top_k=1), greedy)
     assert torch.equal(sample(temperature=temperature, top_p=0.005), greedy)  # 1/97 > 0.005
     assert not torch.equal(sample(temperature=temperature, top_k=2), greedy)
+
+
+@pytest.mark.parametrize(("top_k", "kept"), [(1, {1}), (2, {1, 3}), (3, {1, 3, 4})])
+def test_top_k_keeps_exactly_k_when_scores_tie(top_k: int, kept: set[int]) -> None:
+    """bf16 scores tie often. Ties at the k-th score go to the lower id, as argmax breaks them:
+    exactly k ids can be drawn, and top_k=1 is greedy."""
+    logits = torch.tensor([[0.0, 2.0, 1.0, 2.0, 2.0, 2.0]])  # ids 1, 3, 4, 5 tie for first
+    drawn = {
+        next_token(logits, 1.0, top_k, None, torch.Generator().manual_seed(seed)).item()
+        for seed in range(200)
+    }
+    assert drawn == kept
+    assert next_token(logits, 0.0, None, None, None).item() == 1
 
 
 def test_generate_stops_once_every_row_sampled_the_stop_id() -> None:
