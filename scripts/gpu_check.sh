@@ -8,7 +8,7 @@
 #   3. the report, results.json, plots and traces, in OUT_DIR, and all of it in
 #      OUT_DIR/gpu_check.tar.gz.
 # Uses whatever python3 has torch (PYTHON=... to choose); needs no network, no prepared corpus
-# and no `datasets`. If the machine's python lacks tqdm/pytest/matplotlib, point WHEELS at a
+# and no `datasets`. If the machine's python lacks tqdm/pytest/matplotlib/numpy, point WHEELS at a
 # folder of wheels (make gpu-wheels GPU_PY=<its version>) and they are installed from there,
 # offline, into a folder on PYTHONPATH (a system Python may refuse pip installs into itself).
 #
