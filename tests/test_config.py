@@ -177,6 +177,8 @@ BAD = {
     "float16": (None, ["--train.dtype=float16"], ["train.dtype", "bfloat16"]),
     "bogus-device": (None, ["--train.device=bogus"], ["train.device"]),
     "beta-of-one": (None, ["--train.beta2=1.0"], ["train.beta2"]),
+    "negative-beta1": (None, ["--train.beta1=-0.1"], ["train.beta1", "[0, 1)"]),
+    "zero-max-steps": (None, ["--train.max_steps=0"], ["train.max_steps=0", ">= 1"]),
     "global-batch-not-whole-micro-batches": (
         None,
         ["--train.batch_size=16", "--train.global_batch_size=40"],

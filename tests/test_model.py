@@ -505,8 +505,14 @@ def test_generate_vocab_limit_samples_only_ids_the_tokenizer_has() -> None:
     for kwargs in ({"temperature": 1.0}, {"temperature": 1.0, "top_k": 50}, {"temperature": 0}):
         limited = model.generate(prompt, 30, vocab_limit=10, **kwargs)
         assert int(limited.max()) < 10, kwargs
-    with pytest.raises(ValueError, match="vocab_limit=98"):
-        model.generate(prompt, 1, vocab_limit=98)
+    # A tokenizer as large as the model's vocabulary: every id, as without a limit
+    assert torch.equal(
+        model.generate(prompt, 5, temperature=0, vocab_limit=97),
+        model.generate(prompt, 5, temperature=0),
+    )
+    for bad in (0, 98):
+        with pytest.raises(ValueError, match=f"vocab_limit={bad}"):
+            model.generate(prompt, 1, vocab_limit=bad)
 
 
 def test_generate_draws_the_first_token_among_first_allowed_only() -> None:

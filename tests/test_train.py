@@ -5,6 +5,7 @@ Runs go through `train.main` in-process; only SIGTERM and torchrun need a subpro
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import errno
 import itertools
@@ -984,6 +985,17 @@ def test_save_rewords_only_a_failed_write(tmp_path: Path, monkeypatch: pytest.Mo
     assert not list(tmp_path.iterdir()), "no file left behind"
 
 
+def test_a_rewritten_file_keeps_its_mode(tmp_path: Path) -> None:
+    """A checkpoint or config.toml made private stays private when the next save replaces it
+    (the new file is a temporary one renamed over it)."""
+    path = tmp_path / "ckpt.pt"
+    checkpoint.write_atomically(path, lambda f: f.write(b"one"))
+    path.chmod(0o600)
+    checkpoint.write_atomically(path, lambda f: f.write(b"two"))
+    assert path.read_bytes() == b"two"
+    assert path.stat().st_mode & 0o777 == 0o600
+
+
 def test_a_second_process_on_a_run_in_progress_is_refused(
     data_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
@@ -1223,6 +1235,23 @@ def test_resume_of_a_finished_run_changes_nothing(
     assert run(data_root, out, *SHARED_OVERRIDES, "--resume") == 0
     assert "is complete" in capsys.readouterr().out
     assert {name: (out / name).read_bytes() for name in before} == before
+
+
+def test_a_sample_is_printed_once_when_the_run_reaches_its_end(
+    data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Not after a --stop-after split, not when a finished run is resumed: only on the step
+    that ends the run, so a split-and-resumed run prints one sample, as an unbroken one does."""
+    out = tmp_path / "run"
+    argv = ["--train.max_steps=3", "--train.eval_interval=0", "--train.sample_tokens=3"]
+    for extra, sampled in (
+        (["--stop-after", "2"], False),
+        (["--resume"], True),
+        (["--resume"], False),
+    ):
+        assert run(data_root, out, *argv, *extra) == 0
+        assert ("--- sample from" in capsys.readouterr().out) == sampled, extra
+    assert load_ckpt(out)["step"] == 3
 
 
 def test_resume_without_config_continues_with_the_runs_own_config(
@@ -2358,9 +2387,13 @@ def test_train_step_clips_the_update_and_reports_the_norm_before() -> None:
     norm = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
     model.zero_grad()
     assert norm > 1e-2
-    result, update = sgd_step(model, [(x, y)], clip=1e-2)
+    result, update = sgd_step(copy.deepcopy(model), [(x, y)], clip=1e-2)
     assert result.grad_norm == pytest.approx(norm.item(), rel=1e-5)
     assert update.norm().item() == pytest.approx(1e-2, rel=1e-4)
+    # grad_clip=0 turns clipping off: the whole gradient, and no norm computed
+    result, update = sgd_step(model, [(x, y)], clip=0.0)
+    assert result.grad_norm is None
+    assert update.norm().item() == pytest.approx(norm.item(), rel=1e-5)
 
 
 def test_train_step_clips_where_the_device_has_no_multi_tensor_norm(
