@@ -34,7 +34,7 @@ import profile_train
 import runtime
 from config import load_config
 from cpu_linear import onednn_unavailable_reason
-from model import attention
+from model import GPT, attention
 from profiling.analysis import (
     fit_line,
     fits_by_label,
@@ -196,6 +196,7 @@ def test_results_json_contract(naive_vs_inplace: dict) -> None:
     assert meta["other_cpu_share"] is None or 0 <= meta["other_cpu_share"] <= 1
     rows = naive_vs_inplace["rows"]
     assert len(rows) == 9
+    config = load_config(ROOT / "configs" / "profile.toml", TINY)
     for row in rows:
         assert row["status"] == "ok", row["reason"]
         for key in (
@@ -218,7 +219,12 @@ def test_results_json_contract(naive_vs_inplace: dict) -> None:
         assert statistics.median(row["times_ms"]) == pytest.approx(row["step_ms"]["median"])
         assert set(row["ops_per_step"]) == {"forward", "backward", "optimizer"}
         assert row["kernels_per_step"] is None  # CPU
-        assert 0 < row["mfu"] < 1 and row["peak_mem_bytes"] > 0
+        # Counted FLOPs over the median step, against the peak (the higher of its two readings)
+        seconds = row["step_ms"]["median"] / 1e3
+        assert row["mfu"] == pytest.approx(row["flops_per_step"] / seconds / meta["peak_flops"])
+        # fp32 parameters, AdamW's two moments and, during the step, the gradients: 4 x 4 bytes
+        model = GPT(dataclasses.replace(config.model, n_layer=row["n_layer"]))
+        assert row["peak_mem_bytes"] > 16 * sum(p.numel() for p in model.parameters())
         assert row["page_faults_per_step"] >= 0
         assert row["compiles_while_timed"] == 0
         assert row["allocator_calls_per_step"] is None and row["alloc_retries"] is None  # CPU
@@ -1646,6 +1652,20 @@ def test_meta_flop_count_equals_a_real_naive_steps(
         assert set(ran_on) == {"meta"}
         # Attention's T x T products: 12 B T^2 C per layer and micro-batch (B=2, T=32, C=32).
         assert real["aten.bmm"] == 2 * 12 * 2 * 32**2 * 32 * n_layer
+
+
+def test_synthetic_batches_train_on_the_next_token(tmp_path: Path) -> None:
+    """--data synthetic: random tokens, but each target is the next input token, as in a
+    corpus's batches, with grad_accum micro-batches per step that differ."""
+    flags = [*TINY, "--train.grad_accum=2"]
+    args, overrides = profile_train.parse_args(
+        ["--config", str(ROOT / "configs" / "profile.toml"), "--out", str(tmp_path), *flags]
+    )
+    s = Sweep(load_config(args.config, overrides), profile_train.sweep_options(args))
+    assert all(len(step) == 2 for step in s.batches)
+    (x, y), (x2, _) = s.batches[0]
+    assert x.shape == y.shape == (2, 32) and not torch.equal(x, x2)
+    assert torch.equal(x[:, 1:], y[:, :-1]) and not torch.equal(x, y)
 
 
 def test_flops_do_not_need_naive_to_fit(
