@@ -1405,15 +1405,19 @@ def test_step_time_excludes_evaluation(
 ) -> None:
     """Neither an evaluating step nor the step after it logs the evaluation's time."""
     real = train.evaluate
+    calls = []
 
     def slow_evaluate(*args: Any, **kwargs: Any) -> float:
-        time.sleep(1.5)  # two per evaluation (val, train_eval): 3 s, whatever the load
+        calls.append(None)
+        if len(calls) in (3, 4):  # step 3's evaluation (val, train): 3 s, whatever the load
+            time.sleep(1.5)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(train, "evaluate", slow_evaluate)
     out = tmp_path / "run"
     evals = ["--train.eval_interval=3", "--train.eval_batches=1", "--train.max_steps=5"]
     assert run(data_root, out, *evals) == 0
+    assert len(calls) == 6  # steps 0, 3 and 5 evaluate, two calls each
     ms = {r["step"]: r["ms_per_step"] for r in train_lines(out)}
     # Step 3 evaluates and 4 follows (not 1 or 2: a loaded machine's first steps are slow);
     # a step of this model takes milliseconds, an evaluation here 3 s.
