@@ -6,6 +6,7 @@ Imports only the standard library, so it runs where `datasets` and `tokenizers` 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shlex
@@ -47,16 +48,30 @@ def load_meta(root: str | Path, name: str, vocab_size: int | None = None) -> dic
         # What a run reads from it: token and byte counts, the tokenizer's size and hash.
         counts = [meta["splits"][s][k] for s in ("train", "val") for k in ("tokens", "bytes")]
         counts += [meta["vocab_size"], len(meta["tokenizer_sha256"])]
+    except OSError as e:
+        raise DataError(f"cannot read {path} ({e.strerror or e})") from None
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
         raise DataError(
             f"{path} is damaged ({type(e).__name__}: {e}); {rebuild_hint(path.parent)}"
         ) from None
     if not all(isinstance(n, int) and n >= 0 for n in counts):
         raise DataError(f"{path} is damaged (counts {counts}); {rebuild_hint(path.parent)}")
-    if not (path.parent / "tokenizer.json").is_file():
+    tokenizer = path.parent / "tokenizer.json"
+    if not tokenizer.is_file():
         raise DataError(
             f"{path.parent}/ has no tokenizer.json (a corpus folder copied in part?): copy it "
             f"whole, or {rebuild_hint(path.parent)}"
+        )
+    # A run copies it to decode its samples: one damaged here would be copied over its good one.
+    try:
+        digest = hashlib.sha256(tokenizer.read_bytes()).hexdigest()
+    except OSError as e:
+        raise DataError(f"cannot read {tokenizer} ({e.strerror or e})") from None
+    if digest != meta["tokenizer_sha256"]:
+        raise DataError(
+            f"{tokenizer} is not the tokenizer {path.name} records (sha256 {digest[:12]}, "
+            f"not {str(meta['tokenizer_sha256'])[:12]}): it is damaged or was replaced; "
+            + rebuild_hint(path.parent)
         )
     return meta
 

@@ -1436,6 +1436,7 @@ def test_step_time_excludes_evaluation(
         ("meta.json cut short", "meta.json is damaged (JSONDecodeError"),
         ("meta.json without splits", "meta.json is damaged (KeyError"),
         ("tokenizer.json deleted", "has no tokenizer.json"),
+        ("tokenizer.json cut short", "tokenizer.json is not the tokenizer meta.json records"),
     ],
 )
 def test_a_damaged_corpus_is_an_error_naming_the_file(
@@ -1453,6 +1454,8 @@ def test_a_damaged_corpus_is_an_error_naming_the_file(
             (corpus / "train.bin").unlink()
         case "tokenizer.json deleted":
             (corpus / "tokenizer.json").unlink()
+        case "tokenizer.json cut short":
+            (corpus / "tokenizer.json").write_text('{"trunc')
         case "meta.json cut short":
             meta.write_text(meta.read_text()[:40])
         case "meta.json without splits":
@@ -1473,6 +1476,19 @@ def test_a_damaged_corpus_is_an_error_naming_the_file(
             f"--out-root {root}"
         ) in err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_resume_never_copies_a_damaged_tokenizer_over_the_runs_own(
+    base_run: Path, data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = Path(shutil.copytree(data_root, tmp_path / "root"))
+    (root / "tiny" / "tokenizer.json").write_text('{"trunc')
+    out = copy_run(base_run, tmp_path / "run")
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    argv = [f"--data.root={root}", f"--train.max_steps={STEPS + 2}", "--resume"]
+    assert run(data_root, out, *argv) == 2
+    assert "tokenizer.json is not the tokenizer meta.json records" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
 
 
 def test_missing_corpus_hints_at_prepare(
