@@ -245,6 +245,7 @@ def token_batches(
             world_size,
             expected_tokens=meta["splits"][split]["tokens"],
             whole_batches=split == "train",
+            vocab_size=meta["vocab_size"],
         )
         # "train_eval": fixed windows of the train split, evaluated beside val so the gap
         # between the two (overfitting) shows; "train" is the sampler the steps draw from.

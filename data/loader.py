@@ -33,10 +33,13 @@ class TokenBatches:
         world_size: int = 1,
         expected_tokens: int | None = None,
         whole_batches: bool = True,
+        vocab_size: int | None = None,
     ) -> None:
         """`expected_tokens`: what meta.json says the file holds; checked against its size.
         `whole_batches`: refuse a batch of more tokens than the file holds (a typo, in the
-        split training draws from; the windows of a small val split may overlap)."""
+        split training draws from; the windows of a small val split may overlap).
+        `vocab_size`: the tokenizer's; a batch holding an id at or above it is an error (a file
+        of the right size but damaged), where the embedding would fail with an IndexError."""
         problem = token_file_problem(path, expected_tokens)
         if problem is not None:
             raise DataError(f"{problem}; {rebuild_hint(path.parent)}")
@@ -56,7 +59,7 @@ class TokenBatches:
             )
         self.block_size, self.batch_size = block_size, batch_size
         self.rank, self.world_size, self.device = rank, world_size, device
-        self.seed = seed
+        self.seed, self.vocab_size, self.path = seed, vocab_size, path
         self.generator = torch.Generator().manual_seed(seed)
 
     def next(self) -> tuple[Tensor, Tensor]:
@@ -64,6 +67,12 @@ class TokenBatches:
         starts = torch.randint(len(self.tokens) - self.block_size, (n,), generator=self.generator)
         starts = starts[self.rank * self.batch_size : (self.rank + 1) * self.batch_size].tolist()
         rows = np.stack([self.tokens[s : s + self.block_size + 1] for s in starts]).astype(np.int64)
+        if self.vocab_size is not None and rows.max() >= self.vocab_size:  # microseconds, on host
+            row, col = np.unravel_index(rows.argmax(), rows.shape)
+            raise DataError(
+                f"{self.path} is damaged: token {starts[row] + col:,} is id {rows[row, col]}, "
+                f"beyond its tokenizer's {self.vocab_size} ids; {rebuild_hint(self.path.parent)}"
+            )
         xy = torch.from_numpy(rows)
         if self.device.type == "cuda":
             xy = xy.pin_memory().to(self.device, non_blocking=True)

@@ -199,6 +199,7 @@ class Sweep:
             tc.seed,
             self.device,
             expected_tokens=meta["splits"]["train"]["tokens"],
+            vocab_size=meta["vocab_size"],
         )
         return [[source.next() for _ in range(tc.grad_accum)] for _ in range(BATCH_POOL)]
 

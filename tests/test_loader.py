@@ -75,3 +75,16 @@ def test_a_batch_larger_than_the_file_is_refused_where_training_draws_from_it(
         TokenBatches(tokens, T, batch_size=7, seed=0, device=CPU)
     x, y = TokenBatches(tokens, T, batch_size=7, seed=0, device=CPU, whole_batches=False).next()
     assert x.shape == (7, T) and torch.equal(y, x + 1)
+
+
+def test_an_id_beyond_the_tokenizer_is_an_error_naming_the_file_and_token(tokens: Path) -> None:
+    """A file of the right size can still be damaged: an id the tokenizer does not have would
+    fail in the embedding with an IndexError, or on a GPU with a device-side assert."""
+    assert TokenBatches(tokens, T, 4, 0, CPU, vocab_size=N).next()  # ids 0..49: all fine
+    damaged = np.arange(N, dtype=np.uint16)
+    damaged[20] = 60000
+    damaged.tofile(tokens)
+    batches = TokenBatches(tokens, T, batch_size=4, seed=0, device=CPU, vocab_size=N)
+    with pytest.raises(DataError, match=r"train\.bin is damaged: token 20 is id 60000, beyond"):
+        for _ in range(50):  # until a window covers token 20
+            batches.next()

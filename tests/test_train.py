@@ -1437,6 +1437,7 @@ def test_step_time_excludes_evaluation(
         ("meta.json without splits", "meta.json is damaged (KeyError"),
         ("tokenizer.json deleted", "has no tokenizer.json"),
         ("tokenizer.json cut short", "tokenizer.json is not the tokenizer meta.json records"),
+        ("train.bin holding an id beyond the tokenizer", "is id 60000, beyond its tokenizer's"),
     ],
 )
 def test_a_damaged_corpus_is_an_error_naming_the_file(
@@ -1456,6 +1457,10 @@ def test_a_damaged_corpus_is_an_error_naming_the_file(
             (corpus / "tokenizer.json").unlink()
         case "tokenizer.json cut short":
             (corpus / "tokenizer.json").write_text('{"trunc')
+        case "train.bin holding an id beyond the tokenizer":
+            ids = np.fromfile(corpus / "train.bin", dtype=np.uint16)
+            ids[::20] = 60000  # in every window: the right size, but damaged
+            ids.tofile(corpus / "train.bin")
         case "meta.json cut short":
             meta.write_text(meta.read_text()[:40])
         case "meta.json without splits":
@@ -1475,7 +1480,9 @@ def test_a_damaged_corpus_is_an_error_naming_the_file(
             f"--files {' '.join(map(shlex.quote, patterns))} --vocab-size 512 --val-fraction 0.1 --seed 0 "
             f"--out-root {root}"
         ) in err
-    assert not (tmp_path / "run").exists()
+    # Found where a batch reads it (the file is not read whole before): no checkpoint saved.
+    after_start = damage.startswith("train.bin holding")
+    assert not (tmp_path / "run" / ("ckpt.pt" if after_start else "")).exists()
 
 
 def test_a_resume_never_copies_a_damaged_tokenizer_over_the_runs_own(
