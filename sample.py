@@ -99,11 +99,16 @@ def load_run(
         raise CheckpointError(f"{config_path} does not match {ckpt_path}: {diff}")
     # Another tokenizer.json would decode the same ids into other text, without an error.
     trained_with = ckpt.get("tokenizer_sha256")
-    if trained_with is not None and file_sha256(tokenizer_path) != trained_with:
+    try:
+        tokenizer_hash = file_sha256(tokenizer_path)
+    except OSError as e:
+        raise SampleError(f"cannot read {tokenizer_path} ({e.strerror or e})") from None
+    if trained_with is not None and tokenizer_hash != trained_with:
         corpus = Path(config.data.root) / config.data.name / "tokenizer.json"
         raise CheckpointError(
             f"{tokenizer_path} is not the tokenizer {ckpt_path} was trained with (sha256 "
-            f"{trained_with[:12]}); copy that corpus's back (it was {corpus}, if unchanged since)"
+            f"{str(trained_with)[:12]}); copy that corpus's back (it was {corpus}, if unchanged "
+            "since)"
         )
     if dtype is not None:
         config = replace(config, train=replace(config.train, dtype=dtype))
@@ -133,6 +138,10 @@ def load_run(
     model = GPT(config.model)
     with restoring(ckpt_path, "model"):
         model.load_state_dict(ckpt["model"])
+    # train.py never saves them (it stops at the first NaN): edited, or written by another program
+    broken = [name for name, t in model.state_dict().items() if not t.isfinite().all()]
+    if broken:
+        raise CheckpointError(f"{ckpt_path} holds NaN or infinite weights, in {broken[0]}")
     return model.to(device).eval(), Tokenizer.from_file(str(tokenizer_path)), config
 
 
@@ -160,6 +169,10 @@ def sample_run(
     dev = pick_device(device, device_setting)
     if dtype == "tf32" and dev.type != "cuda":  # before the checkpoint is read
         raise SampleError(f"--dtype tf32: TF32 is a CUDA mode, and this samples on {dev}")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:  # a shell's undecodable bytes, as surrogates
+        raise SampleError(f"--prompt {prompt!r} is not UTF-8 text ({e.reason})") from None
     model, tokenizer, config = load_run(run_dir, dev, attention, dtype)
     ids = tokenizer.encode(prompt).ids
     if not ids:

@@ -458,6 +458,34 @@ def test_sample_with_another_tokenizer_json_is_an_error(
     assert f"{out / 'tokenizer.json'} is not the tokenizer" in err
 
 
+@pytest.mark.parametrize("damage", ["NaN weights", "unreadable tokenizer", "sha256 not a string"])
+def test_sample_from_a_damaged_run_is_an_error_naming_the_file(
+    base_run: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    damage: str,
+) -> None:
+    out = copy_run(base_run, tmp_path / "run")
+    ckpt = torch.load(out / checkpoint.CHECKPOINT, weights_only=True)
+    match damage:
+        case "NaN weights":
+            ckpt["model"]["lm_head.weight"][0, 0] = math.nan
+            named = f"{out / 'ckpt.pt'} holds NaN or infinite weights, in "
+        case "unreadable tokenizer":  # as chmod 000 would, which root is not held to
+            denied = PermissionError(errno.EACCES, "Permission denied")
+            monkeypatch.setattr(sample, "file_sha256", Mock(side_effect=denied))
+            named = f"cannot read {out / 'tokenizer.json'} (Permission denied)"
+        case "sha256 not a string":
+            ckpt["tokenizer_sha256"] = 7
+            named = f"{out / 'tokenizer.json'} is not the tokenizer"
+    torch.save(ckpt, out / checkpoint.CHECKPOINT)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert sample.main(["--run", str(out), "--tokens", "3"]) == 2
+    assert named in error_of(capsys.readouterr().err)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
 @pytest.mark.parametrize(("edit", "named"), [("n_layer = 3", "n_layer"), ("n_head = 1", "n_head")])
 def test_sample_with_a_config_toml_edited_after_training_is_an_error(
     base_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], edit: str, named: str
@@ -2065,6 +2093,10 @@ def test_sample_longer_than_the_context(base_run: Path, capsys: pytest.CaptureFi
         (["--temperature", "nan"], "--temperature"),
         (["--device", "cuda:x"], "--device"),
         (["--seed", str(2**64)], "--seed"),
+        (
+            ["--prompt", "ab\udcff"],
+            "--prompt 'ab\\udcff' is not UTF-8 text",
+        ),  # bytes a shell passed
     ],
 )
 def test_sample_bad_arguments_name_the_flag(
