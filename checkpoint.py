@@ -179,15 +179,20 @@ def load_checkpoint(path: Path, needs: tuple[str, ...] = KEYS) -> dict[str, Any]
             f"checkpoint {path} was not written by this project's train.py "
             f"(missing: {', '.join(missing)})"
         )
-    # The plain entries are checked here; the model, optimizer, data and RNG states when
-    # they are restored (see `restoring`).
+    # The plain entries are checked here, wherever present (an edited one would fail deep in
+    # the resume); the model, optimizer, data and RNG states when they are restored (see
+    # `restoring`).
     plain = {
         "step": lambda v: type(v) is int and v >= 0,
         "tokenizer_sha256": lambda v: isinstance(v, str),
-        "config": lambda _: _saved_model_config(ckpt) is not None,
+        "config": lambda v: (
+            _saved_model_config(ckpt) is not None
+            and all(isinstance(section, dict) for section in v.values())
+        ),
+        "written_by": lambda v: isinstance(v, dict),
     }
     for entry, valid in plain.items():
-        if entry in needs and not valid(ckpt[entry]):
+        if isinstance(ckpt, dict) and entry in ckpt and not valid(ckpt[entry]):
             raise _not_ours(path, entry, repr(ckpt[entry])[:60])
     return ckpt
 

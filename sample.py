@@ -107,8 +107,7 @@ def load_run(
         corpus = Path(config.data.root) / config.data.name / "tokenizer.json"
         raise CheckpointError(
             f"{tokenizer_path} is not the tokenizer {ckpt_path} was trained with (sha256 "
-            f"{str(trained_with)[:12]}); copy that corpus's back (it was {corpus}, if unchanged "
-            "since)"
+            f"{trained_with[:12]}); copy that corpus's back (it was {corpus}, if unchanged since)"
         )
     if dtype is not None:
         config = replace(config, train=replace(config.train, dtype=dtype))

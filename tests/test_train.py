@@ -478,7 +478,7 @@ def test_sample_from_a_damaged_run_is_an_error_naming_the_file(
             named = f"cannot read {out / 'tokenizer.json'} (Permission denied)"
         case "sha256 not a string":
             ckpt["tokenizer_sha256"] = 7
-            named = f"{out / 'tokenizer.json'} is not the tokenizer"
+            named = "its 'tokenizer_sha256' entry is not what train.py writes (7)"
     torch.save(ckpt, out / checkpoint.CHECKPOINT)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     assert sample.main(["--run", str(out), "--tokens", "3"]) == 2
@@ -528,6 +528,8 @@ def test_sample_takes_a_config_toml_whose_attention_differs_from_the_checkpoints
         "step",
         "tokenizer_sha256",
         "config.model",
+        "config.train",
+        "written_by",
     ],
 )
 def test_checkpoint_with_our_keys_but_other_contents_is_an_error(
@@ -540,6 +542,10 @@ def test_checkpoint_with_our_keys_but_other_contents_is_an_error(
         ckpt["step"] = "5"
     elif damage == "config.model":
         ckpt["config"]["model"] = None
+    elif damage == "config.train":
+        ckpt["config"]["train"] = [1]
+    elif damage == "written_by":
+        ckpt["written_by"] = "x"
     elif damage == "tokenizer_sha256":
         ckpt["tokenizer_sha256"] = None
     elif damage == "optimizer.state":  # loads, but would restart AdamW's moments
