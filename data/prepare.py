@@ -78,6 +78,7 @@ import hashlib
 import itertools
 import math
 import os
+import signal
 import sys
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
@@ -107,8 +108,10 @@ from data.store import (
     is_complete,
     one_at_a_time,
     record_source,
+    remove_stale_scratch,
     remove_stale_temporaries,
     say_what_is_replaced,
+    scratch_folder,
     sync,
     write_json_atomic,
 )
@@ -180,6 +183,7 @@ def prepare(
         except OSError as e:
             raise _cannot_write(out_dir, e, "give another --out-root") from None
         with one_at_a_time(out_dir.parent):
+            remove_stale_scratch(out_dir.parent)
             if is_complete(out_dir, content_sha256):
                 print(f"reusing {out_dir}: inputs and settings unchanged ({content_sha256[:12]})")
                 record_source(out_dir, corpus.source)
@@ -205,7 +209,7 @@ def _build(
     # Arrow files for local corpora are only needed while tokenizing. They are as big as the
     # corpus, so they go by the output (not to /tmp, which may be a small tmpfs).
     try:
-        scratch = tempfile.TemporaryDirectory(prefix=".prepare-", dir=out_dir.parent)
+        scratch = scratch_folder(out_dir.parent)
     except OSError as e:
         raise _cannot_write(out_dir.parent, e, "nothing was changed") from None
     with scratch as cache_dir:
@@ -261,7 +265,7 @@ def _hub_cache(hub: str, out_dir: Path) -> contextlib.AbstractContextManager[str
         return contextlib.nullcontext(str(out_dir / HF_CACHE_DIR))
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
-        return tempfile.TemporaryDirectory(prefix=".prepare-", dir=out_dir.parent)
+        return scratch_folder(out_dir.parent)
     except OSError:
         return tempfile.TemporaryDirectory(prefix="prepare-hub-")
 
@@ -538,8 +542,18 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM (`timeout`, a job scheduler), raised as Ctrl-C is: the scratch folder and the
+    temporary files are removed on the way out, as they are after Ctrl-C."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         prepare(
             args.name,
@@ -559,13 +573,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PrepareError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         # Outputs go to temporary names first and meta.json comes last (see the docstring).
+        how = "stopped by SIGTERM" if isinstance(e, _Terminated) else "interrupted"
         print(
-            "interrupted; no meta.json describes unfinished files, so the next run redoes them",
+            f"{how}; no meta.json describes unfinished files, so the next run redoes them",
             file=sys.stderr,
         )
-        return 130
+        return 128 + (signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
 
 

@@ -13,7 +13,9 @@ import fcntl
 import hashlib
 import json
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -51,6 +53,23 @@ def remove_stale_temporaries(out_dir: Path, names: tuple[str, ...]) -> None:
             pid = path.name.removeprefix(f".{final}.").removesuffix(".tmp")
             if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
                 path.unlink(missing_ok=True)
+
+
+SCRATCH = ".prepare-"  # then the pid of the prepare that made it
+
+
+def scratch_folder(root: Path) -> tempfile.TemporaryDirectory[str]:
+    """A temporary folder in `root`, named for this process: one that a killed prepare leaves
+    (SIGKILL, out of memory; a whole corpus's size) a later one removes (remove_stale_scratch)."""
+    return tempfile.TemporaryDirectory(prefix=f"{SCRATCH}{os.getpid()}-", dir=root)
+
+
+def remove_stale_scratch(root: Path) -> None:
+    """The scratch folders in `root` of prepares no longer running on this machine."""
+    for path in root.glob(f"{SCRATCH}*-*"):
+        pid = path.name.removeprefix(SCRATCH).split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)) and path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _alive(pid: int) -> bool:

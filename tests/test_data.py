@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -265,6 +266,32 @@ def test_interrupted_rebuild_keeps_previous_outputs(
     assert _contents(out) == before, "no temp files left"
 
 
+def test_sigterm_removes_the_scratch_folder_and_exits_143(
+    prepared: Prepared,
+    corpus: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`timeout` and job schedulers stop with SIGTERM: cleaned up as after Ctrl-C, the corpus
+    there before kept, and the shell told it was stopped (128 + 15)."""
+    files, out, before = prepared
+
+    def terminated(*args: object) -> None:
+        assert list(tmp_path.glob(".prepare-*")), "the scratch folder is there while it tokenizes"
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(prepare_module, "_train_tokenizer", terminated)
+    (corpus / "fjord.txt").write_text("changed\n")
+    handler = signal.getsignal(signal.SIGTERM)
+    argv = ["--name", "tiny", "--files", *files, "--vocab-size", str(VOCAB)]
+    assert prepare_module.main([*argv, "--out-root", str(tmp_path)]) == 143
+    assert "stopped by SIGTERM" in capsys.readouterr().err
+    assert not list(tmp_path.glob(".prepare-*"))
+    assert _contents(out) == before
+    assert signal.getsignal(signal.SIGTERM) == handler
+
+
 def test_a_killed_runs_temporary_files_go_with_the_next_build(corpus: Path, tmp_path: Path) -> None:
     """SIGKILL leaves no chance to clean up: the next build removes what a dead process left,
     never what a live one is writing."""
@@ -273,9 +300,15 @@ def test_a_killed_runs_temporary_files_go_with_the_next_build(corpus: Path, tmp_
     gone, live = out / ".train.bin.999999999.tmp", out / f".val.bin.{os.getppid()}.tmp"
     gone.write_bytes(b"half a corpus")
     live.write_bytes(b"another run's")
+    # The scratch folders (a corpus's Arrow copy) by the out-root, too
+    gone_scratch = tmp_path / ".prepare-999999999-abc"
+    live_scratch = tmp_path / f".prepare-{os.getppid()}-abc"
+    for folder in (gone_scratch, live_scratch):
+        (folder / "cache").mkdir(parents=True)
     (corpus / "fjord.txt").write_text("changed, so it rebuilds\n")
     prepare("tiny", files=[str(corpus / "*.txt")], vocab_size=VOCAB, out_root=tmp_path)
     assert not gone.exists() and live.exists()
+    assert not gone_scratch.exists() and live_scratch.exists()
     with pytest.raises(PrepareError, match=r"give a list of paths or globs, e\.g\. \["):
         prepare("tiny", files=str(corpus / "*.txt"), vocab_size=VOCAB, out_root=tmp_path)
 
