@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -207,9 +208,19 @@ def _while(meta: dict[str, Any], before: str) -> str:
     return before
 
 
-def write_report(out: Path, results: dict[str, Any], plots: bool = True) -> None:
+def write_report(
+    out: Path,
+    results: dict[str, Any],
+    plots: bool = True,
+    data_files: dict[str, str] | None = None,
+) -> None:
+    """summary.txt, report.md, the `data_files` given (name: text) and, with `plots`, the PNGs.
+    Every text is made before any file is written, and each file replaced whole: rows the
+    report cannot read (a results.json edited by hand) leave the files as they were."""
     meta, rows = results["meta"], results["rows"]
     if not rows:
+        for name, text in (data_files or {}).items():
+            replace_file(out / name, text)
         return
     not_run = _not_run(rows)
     scale, unit = _rate_unit(meta["peak_flops"])
@@ -229,18 +240,29 @@ def write_report(out: Path, results: dict[str, Any], plots: bool = True) -> None
         *paired_deepest(rows),
         *(["", "Failed or did not run:", *not_run] if not_run else []),
     ]
-    (out / "summary.txt").write_text("\n".join(summary) + "\n", encoding="utf-8")
 
-    def report() -> None:  # showing the plots there are: none while the sweep runs
-        drawn = tuple(name for name in PLOTS if (out / name).is_file())
-        (out / "report.md").write_text(_report_md(results, drawn), encoding="utf-8")
+    def report() -> str:  # showing the plots there are: none while the sweep runs
+        return _report_md(results, tuple(name for name in PLOTS if (out / name).is_file()))
 
     # Before the plots are drawn, and again after: an interruption or a failure while drawing
     # them leaves a report of these rows that shows no PNG it does not have.
-    report()
+    texts = (data_files or {}) | {"summary.txt": "\n".join(summary) + "\n", "report.md": report()}
+    for name, text in texts.items():
+        replace_file(out / name, text)
     if plots:
         plot_results(out, results, _setup_line(results["meta"]))
-        report()
+        replace_file(out / "report.md", report())
+
+
+def replace_file(path: Path, text: str) -> None:
+    """`path` replaced whole: a reader never sees half a file, and a failed write (a full
+    disk) leaves the one there before and no temporary file."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8", newline="")  # as made: the CSV's \r\n too
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _step_parts(meta: dict[str, Any]) -> str:

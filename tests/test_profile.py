@@ -946,6 +946,25 @@ def test_damaged_results_json_is_an_error_not_a_traceback(
         assert f"{results}: a file, not a folder; give the sweep's folder ({tmp_path})" in err
 
 
+def test_a_report_that_cannot_be_rendered_leaves_the_sweeps_files_as_they_were(
+    naive_vs_inplace: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A row edited by hand into what the report cannot format: every text is made before any
+    file is written, so results.csv, summary.txt and report.md still agree with each other."""
+    out = Path(shutil.copytree(naive_vs_inplace["meta"]["out"], tmp_path / "sweep"))
+    results = json.loads((out / "results.json").read_text())
+    assert profile_train.main(["--report", str(out)]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    results["rows"][-1]["mfu"] = "x"
+    (out / "results.json").write_text(json.dumps(results))
+    assert profile_train.main(["--report", str(out)]) == 2
+    assert "lacks what the report reads" in capsys.readouterr().err
+    after = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    assert {k: v for k, v in after.items() if k != "results.json"} == {
+        k: v for k, v in before.items() if k != "results.json"
+    }
+
+
 @pytest.mark.parametrize("flag", ["--variants=naive,sdpa,naive", "--layers=1,2,1"])
 def test_a_variant_or_depth_given_twice_is_an_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str
