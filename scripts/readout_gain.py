@@ -55,8 +55,8 @@ def run(mode: type[_Timed], args: argparse.Namespace, overrides: list[str]) -> f
         argv += ["--train.eval_interval=0", "--train.sample_tokens=0", *overrides]
         with contextlib.redirect_stdout(sys.stderr):  # stdout: this script's table alone
             code = train.main(argv)
-        if code != 0:
-            raise SystemExit(f"train.py failed in mode {mode.__name__}")
+        if code != 0:  # train.py said why, above; its status is this script's
+            raise SystemExit(code)
     starts = STARTS[args.skip :]
     return (starts[-1] - starts[0]) / (len(starts) - 1) * 1e3
 
@@ -68,6 +68,9 @@ def main() -> int:
     parser.add_argument("--skip", type=int, default=10, help="first steps left out (compile)")
     parser.add_argument("--rounds", type=int, default=2)
     args, overrides = parser.parse_known_args()
+    for flag, value, least in (("--skip", args.skip, 0), ("--rounds", args.rounds, 1)):
+        if value < least:
+            parser.error(f"{flag}={value}: must be >= {least}")
     if args.steps < args.skip + 3:
         parser.error(f"--steps={args.steps} leaves fewer than 3 steps after --skip={args.skip}")
     ours = ("--out", "--train.max_steps", "--train.eval_interval", "--train.sample_tokens")

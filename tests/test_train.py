@@ -307,6 +307,11 @@ def test_readout_gain_script_times_both_modes(data_root: Path) -> None:
     assert head.startswith(f"config {TINY} --data.root=") and "steps 3..5, median of 1 runs" in head
     assert [m.split()[0] for m in modes] == ["lagged", "read"]
     assert all(float(m.split()[-3]) > 0 for m in modes), modes  # the median ms per step
+    # Bad input: train.py's status (2, a user error) and its one-line reason, or the flag's
+    for bad, named in [(["--rounds", "0"], "--rounds=0: must be >= 1"), ([], "nowhere.toml")]:
+        argv[3] = str(TINY) if bad else "nowhere.toml"
+        done = subprocess.run(argv + bad, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and named in done.stderr and "Traceback" not in done.stderr
 
 
 # --- resume -----------------------------------------------------------------------------------------
