@@ -151,6 +151,8 @@ def token_file_problem(path: Path, expected_tokens: int | None = None) -> str | 
         size = path.stat().st_size
     except FileNotFoundError:
         return f"{path} is missing"
+    if path.is_dir():
+        return f"{path} is a folder, not a token file"
     if size % 2 or (expected_tokens is not None and size != 2 * expected_tokens):
         said = (
             f", not the {expected_tokens:,} meta.json says" if expected_tokens is not None else ""

@@ -334,6 +334,10 @@ def _check_arguments(
         raise PrepareError(f"give exactly one source of --stdlib, --files, --hub; got {given}")
     if files is not None and not files:
         raise PrepareError("--files needs at least one path or glob")
+    if files is not None and "" in files:
+        raise PrepareError("--files '': an empty path; give a file, or a glob like 'docs/*.txt'")
+    if hub is not None and not hub.strip():
+        raise PrepareError(f"--hub {hub!r}: empty; give a Hub dataset's name or a local folder")
     hub_only = {"--hub-config": hub_config is not None, "--split": split != "train"}
     hub_only["--text-column"] = text_column != "text"
     misused = [flag for flag, on in hub_only.items() if on]

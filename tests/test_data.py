@@ -601,6 +601,8 @@ def test_a_compressed_file_is_its_bytes_not_what_it_unpacks_to(tmp_path: Path) -
         ),
         ({"files": ["{corpus}/quokka.txt"]}, r"at least 2 non-empty documents"),
         ({"files": []}, r"--files needs at least one"),
+        ({"files": [""]}, r"--files '': an empty path"),
+        ({"files": None, "hub": ""}, r"--hub '': empty"),
         ({"vocab_size": 256}, r"--vocab-size 256 must be in \[257, 65536\]"),
         ({"vocab_size": 65537}, r"--vocab-size 65537"),
         ({"val_fraction": 0.0}, r"--val-fraction 0.0"),
@@ -623,7 +625,7 @@ def test_bad_input_fails_clearly_and_keeps_prepared_data(
     before = {p.name: p.read_bytes() for p in out.iterdir()}
 
     change = {
-        key: [v.format(corpus=corpus) for v in value] if key == "files" else value
+        key: [v.format(corpus=corpus) for v in value] if key == "files" and value else value
         for key, value in change.items()
     }
     capsys.readouterr()
