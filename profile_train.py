@@ -31,6 +31,7 @@ import signal
 import sys
 import traceback
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -456,11 +457,24 @@ def _compare(given: list[Path]) -> int:
         differ = comparable(sweeps)
         text = None if differ else compare_text(sweeps)
     except (KeyError, TypeError, AttributeError, ValueError) as e:  # parsed, but hand-edited
-        raise ConfigError(f"--compare: {_cannot_read('a results.json', e)}") from None
+        # Which: the first that fails set beside itself
+        what = next(
+            (str(f / "results.json") for f, r in sweeps if not _compares([(f, r), (f, r)])),
+            "a results.json",
+        )
+        raise ConfigError(f"--compare: {_cannot_read(what, e)}") from None
     if differ:
         raise ConfigError(f"--compare: {differ}")
     print(text, end="")
     return 0
+
+
+def _compares(sweeps: list[tuple[Path, dict[str, Any]]]) -> bool:
+    try:
+        compare_text(sweeps)
+    except (KeyError, TypeError, AttributeError, ValueError):
+        return False
+    return True
 
 
 def _rerender(args: argparse.Namespace) -> int:
