@@ -77,6 +77,10 @@ def write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
             os.fsync(directory)
         finally:
             os.close(directory)
+    except OSError as e:  # a failed write (a full disk) names no file: this one does
+        if e.filename is not None:
+            raise
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from e
     finally:
         tmp.unlink(missing_ok=True)
 

@@ -920,6 +920,24 @@ def test_a_plot_that_cannot_be_written_is_an_error_naming_it_and_the_cells_stay(
     assert [r["status"] for r in json.loads((out / "results.json").read_text())["rows"]] == ["ok"]
 
 
+def test_a_report_file_that_cannot_be_written_is_named_and_the_old_one_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from profiling.report import replace_file
+
+    path = tmp_path / "report.md"
+    replace_file(path, "before")
+
+    def full_disk(self: Path, *args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")  # a write names no file
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    with pytest.raises(OSError) as raised:
+        replace_file(path, "after")
+    assert raised.value.filename == str(path)
+    assert path.read_bytes() == b"before" and not list(tmp_path.glob("*.tmp"))
+
+
 def test_damaged_results_json_is_an_error_not_a_traceback(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -1034,6 +1034,14 @@ def test_a_rewritten_file_keeps_its_mode(tmp_path: Path) -> None:
     assert path.read_bytes() == b"two"
     assert path.stat().st_mode & 0o777 == 0o600
 
+    def full_disk(f: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")  # a write names no file
+
+    with pytest.raises(OSError) as raised:
+        checkpoint.write_atomically(path, full_disk)
+    assert raised.value.filename == str(path), "the error names the file it was writing"
+    assert path.read_bytes() == b"two" and not list(tmp_path.glob("*.tmp"))
+
 
 def test_a_second_process_on_a_run_in_progress_is_refused(
     data_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
