@@ -70,6 +70,8 @@ def test_later_override_of_the_same_key_wins() -> None:
         ("--train.max_steps=200", ("train", "max_steps", 200)),
         ("--train.compile=true", ("train", "compile", True)),
         ("--data.root=/tmp/some dir/corpora", ("data", "root", "/tmp/some dir/corpora")),
+        ("--train.sample_prompt=x = 1", ("train", "sample_prompt", "x = 1")),  # '=' in a value
+        ("--data.root=a.b/c", ("data", "root", "a.b/c")),  # '.' in a value
     ],
 )
 def test_parse_override(arg: str, expected: tuple) -> None:

@@ -186,6 +186,14 @@ def test_rerun_reuses_and_changes_rebuild(
     assert "reusing" in capsys.readouterr().out
     assert _mtimes(out) == before
 
+    # A damaged tokenizer.json (its hash is in meta.json): made again, not reused
+    tokenizer = (out / "tokenizer.json").read_bytes()
+    (out / "tokenizer.json").write_text('{"trunc')
+    prepare("tiny", files=files, vocab_size=VOCAB, out_root=tmp_path)
+    assert "reusing" not in capsys.readouterr().out
+    assert (out / "tokenizer.json").read_bytes() == tokenizer  # the same, made again
+    before = _mtimes(out)
+
     # The same documents from a copied folder: reused, and meta.json says where they are now.
     copied = Path(shutil.copytree(corpus, tmp_path / "copied"))
     prepare("tiny", files=[str(copied / "*.txt")], vocab_size=VOCAB, out_root=tmp_path)

@@ -938,6 +938,33 @@ def test_a_report_file_that_cannot_be_written_is_named_and_the_old_one_kept(
     assert path.read_bytes() == b"before" and not list(tmp_path.glob("*.tmp"))
 
 
+def test_the_report_warns_when_other_processes_took_over_a_tenth_of_the_cpus(
+    naive_vs_inplace: dict, tmp_path: Path
+) -> None:
+    """Counted in the timed rounds; a sweep from before that counted it over its whole run
+    (compiling, profiling) says so, and --compare does not hold such a share against it."""
+    from profiling.compare import _slowed
+    from profiling.report import write_report
+
+    results = copy.deepcopy(naive_vs_inplace)
+    meta = results["meta"]
+    for share, warned in [(0.05, False), (0.1, False), (0.15, True), (0.5, True)]:
+        meta["other_cpu_share"] = share
+        write_report(tmp_path, results, plots=False)
+        summary = (tmp_path / "summary.txt").read_text()
+        said = f"**Warning**: other processes used {share:.0%} of the CPUs during the timed steps"
+        assert (said in summary) == warned, share
+        assert (said in (tmp_path / "report.md").read_text()) == warned, share
+        assert _slowed(meta) == warned
+    del meta["other_cpu_window"]  # an older sweep's share
+    write_report(tmp_path, results, plots=False)
+    assert (
+        "other processes used 50% of the CPUs during this sweep"
+        in (tmp_path / "summary.txt").read_text()
+    )
+    assert not _slowed(meta)
+
+
 def test_damaged_results_json_is_an_error_not_a_traceback(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -1064,6 +1091,17 @@ def test_paired_savings_use_the_rounds() -> None:
             row["times_ms"] = [t + 0.001 for t in rows[0]["times_ms"]]
             break
     assert "| inplace | +0.00 [+0.00, +0.00] |" in "\n".join(paired_table(rows))
+    # Savings that differ by round: their median, then the interval low to high (8 rounds:
+    # the extremes)
+    naive_l1 = next(
+        r for r in rows if (r["variant"], r["compile"], r["n_layer"]) == ("naive", False, 1)
+    )
+    inplace_l1 = next(r for r in rows if (r["variant"], r["n_layer"]) == ("inplace", 1))
+    inplace_l1["times_ms"] = [
+        t - d
+        for t, d in zip(naive_l1["times_ms"], [0.8, 0.1, 0.5, 0.3, 0.2, 0.7, 0.4, 0.6], strict=True)
+    ]
+    assert "| inplace | +0.45 [+0.10, +0.80] |" in "\n".join(paired_table(rows))
 
 
 def test_fits_recover_known_slopes() -> None:
@@ -1840,11 +1878,22 @@ class FakeEvent:
     """The parts of a kineto event that parse_events reads."""
 
     def __init__(
-        self, name, kind, start, end=None, corr=0, annotation=False, thread=1, seq=-1, fwd=0
+        self,
+        name,
+        kind,
+        start,
+        end=None,
+        corr=0,
+        annotation=False,
+        thread=1,
+        seq=-1,
+        fwd=0,
+        nbytes=0,
     ) -> None:
         self._name, self._kind, self._start, self._end = name, kind, start, end or start + 1
         self._corr, self._annotation, self._thread = corr, annotation, thread
         self._seq, self._fwd = seq, fwd  # an autograd node's forward op: (fwd thread, seq)
+        self._nbytes = nbytes  # a [memory] event's: negative where memory is freed
 
     def name(self) -> str:
         return self._name
@@ -1868,7 +1917,7 @@ class FakeEvent:
         return self._annotation
 
     def nbytes(self) -> int:
-        return 0
+        return self._nbytes
 
     def start_thread_id(self) -> int:
         return self._thread
@@ -1878,6 +1927,18 @@ class FakeEvent:
 
     def fwd_thread_id(self) -> int:
         return self._fwd
+
+
+def test_cpu_peak_memory_is_the_most_live_at_once() -> None:
+    """The profiler's [memory] events, in time order: allocations add, frees subtract; the peak
+    is the most bytes live at one time above what was live before the step."""
+    cpu = DeviceType.CPU
+    sizes = [(50, 3), (100, 1), (-80, 5), (-100, 2), (30, 4)]  # (bytes, when), out of order
+    events = [FakeEvent("[memory]", cpu, t, nbytes=n) for n, t in sizes]
+    # Live in time order: 100, 0, 50, 80, 0
+    assert parse_events(events, torch.device("cpu")).peak_transient_bytes == 100
+    events.append(FakeEvent("[memory]", cpu, 6, nbytes=120))  # 0 live after t=5: peak 120
+    assert parse_events(events, torch.device("cpu")).peak_transient_bytes == 120
 
 
 def test_cuda_kernels_are_counted_in_the_region_that_launched_them() -> None:

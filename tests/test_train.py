@@ -567,6 +567,39 @@ def test_checkpoint_with_our_keys_but_other_contents_is_an_error(
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
+def test_a_steps_metrics_line(tmp_path: Path) -> None:
+    """What one step's line holds: per-step rates, MFU against the given peak on all devices,
+    peak memory in MiB (2**20 bytes) where measured."""
+    path = tmp_path / "metrics.jsonl"
+    log = metrics.MetricsLog(
+        path,
+        enabled=True,
+        log_interval=10,
+        last_step=25,
+        tokens_per_step=4096,
+        flops_per_step=2 * 10**12,
+        peak_tflops=4.0,
+        devices=2,
+        warn=print,
+    )
+    assert [s for s in range(1, 26) if log.wants(s)] == [10, 20, 25]
+    log.step(10, loss=2.5, lr=1e-3, seconds=0.5, grad_norm=0.75, peak_mem=3 * 2**20)
+    log.step(20, loss=2.0, lr=1e-3, seconds=0.25, grad_norm=None, peak_mem=None)
+    first, second = map(json.loads, path.read_text().splitlines())
+    assert first == {
+        "step": 10,
+        "loss": 2.5,
+        "lr": 1e-3,
+        "ms_per_step": 500.0,
+        "tokens_per_s": 8192.0,
+        "tflops": 4.0,
+        "grad_norm": 0.75,
+        "mfu": 0.5,  # 4 TFLOP/s over 2 devices of 4
+        "peak_mem_mib": 3.0,
+    }
+    assert "grad_norm" not in second and "peak_mem_mib" not in second and second["mfu"] == 1.0
+
+
 def test_resume_drops_a_metrics_line_cut_short(
     base_run: Path, data_root: Path, tmp_path: Path
 ) -> None:
@@ -575,6 +608,7 @@ def test_resume_drops_a_metrics_line_cut_short(
     out = copy_run(base_run, tmp_path / "run")
     with open(out / "metrics.jsonl", "ab") as f:
         f.write(b'{"step": "x", "loss": 1.0}\n{"step": 99, "loss": 1.0, "note": "\xff"}\n')
+        f.write(b'{"step": true, "loss": 1.0}\n')  # JSON's true is no step, though bool is int
         f.write(b'{"step": 21, "loss": 5.7')
     assert run(data_root, out, f"--train.max_steps={STEPS + 2}", "--resume") == 0
     assert [r["step"] for r in train_lines(out)] == list(range(1, STEPS + 3))
@@ -2013,6 +2047,11 @@ def test_sample_heals_the_prompts_last_token(
     for unhealed in ("d", EOT, f"def{EOT}"):  # one token; ends in the separator
         prompt = tokenizer.encode(unhealed).ids
         assert sample.heal(tokenizer, prompt) == (prompt, None), unhealed
+    # A prompt ending in "<", which the separator's text starts with: never the separator
+    _, allowed = sample.heal(tokenizer, tokenizer.encode("x <").ids)
+    assert allowed is not None and allowed.any() and not allowed[tokenizer.token_to_id(EOT)]
+    # Nothing to sample: the prompt as given, not healed (its last token dropped)
+    assert sample.sample_run(base_run, "def ", max_new_tokens=0) == "def "
 
 
 def test_sample_with_another_attention_variant_gives_the_same_text(
