@@ -895,3 +895,11 @@ def test_cli_prepares_and_reports_errors_without_traceback(corpus: Path, tmp_pat
     assert failed.returncode == 2
     assert failed.stderr.startswith("error: glob ") and "*.nothing" in failed.stderr
     assert "Traceback" not in failed.stderr
+
+
+def test_the_prepare_hint_asks_for_the_models_vocab_where_a_tokenizer_can_have_it() -> None:
+    from data.meta import MIN_VOCAB_SIZE, prepare_command
+
+    assert f"--vocab-size {MIN_VOCAB_SIZE}" in prepare_command(Path("data/x"), MIN_VOCAB_SIZE)
+    assert "--vocab-size" not in prepare_command(Path("data/x"), MIN_VOCAB_SIZE - 1)
+    assert prepare_command(Path("data/x")) == "python data/prepare.py --name x --stdlib"

@@ -64,6 +64,9 @@ def test_a_file_of_the_wrong_size_is_refused(tokens: Path) -> None:
         TokenBatches(tokens, T, 4, 0, CPU, expected_tokens=N + 1)
     with pytest.raises(DataError, match=r"fewer than block_size \+ 1 = 51"):
         TokenBatches(tokens, N, 1, 0, CPU)
+    tokens.write_bytes(b"\0" * 99)  # half a token at the end: damaged, counted or not
+    with pytest.raises(DataError, match=r"damaged: 99 bytes is 49\.5 uint16 tokens;"):
+        TokenBatches(tokens, T, 4, 0, CPU)
     tokens.unlink()
     tokens.mkdir()  # a folder's size is its entries' table: not a size to read as tokens
     with pytest.raises(DataError, match=r"train\.bin is a folder, not a token file"):

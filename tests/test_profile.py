@@ -1104,6 +1104,14 @@ def test_paired_savings_use_the_rounds() -> None:
     assert "| inplace | +0.45 [+0.10, +0.80] |" in "\n".join(paired_table(rows))
 
 
+def test_a_cell_whose_steps_varied_widely_is_marked() -> None:
+    """p90 over 1.25 x p10: the spread between its fast and slow steps, whatever the median."""
+    from profiling.tables import noisy
+
+    assert noisy({"p10": 10.0, "median": 11.0, "p90": 13.0})  # 13 > 12.5
+    assert not noisy({"p10": 10.0, "median": 12.0, "p90": 12.4})
+
+
 def test_fits_recover_known_slopes() -> None:
     fit = fit_line([1, 2, 4, 8], [3 + 2 * x for x in (1, 2, 4, 8)])
     assert fit["slope"] == pytest.approx(2) and fit["intercept"] == pytest.approx(3)

@@ -651,6 +651,12 @@ def test_a_new_run_goes_only_where_nothing_else_is(
     err = error_of(capsys.readouterr().err)
     assert "holds files that are not a run's (README.md, src)" in err, err
     assert sorted(p.name for p in project.iterdir()) == ["README.md", "src"]
+    for name in ("a.py", "b.py", "c.py"):  # five: three named, the rest counted
+        (project / name).write_text("")
+    assert run(data_root, project) == 2
+    assert "(README.md, a.py, b.py and 2 more)" in error_of(capsys.readouterr().err)
+    for name in ("a.py", "b.py", "c.py"):
+        (project / name).unlink()
 
     unsaved = tmp_path / "unsaved"
     unsaved.mkdir()
