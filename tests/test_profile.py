@@ -1104,6 +1104,19 @@ def test_paired_savings_use_the_rounds() -> None:
     assert "| inplace | +0.45 [+0.10, +0.80] |" in "\n".join(paired_table(rows))
 
 
+@pytest.mark.parametrize(("cells", "steps", "whole"), [(3, 9, False), (3, 12, True), (4, 8, True)])
+def test_the_report_says_when_the_rounds_are_not_whole_sets_of_orders(
+    cells: int, steps: int, whole: bool
+) -> None:
+    """3 cells take 6 orders to balance (a Williams design for an odd count), 4 cells 4."""
+    from profiling.method import METHOD, balanced_orders, round_order_text
+
+    assert len(balanced_orders(cells)) == (6 if cells == 3 else 4)
+    meta = {"round_order": METHOD["round_order"], "round_cells": {"1": cells}, "steps": steps}
+    said = f"here {steps} rounds of {cells} cells: not a whole number of the"
+    assert (said in round_order_text(meta, [])) != whole
+
+
 def test_a_cell_whose_steps_varied_widely_is_marked() -> None:
     """p90 over 1.25 x p10: the spread between its fast and slow steps, whatever the median."""
     from profiling.tables import noisy
