@@ -48,6 +48,10 @@ def pick_device(name: str, setting: str = "train.device") -> torch.device:
             f"{setting}={name!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
             f"cuda:0 to cuda:{torch.cuda.device_count() - 1}"
         )
+    if device.type == "cpu" and device.index is not None:  # torch takes cpu:N as the CPU
+        raise ConfigError(
+            f"{setting}={name!r}: the CPU has no index (threads: OMP_NUM_THREADS); use cpu"
+        )
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise ConfigError(f"{setting}={name!r}: MPS (Apple GPUs) is not available on this machine")
     if device.type not in ("cpu", "cuda", "mps"):

@@ -187,6 +187,7 @@ def test_a_training_run_on_cuda(tmp_path: Path) -> None:
         ("meta", "use auto, cpu, cuda, cuda:N or mps"),
         ("gpu", "not a device"),
         (f"cuda:{torch.cuda.device_count()}", "CUDA"),
+        ("cpu:1", "the CPU has no index"),
     ],
 )
 def test_a_device_this_machine_lacks_is_a_config_error(name: str, says: str) -> None:
@@ -196,6 +197,16 @@ def test_a_device_this_machine_lacks_is_a_config_error(name: str, says: str) -> 
     with pytest.raises(ConfigError, match=re.escape(says)) as refused:
         pick_device(name, "--device")
     assert str(refused.value).startswith(f"--device={name!r}")
+
+
+def test_a_gpu_index_past_the_last_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on a machine with one GPU (the count is all that is read)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert pick_device("cuda:0") == torch.device("cuda:0")
+    assert pick_device("cuda") == torch.device("cuda")
+    with pytest.raises(ConfigError, match=r"has 1 CUDA device\(s\), cuda:0 to cuda:0"):
+        pick_device("cuda:1")
 
 
 def test_torchrun_refuses_a_numbered_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
