@@ -81,6 +81,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -103,6 +104,7 @@ from data.corpus import (
 )
 from data.meta import CORPUS_NAME, CORPUS_NAME_RULE, EOT, EOT_ID, MIN_VOCAB_SIZE
 from data.store import (
+    ScratchFolder,
     content_hash,
     file_sha256,
     is_complete,
@@ -111,7 +113,6 @@ from data.store import (
     remove_stale_scratch,
     remove_stale_temporaries,
     say_what_is_replaced,
-    scratch_folder,
     sync,
     write_json_atomic,
 )
@@ -209,7 +210,7 @@ def _build(
     # Arrow files for local corpora are only needed while tokenizing. They are as big as the
     # corpus, so they go by the output (not to /tmp, which may be a small tmpfs).
     try:
-        scratch = scratch_folder(out_dir.parent)
+        scratch = ScratchFolder(out_dir.parent)
     except OSError as e:
         raise _cannot_write(out_dir.parent, e, "nothing was changed") from None
     with scratch as cache_dir:
@@ -265,7 +266,7 @@ def _hub_cache(hub: str, out_dir: Path) -> contextlib.AbstractContextManager[str
         return contextlib.nullcontext(str(out_dir / HF_CACHE_DIR))
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
-        return scratch_folder(out_dir.parent)
+        return ScratchFolder(out_dir.parent)
     except OSError:
         return tempfile.TemporaryDirectory(prefix="prepare-hub-")
 
@@ -552,12 +553,16 @@ class _Terminated(KeyboardInterrupt):
 
 
 def _terminate(signum: int, frame: object) -> None:
+    # Raised once Python runs again: the tokenizer's merges, in Rust, finish first. A second
+    # SIGTERM stops at once (what it leaves, the next prepare removes).
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     raise _Terminated
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
-    previous = signal.signal(signal.SIGTERM, _terminate)
+    main_thread = threading.current_thread() is threading.main_thread()  # signals go there
+    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
         prepare(
             args.name,
@@ -586,7 +591,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 128 + (signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return 0
 
 

@@ -58,18 +58,48 @@ def remove_stale_temporaries(out_dir: Path, names: tuple[str, ...]) -> None:
 SCRATCH = ".prepare-"  # then the pid of the prepare that made it
 
 
-def scratch_folder(root: Path) -> tempfile.TemporaryDirectory[str]:
-    """A temporary folder in `root`, named for this process: one that a killed prepare leaves
-    (SIGKILL, out of memory; a whole corpus's size) a later one removes (remove_stale_scratch)."""
-    return tempfile.TemporaryDirectory(prefix=f"{SCRATCH}{os.getpid()}-", dir=root)
+class ScratchFolder:
+    """A temporary folder in `root` (made at once, as tempfile.TemporaryDirectory is), removed
+    on exit; named for this process and locked while in use, so a later prepare can remove one
+    that a killed prepare left (SIGKILL, out of memory; a whole corpus's size), never one in use
+    (remove_stale_scratch)."""
+
+    def __init__(self, root: Path) -> None:
+        self._folder = tempfile.TemporaryDirectory(prefix=f"{SCRATCH}{os.getpid()}-", dir=root)
+        self.name = self._folder.name
+        self._fd = os.open(self.name, os.O_RDONLY)
+        with contextlib.suppress(OSError):  # a filesystem without locks: the pid alone tells
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    def __enter__(self) -> str:
+        return self.name
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self._fd)
+        self._folder.cleanup()
 
 
 def remove_stale_scratch(root: Path) -> None:
-    """The scratch folders in `root` of prepares no longer running on this machine."""
+    """The scratch folders in `root` of prepares that are gone: their pid is not running here,
+    and no process holds their lock (a prepare in another container or on another host sharing
+    the folder has a pid that looks dead from here)."""
     for path in root.glob(f"{SCRATCH}*-*"):
         pid = path.name.removeprefix(SCRATCH).split("-", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)) and path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
+        if not (pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid))):
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:  # not a folder, or gone meanwhile
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # in use
+            continue
+        except OSError:  # a filesystem without locks: the pid alone tells
+            pass
+        finally:
+            os.close(fd)
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _alive(pid: int) -> bool:

@@ -311,12 +311,19 @@ def test_a_killed_runs_temporary_files_go_with_the_next_build(corpus: Path, tmp_
     # The scratch folders (a corpus's Arrow copy) by the out-root, too
     gone_scratch = tmp_path / ".prepare-999999999-abc"
     live_scratch = tmp_path / f".prepare-{os.getppid()}-abc"
+    # A pid that looks dead here, of a prepare in another container sharing the folder: its
+    # lock says it is in use
+    elsewhere = store_module.ScratchFolder(tmp_path)
+    foreign = tmp_path / ".prepare-999999998-abc"
+    os.rename(elsewhere.name, foreign)
     for folder in (gone_scratch, live_scratch):
         (folder / "cache").mkdir(parents=True)
     (corpus / "fjord.txt").write_text("changed, so it rebuilds\n")
     prepare("tiny", files=[str(corpus / "*.txt")], vocab_size=VOCAB, out_root=tmp_path)
     assert not gone.exists() and live.exists()
-    assert not gone_scratch.exists() and live_scratch.exists()
+    assert not gone_scratch.exists() and live_scratch.exists() and foreign.exists()
+    os.rename(foreign, elsewhere.name)
+    elsewhere.__exit__(None, None, None)
     with pytest.raises(PrepareError, match=r"give a list of paths or globs, e\.g\. \["):
         prepare("tiny", files=str(corpus / "*.txt"), vocab_size=VOCAB, out_root=tmp_path)
 
