@@ -699,8 +699,8 @@ class Run:
                 "config": asdict(self.config),
                 "tokenizer_sha256": meta["tokenizer_sha256"],
                 "corpus_sha256": meta["content_sha256"],  # said on resume if it changed
-                # How it was made: said on resume if it is gone.
-                "corpus": {"source": meta["source"], "settings": meta["settings"]},
+                # How it was made, where meta.json says: said on resume if it is gone.
+                "corpus": {"source": meta.get("source"), "settings": meta.get("settings")},
                 "val_loss": val_loss,
                 "written_by": self.written_by,
             }

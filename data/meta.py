@@ -45,9 +45,10 @@ def load_meta(root: str | Path, name: str, vocab_size: int | None = None) -> dic
         )
     try:
         meta = json.loads(path.read_text())
-        # What a run reads from it: token and byte counts, the tokenizer's size and hash.
+        # What a run reads from it: token and byte counts, the tokenizer's size and hash, the
+        # content's hash (its checkpoints record it).
         counts = [meta["splits"][s][k] for s in ("train", "val") for k in ("tokens", "bytes")]
-        counts += [meta["vocab_size"], len(meta["tokenizer_sha256"])]
+        counts += [meta["vocab_size"], len(meta["tokenizer_sha256"]), len(meta["content_sha256"])]
     except OSError as e:
         raise DataError(f"cannot read {path} ({e.strerror or e})") from None
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:

@@ -4,6 +4,7 @@ tokenizers, which the GPU machine may lack)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -145,7 +146,8 @@ def fake_corpus(root: Path, vocab: int = 512, tokens: int = 20_000) -> None:
         g.integers(0, vocab, tokens, dtype=np.uint16).tofile(corpus / f"{split}.bin")
     meta = {
         "vocab_size": vocab,
-        "tokenizer_sha256": "0" * 64,
+        "tokenizer_sha256": hashlib.sha256(b"{}").hexdigest(),  # checked as the run reads it
+        "content_sha256": "0" * 64,  # what the checkpoint records of the corpus
         "splits": {split: {"tokens": tokens, "bytes": 3 * tokens} for split in ("train", "val")},
     }
     (corpus / "meta.json").write_text(json.dumps(meta))
@@ -167,7 +169,7 @@ def test_a_training_run_on_cuda(tmp_path: Path) -> None:
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in lines if "loss" in r]
     assert [r["step"] for r in steps] == list(range(1, 13))
-    assert [r["step"] for r in lines if "val_loss" in r] == [5, 10, 12]
+    assert [r["step"] for r in lines if "val_loss" in r] == [0, 5, 10, 12]  # 0: untrained
     for r in steps:
         assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]), r
         assert 0 < r["ms_per_step"] < 10_000 and r["peak_mem_mib"] > 0, r
