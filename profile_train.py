@@ -471,6 +471,7 @@ def _compare(given: list[Path]) -> int:
 
 def _compares(sweeps: list[tuple[Path, dict[str, Any]]]) -> bool:
     try:
+        comparable(sweeps)
         compare_text(sweeps)
     except (KeyError, TypeError, AttributeError, ValueError):
         return False

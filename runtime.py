@@ -48,7 +48,7 @@ def pick_device(name: str, setting: str = "train.device") -> torch.device:
             f"{setting}={name!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
             f"cuda:0 to cuda:{torch.cuda.device_count() - 1}"
         )
-    if device.type == "cpu" and device.index is not None:  # torch takes cpu:N as the CPU
+    if device.type == "cpu" and device.index:  # torch takes cpu:N as the CPU (cpu:0 is it)
         raise ConfigError(
             f"{setting}={name!r}: the CPU has no index (threads: OMP_NUM_THREADS); use cpu"
         )

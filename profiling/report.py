@@ -262,7 +262,9 @@ def replace_file(path: Path, text: str) -> None:
         tmp.write_text(text, encoding="utf-8", newline="")  # as made: the CSV's \r\n too
         os.replace(tmp, path)
     except OSError as e:  # a failed write (a full disk) names no file: this one does
-        raise OSError(e.errno, e.strerror or str(e), e.filename or str(path)) from e
+        if e.filename is not None:
+            raise
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from e
     finally:
         tmp.unlink(missing_ok=True)
 

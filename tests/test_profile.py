@@ -1707,11 +1707,16 @@ def test_compare_reads_the_savings_of_several_sweeps(
         assert "--compare" in capsys.readouterr().err
     # One edited by hand into what the comparison cannot read: that one is named
     edited = json.loads((folders[1] / "results.json").read_text())
-    edited["rows"][0]["step_ms"] = "fast"
-    (folders[1] / "results.json").write_text(json.dumps(edited))
-    assert profile_train.main(["--compare", *map(str, folders)]) == 2
-    err = capsys.readouterr().err
-    assert f"{folders[1] / 'results.json'} lacks what the report reads" in err
+    for edit in ("step_ms", "peak_flops"):  # read by the tables; by the check of the setups
+        damaged = copy.deepcopy(edited)
+        if edit == "step_ms":
+            damaged["rows"][0]["step_ms"] = "fast"
+        else:
+            del damaged["meta"]["peak_flops"]
+        (folders[1] / "results.json").write_text(json.dumps(damaged))
+        assert profile_train.main(["--compare", *map(str, folders)]) == 2
+        err = capsys.readouterr().err
+        assert f"{folders[1] / 'results.json'} lacks what the report reads" in err, edit
 
 
 def test_tf32_off_cuda_is_refused_before_anything_is_written(
