@@ -34,8 +34,7 @@ from tokenizers.decoders import DecodeStream
 
 from checkpoint import CHECKPOINT, CheckpointError, load_checkpoint, model_config_diff, restoring
 from config import DTYPES, Config, ConfigError, build_config, load_config
-from data.meta import EOT
-from data.store import file_sha256
+from data.meta import EOT, file_sha256
 from model import GPT, VARIANTS
 from rundir import MAKE_TRAIN_RUN
 from runtime import (

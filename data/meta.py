@@ -65,7 +65,7 @@ def load_meta(root: str | Path, name: str, vocab_size: int | None = None) -> dic
         )
     # A run copies it to decode its samples: one damaged here would be copied over its good one.
     try:
-        digest = hashlib.sha256(tokenizer.read_bytes()).hexdigest()
+        digest = file_sha256(tokenizer)
     except OSError as e:
         raise DataError(f"cannot read {tokenizer} ({e.strerror or e})") from None
     if digest != meta["tokenizer_sha256"]:
@@ -75,6 +75,15 @@ def load_meta(root: str | Path, name: str, vocab_size: int | None = None) -> dic
             + rebuild_hint(path.parent)
         )
     return meta
+
+
+def file_sha256(path: Path) -> str:
+    """The hex sha256 of the file at `path`, read in 1 MiB pieces."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def prepare_command(corpus: Path, vocab_size: int | None = None) -> str:

@@ -102,11 +102,10 @@ from data.corpus import (
     load_text_files,
     stdlib_corpus,
 )
-from data.meta import CORPUS_NAME, CORPUS_NAME_RULE, EOT, EOT_ID, MIN_VOCAB_SIZE
+from data.meta import CORPUS_NAME, CORPUS_NAME_RULE, EOT, EOT_ID, MIN_VOCAB_SIZE, file_sha256
 from data.store import (
     ScratchFolder,
     content_hash,
-    file_sha256,
     is_complete,
     one_at_a_time,
     record_source,

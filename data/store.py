@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
 import shutil
@@ -21,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from data.corpus import sha256_text
-from data.meta import token_file_problem
+from data.meta import file_sha256, token_file_problem
 
 
 @contextlib.contextmanager
@@ -207,11 +206,3 @@ def sync(path: Path) -> None:
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()

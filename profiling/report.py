@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from checkpoint import write_atomically
 from profiling.analysis import PROJECT_AT, baselines, cells_done, label, savings
 from profiling.findings import findings, where_time_goes
 from profiling.method import (
@@ -255,18 +255,9 @@ def write_report(
 
 
 def replace_file(path: Path, text: str) -> None:
-    """`path` replaced whole: a reader never sees half a file, and a failed write (a full
-    disk) leaves the one there before and no temporary file."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_text(text, encoding="utf-8", newline="")  # as made: the CSV's \r\n too
-        os.replace(tmp, path)
-    except OSError as e:  # a failed write (a full disk) names no file: this one does
-        if e.filename is not None:
-            raise
-        raise OSError(e.errno, e.strerror or str(e), str(path)) from e
-    finally:
-        tmp.unlink(missing_ok=True)
+    """`path` replaced whole (write_atomically): a reader never sees half a file, and a failed
+    write (a full disk) names the file and leaves the one there before."""
+    write_atomically(path, lambda f: f.write(text.encode("utf-8")))  # the CSV's \r\n as made
 
 
 def _step_parts(meta: dict[str, Any]) -> str:

@@ -928,10 +928,10 @@ def test_a_report_file_that_cannot_be_written_is_named_and_the_old_one_kept(
     path = tmp_path / "report.md"
     replace_file(path, "before")
 
-    def full_disk(self: Path, *args: object, **kwargs: object) -> None:
-        raise OSError(errno.ENOSPC, "No space left on device")  # a write names no file
+    def full_disk(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")  # a flush names no file
 
-    monkeypatch.setattr(Path, "write_text", full_disk)
+    monkeypatch.setattr(os, "fsync", full_disk)
     with pytest.raises(OSError) as raised:
         replace_file(path, "after")
     assert raised.value.filename == str(path)
