@@ -411,11 +411,17 @@ def balanced_orders(n: int) -> list[list[int]]:
     Over the rows every cell takes every position equally often and, within a round, directly
     follows every other equally often: n rows for even n, 2n for odd (the rows and their
     reverses). Rounds run back to back, cycling through the rows, so they are chained so that
-    no round starts with the cell the one before it ended with. Two cells simply alternate.
-    Rotating one order instead (A B C, B C A, C A B) puts A after C in two rounds of three.
+    no round starts with the cell the one before it ended with. Rotating one order instead
+    (A B C, B C A, C A B) puts A after C in two rounds of three.
+
+    Two cells cross over, A B then B A: alternating A B A B would always time B one step after
+    A, so a machine slowing steadily would read as B's cost. No chain of two-cell rounds avoids
+    a repeat; in this one each cell follows itself once every two rounds, as the other does.
     """
-    if n <= 2:
+    if n <= 1:
         return [list(range(n))]
+    if n == 2:
+        return [[0, 1], [1, 0]]
     # 0, 1, n-1, 2, n-2, ...: its successive differences are all distinct mod n.
     first = [0] + [(k + 1) // 2 if k % 2 else n - k // 2 for k in range(1, n)]
     rows = [[(c + shift) % n for c in first] for shift in range(n)]

@@ -27,6 +27,8 @@ MIN_TIMED_STEPS = 20
 METHOD = {
     # balanced_orders; sweeps before it rotated one order
     "round_order": "balanced",
+    # two cells' rounds A B, B A (sweeps before it alternated them, A B A B)
+    "two_cells": "crossover",
     # what the resident part of peak memory counts (sweeps before it: no buffers)
     "resident": "parameters, buffers and optimizer state",
     # compile_s nets out the eager twin's first step...
@@ -202,34 +204,53 @@ def flop_count_text(meta: dict[str, Any]) -> str:
 
 
 def round_order_text(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
-    if meta.get("round_order") == METHOD["round_order"]:
-        # The cells each depth's rounds ran; sweeps before round_cells ran every cell's turn,
-        # those left out included (they were skipped)
-        per_depth = meta.get("round_cells") or Counter(str(r["n_layer"]) for r in rows)
-        most = max(per_depth.values(), default=0)
-        if most <= 2:  # nothing to balance
-            return {0: "no cell ran", 1: "one cell per depth"}.get(
-                most, "the two cells alternating (A B A B …)"
-            )
-        short = sorted({n for n in per_depth.values() if meta["steps"] % len(balanced_orders(n))})
-        partial = (
-            f" (here {meta['steps']} rounds of "
-            + " or ".join(
-                f"{n} cells: not a whole number of the {len(balanced_orders(n))} orders that "
-                "balance them"
-                for n in short
-            )
-            + ", so that balance is not complete)"
-            if short
+    if meta.get("round_order") != METHOD["round_order"]:
+        return "each round starting one later (A B C, B C A, C A B, …)"
+    # The cells each depth's rounds ran; sweeps before round_cells ran every cell's turn,
+    # those left out included (they were skipped)
+    per_depth = meta.get("round_cells") or Counter(str(r["n_layer"]) for r in rows)
+    crossed = meta.get("two_cells") == METHOD["two_cells"]
+    most = max(per_depth.values(), default=0)
+    if most < 2 or (most == 2 and not crossed):  # nothing to balance
+        return {0: "no cell ran", 1: "one cell per depth"}.get(
+            most, "the two cells alternating (A B A B …)"
+        )
+    short = sorted(
+        {
+            n
+            for n in per_depth.values()
+            if (n > 2 or crossed) and meta["steps"] % len(balanced_orders(n))
+        }
+    )
+    partial = (
+        f" (here {meta['steps']} rounds of "
+        + " or ".join(
+            f"{n} cells: not a whole number of the {len(balanced_orders(n))} orders that "
+            "balance them"
+            for n in short
+        )
+        + ", so that balance is not complete)"
+        if short
+        else ""
+    )
+    crossover = (
+        "A B and B A in turn, so over each pair of rounds each variant takes each position "
+        "once, and follows itself as often as the other does"
+    )
+    if most == 2:
+        return "each round in one of the two orders " + crossover + partial
+    return (
+        "each round in an order of a balanced Latin square (Williams design; for three: "
+        "A B C, B C A, C A B, A C B, C B A, B A C), so over each full set of orders every "
+        "variant takes every position and, within a round, directly follows every other "
+        "equally often, and none runs twice in a row"
+        + (
+            f" (at a depth of two cells: {crossover if crossed else 'alternating, A B A B …'})"
+            if 2 in per_depth.values()
             else ""
         )
-        return (
-            "each round in an order of a balanced Latin square (Williams design; for three: "
-            "A B C, B C A, C A B, A C B, C B A, B A C), so over each full set of orders every "
-            "variant takes every position and, within a round, directly follows every other "
-            "equally often, and none runs twice in a row" + partial
-        )
-    return "each round starting one later (A B C, B C A, C A B, …)"
+        + partial
+    )
 
 
 def compile_mark(row: dict[str, Any]) -> str:

@@ -325,7 +325,18 @@ def test_round_orders_are_balanced(n: int) -> None:
     assert len(follows) == n * (n - 1) and len(set(follows.values())) == 1
     back_to_back = [c for row in rows * 2 for c in row]  # the rows repeat
     assert all(a != b for a, b in itertools.pairwise(back_to_back))
-    assert balanced_orders(2) == [[0, 1]] and balanced_orders(1) == [[0]]  # they alternate
+
+
+def test_two_cells_cross_over() -> None:
+    """A B, B A: alternating A B A B would time B one step after A in every round, so drift in
+    the machine's speed would read as B's cost. Each cell follows itself as often as the other."""
+    from profiling.analysis import balanced_orders
+
+    rows = balanced_orders(2)
+    assert rows == [[0, 1], [1, 0]] and balanced_orders(1) == [[0]]
+    back_to_back = [c for row in rows * 2 for c in row] + rows[0][:1]  # the rows repeat
+    follows = Counter(itertools.pairwise(back_to_back))
+    assert follows[(0, 0)] == follows[(1, 1)] == 2 and follows[(0, 1)] == follows[(1, 0)] == 2
 
 
 def test_the_sweep_times_rounds_in_balanced_orders(
@@ -376,13 +387,21 @@ def test_the_sweep_times_rounds_in_balanced_orders(
     report = (tmp_path / "5" / "report.md").read_text()
     assert "here 5 rounds of 3 cells: not a whole number of the 6 orders that" in report
     # A variant that cannot run here takes no turn: the rounds order the two that do
+    ran.clear()
     rc, results = sweep(
-        tmp_path, "--variants", "naive,inplace,flex", "--layers", "1", "--steps", "3", name="3"
+        tmp_path, "--variants", "naive,inplace,flex", "--layers", "1", "--steps", "4", name="4"
     )
     assert rc == 0 and results["meta"]["round_cells"] == {"1": 2}
+    assert ran[-8:] == [a, b, b, a, a, b, b, a]  # two cells cross over: A B, B A
     assert "warning: --steps" not in capsys.readouterr().err
-    report = (tmp_path / "3" / "report.md").read_text()
-    assert "the two cells alternating (A B A B …)" in report and "every position" not in report
+    report = (tmp_path / "4" / "report.md").read_text()
+    assert "each round in one of the two orders A B and B A in turn" in report
+    assert "Latin square" not in report and "balance is not complete" not in report
+    rc, _ = sweep(
+        tmp_path, "--variants", "naive,inplace,flex", "--layers", "1", "--steps", "3", name="3"
+    )
+    assert rc == 0 and "--steps 3 is not a multiple of 2" in capsys.readouterr().err
+    assert "here 3 rounds of 2 cells: not a whole" in (tmp_path / "3" / "report.md").read_text()
     # Without --steps: at least the minimum, in whole sets of orders (here 4, rounded up to 6)
     monkeypatch.setattr(profiling.sweep, "MIN_TIMED_STEPS", 4)
     out = tmp_path / "default"
@@ -1104,17 +1123,34 @@ def test_paired_savings_use_the_rounds() -> None:
     assert "| inplace | +0.45 [+0.10, +0.80] |" in "\n".join(paired_table(rows))
 
 
-@pytest.mark.parametrize(("cells", "steps", "whole"), [(3, 9, False), (3, 12, True), (4, 8, True)])
+@pytest.mark.parametrize(
+    ("cells", "steps", "whole"), [(3, 9, False), (3, 12, True), (4, 8, True), (2, 5, False)]
+)
 def test_the_report_says_when_the_rounds_are_not_whole_sets_of_orders(
     cells: int, steps: int, whole: bool
 ) -> None:
-    """3 cells take 6 orders to balance (a Williams design for an odd count), 4 cells 4."""
+    """3 cells take 6 orders to balance (a Williams design for an odd count), 4 cells 4, 2 two."""
     from profiling.method import METHOD, balanced_orders, round_order_text
 
-    assert len(balanced_orders(cells)) == (6 if cells == 3 else 4)
-    meta = {"round_order": METHOD["round_order"], "round_cells": {"1": cells}, "steps": steps}
+    assert len(balanced_orders(cells)) == {2: 2, 3: 6, 4: 4}[cells]
+    meta = {**METHOD, "round_cells": {"1": cells}, "steps": steps}
     said = f"here {steps} rounds of {cells} cells: not a whole number of the"
     assert (said in round_order_text(meta, [])) != whole
+
+
+def test_the_report_says_how_a_depth_of_two_cells_ran() -> None:
+    """Sweeps before the crossover alternated two cells: their reports still say so, and a
+    depth of two among depths of more is named, as its cells follow themselves."""
+    from profiling.method import METHOD, round_order_text
+
+    old = {"round_order": METHOD["round_order"], "round_cells": {"1": 2}, "steps": 5}
+    assert round_order_text(old, []) == "the two cells alternating (A B A B …)"
+    mixed = {**METHOD, "round_cells": {"1": 3, "8": 2}, "steps": 6}
+    text = round_order_text(mixed, [])
+    assert "Latin square" in text and "at a depth of two cells: A B and B A in turn" in text
+    assert "not a whole number" not in text
+    mixed_old = {**old, "round_cells": {"1": 3, "8": 2}, "steps": 6}
+    assert "at a depth of two cells: alternating" in round_order_text(mixed_old, [])
 
 
 def test_a_cell_whose_steps_varied_widely_is_marked() -> None:
