@@ -192,15 +192,23 @@ def restore_state(
     return ckpt["step"]
 
 
-def say_the_ranks_changed(ranks_before: int, batch_before: int, ranks: int, batch: int) -> None:
-    """A resume on another number of processes reseeds dropout, and the micro-batches change
-    unless batch_size x processes does not."""
-    rows, rows_before = batch * ranks, batch_before * ranks_before  # one micro-batch, all ranks
+def rows_per_step(train: dict[str, Any], ranks: int) -> int:
+    """The sequences one optimizer step trains on, over all ranks, by a train config's fields."""
+    global_batch = train.get("global_batch_size")  # checkpoints before it had none
+    return int(global_batch or train["batch_size"] * ranks * train.get("grad_accum", 1))
+
+
+def say_the_ranks_changed(ranks_before: int, rows_before: int, ranks: int, rows: int) -> None:
+    """A resume on another number of processes reseeds dropout. The batches are drawn from one
+    stream of offsets, each step taking its rows over all ranks (data/loader.py), so they are
+    those the run would have drawn while a step takes as many rows (a global_batch_size);
+    otherwise they differ, and so do the windows evaluate() reads."""
     batches_note = (
-        "the micro-batches are the ones it would have drawn"
+        "each step trains on the rows it would have drawn"
         if rows == rows_before
-        else f"a micro-batch takes {rows} rows over all processes where it took {rows_before}, "
-        "and the data differs from there on"
+        else f"a step takes {rows} rows over all processes where it took {rows_before}, so the "
+        "data differs from there on and val_loss and train_loss are evaluated on other "
+        "windows (their curve can step at the resume)"
     )
     print(
         f"resuming on {ranks} process(es); the run trained on {ranks_before} so far: dropout "

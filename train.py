@@ -55,6 +55,7 @@ from resume import (
     check_seed,
     corpus_meta,
     restore_state,
+    rows_per_step,
     say_the_batch_changed,
     say_the_corpus_changed,
     say_the_ranks_changed,
@@ -392,8 +393,9 @@ def _train(
             ranks_before = restore_rng(ckpt["rng"], tc.seed, step, device, rank, world_size)
         if master and ranks_before not in (None, world_size):
             with restoring(ckpt_path, "config"):
-                batch_before = int(ckpt["config"]["train"]["batch_size"])
-            say_the_ranks_changed(ranks_before, batch_before, world_size, tc.batch_size)
+                rows_before = rows_per_step(ckpt["config"]["train"], ranks_before)
+            rows = rows_per_step(asdict(tc), world_size)
+            say_the_ranks_changed(ranks_before, rows_before, world_size, rows)
     resumed = ckpt is not None
     del ckpt  # its copy of the weights and optimizer state: host memory the run no longer needs
     model = wrap_ddp(raw_model, device) if world_size > 1 else raw_model

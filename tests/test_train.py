@@ -2567,23 +2567,48 @@ def test_evaluate_is_the_mean_loss_over_its_fixed_windows(tmp_path: Path) -> Non
     assert model.training
 
 
+@pytest.mark.parametrize("global_batch", [False, True])
 def test_resuming_on_another_number_of_processes_says_what_changes(
-    base_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    base_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], global_batch: bool
 ) -> None:
     """A run two ranks saved (one RNG state each), resumed by one process: its dropout is
-    reseeded and, with batch_size unchanged, each micro-batch takes half the rows. Said, as a
-    changed attention variant or linear path is."""
+    reseeded and, with batch_size unchanged, each step takes half the rows, unless a
+    global_batch_size keeps them (twice the micro-batches). Said, as a changed attention
+    variant or linear path is."""
     out = copy_run(base_run, tmp_path / "ranks")
     ckpt = load_ckpt(out)
     ckpt["rng"] = [ckpt["rng"][0], ckpt["rng"][0]]
-    torch.save(ckpt, out / checkpoint.CHECKPOINT)
     batch = ckpt["config"]["train"]["batch_size"]
+    if global_batch:
+        ckpt["config"]["train"]["global_batch_size"] = 2 * batch
+    torch.save(ckpt, out / checkpoint.CHECKPOINT)
     capsys.readouterr()
-    assert train.main(["--out", str(out), "--resume", f"--train.max_steps={STEPS + 1}"]) == 0
+    resume = ["--out", str(out), "--resume", f"--train.max_steps={STEPS + 1}"]
+    if global_batch:
+        resume.append(f"--train.global_batch_size={2 * batch}")
+    assert train.main(resume) == 0
     err = capsys.readouterr().err
     assert "resuming on 1 process(es); the run trained on 2 so far: dropout is reseeded" in err
-    assert f"a micro-batch takes {batch} rows over all processes where it took {2 * batch}" in err
+    said = f"a step takes {batch} rows over all processes where it took {2 * batch}"
+    assert (said in err) != global_batch
+    assert ("each step trains on the rows it would have drawn" in err) == global_batch
     assert load_ckpt(out)["step"] == STEPS + 1
+
+
+def test_a_steps_rows_do_not_depend_on_how_they_are_split(tmp_path: Path) -> None:
+    """The offsets come from one stream: two micro-batches of 4 rows, or two ranks' 4 rows
+    each, read what one micro-batch of 8 does, which a resume on other ranks relies on."""
+    tokens = tmp_path / "train.bin"
+    np.random.default_rng(0).integers(0, 64, 5000, dtype=np.uint16).tofile(tokens)
+    cpu = torch.device("cpu")
+
+    def rows(batch_size: int, micro: int, rank: int = 0, world: int = 1) -> torch.Tensor:
+        batches = TokenBatches(tokens, 16, batch_size, 3, cpu, rank, world)
+        return torch.cat([batches.next()[0] for _ in range(micro)])
+
+    one = rows(8, 1)
+    assert torch.equal(rows(4, 2), one)
+    assert torch.equal(torch.cat([rows(4, 1, rank, 2) for rank in (0, 1)]), one)
 
 
 def test_restore_rng_takes_this_ranks_state() -> None:
