@@ -564,7 +564,7 @@ class Run:
                 stop_requested |= self.read(unread, None)  # checked before anything is saved
                 unread = None
                 if stop_requested and self.step < self.last_step:  # the last step ends as planned
-                    self.eval_and_save()
+                    self.save_to_stop()
                     stopped_by = agreed_signal(stop.received, self.device, self.world_size)
                     self.bar.close()
                     self.note_other_load(other_load)
@@ -689,6 +689,19 @@ class Run:
     def eval_and_save(self) -> None:
         """Evaluate, then save the checkpoint (rank 0) with its loss and the state to go on."""
         val_loss, losses = self.eval_and_log()
+        self.save(val_loss, losses)
+
+    def save_to_stop(self) -> None:
+        """Save without evaluating: a signal asks for a prompt stop, and torchrun kills its
+        workers 30 s after forwarding one. The evaluation's other role, never saving weights
+        a step made non-finite, is kept by checking them (the same on every rank)."""
+        params = list(self.raw_model.parameters())
+        if not torch.stack([p.detach().isfinite().all() for p in params]).all():
+            raise self.stopped_unsaved(f"the weights are not finite at step {self.step}")
+        self.save(None, "not evaluated, to stop promptly")
+
+    def save(self, val_loss: float | None, losses: str) -> None:
+        """The checkpoint (rank 0): the weights, the state to go on, and their val_loss."""
         rngs = rng_states(self.device, self.world_size)
         if self.master:
             meta = self.meta

@@ -1886,6 +1886,40 @@ def test_ctrl_c_saves_and_exits_130_unless_it_came_on_the_last_step(
     assert ("--- sample" in captured.out) == (saved_at == 4), "a sample only at the run's end"
 
 
+@pytest.mark.parametrize("spoil_weights", [False, True])
+def test_a_signal_saves_at_once_without_evaluating_but_never_non_finite_weights(
+    data_root: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    spoil_weights: bool,
+) -> None:
+    """torchrun kills its workers 30 s after it forwards a signal: a stop saves before any
+    evaluation could outlast that (eval_batches is large here). The weights are checked instead,
+    so a step that made them NaN still leaves the last good checkpoint as it was."""
+    evaluated: list[int] = []
+    real_evaluate = train.evaluate
+    monkeypatch.setattr(train, "evaluate", lambda *a: evaluated.append(1) or real_evaluate(*a))
+    misbehave_at(
+        monkeypatch,
+        3,
+        before=lambda: os.kill(os.getpid(), signal.SIGINT),
+        spoil_weights=spoil_weights,
+    )
+    out = tmp_path / "run"
+    overrides = ["--train.max_steps=6", "--train.eval_interval=2", "--train.eval_batches=50"]
+    assert run(data_root, out, *overrides) == (2 if spoil_weights else 130)
+    captured = capsys.readouterr()
+    err = captured.err
+    assert len(evaluated) == 2 * 2  # val and train-eval at steps 0 and 2, none at the stop
+    assert load_ckpt(out)["step"] == (2 if spoil_weights else 3)
+    if spoil_weights:
+        assert "the weights are not finite at step 3; stopped without saving" in err
+    else:
+        assert load_ckpt(out)["val_loss"] is None
+        assert "step 3: not evaluated, to stop promptly; saved" in captured.out
+
+
 def test_a_signal_during_a_step_is_in_that_steps_stop_flag(
     data_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
