@@ -174,8 +174,11 @@ def savings(
     per-depth differences; the variants of one depth are timed interleaved, so a disturbance
     of the machine hits both, and their difference is freer of it than either: its standard
     error is that of the line fitted to the differences. Each projection carries its standard
-    error the same way (`saving_se`, `percent_se`; the percent's treats naive's projected time
-    as exact). The errors are None with two depths; a label with fewer than two depths in
+    error the same way (`saving_se`), and so does the percent (`percent_se`, by the delta
+    method): 100 S/R moves with the baseline's projected time R as well as with the saving S,
+    and with the ratio held at S/R, var(S - (S/R) R) is the variance of the line fitted to
+    diff - (S/R) baseline at that depth, the covariance of the two included. The errors are
+    None with two depths; a label with fewer than two depths in
     common with its baseline is left out. Where either line projects a time of zero or less
     (noisy fits over few depths), the projection is None throughout, with `why_none`.
     """
@@ -209,11 +212,15 @@ def savings(
                 }
                 continue
             saving_se = line_se_at(diffs, layers)
+            ratio = (ref - this) / ref
+            ratio_se = line_se_at(
+                {n: diffs[n] - ratio * points[reference][n] for n in depths}, layers
+            )
             projected[str(layers)] = {
                 "saving": ref - this,
-                "percent": 100 * (ref - this) / ref,
+                "percent": 100 * ratio,
                 "saving_se": saving_se,
-                "percent_se": None if saving_se is None else 100 * saving_se / ref,
+                "percent_se": None if ratio_se is None else 100 * ratio_se / ref,
             }
         out[name] = {
             "per_layer": base["slope"] - fit["slope"],

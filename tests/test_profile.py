@@ -1255,6 +1255,27 @@ def test_projected_savings_carry_their_standard_error() -> None:
         assert p["percent_se"] == pytest.approx(100 * expected / (10 + 5 * layers))
     assert "±" in projected(saved["projected"]["48"])
 
+    # Naive noisy too: the percent's se, by the delta method, takes its projected time's
+    # variance and its covariance with the saving's, both lines fitted to the same depths.
+    ref_ms = [10 + 5 * n + e / 2 for n, e in zip(depths, noise[::-1], strict=True)]
+    sdpa_ms = [10 + 3 * n + e for n, e in zip(depths, noise, strict=True)]
+    rows = [timed_row("naive", n, t) for n, t in zip(depths, ref_ms, strict=True)]
+    rows += [timed_row("sdpa", n, t) for n, t in zip(depths, sdpa_ms, strict=True)]
+    ref_ms, sdpa_ms = torch.tensor(ref_ms).double(), torch.tensor(sdpa_ms).double()
+    hat = torch.linalg.solve(X.T @ X, X.T)
+    residuals = torch.stack([ref_ms - sdpa_ms, ref_ms]) @ (torch.eye(4).double() - X @ hat).T
+    cov = residuals @ residuals.T / (len(depths) - 2)  # of (saving, naive) per depth
+    for layers in (12, 48):
+        x = torch.tensor([1.0, layers], dtype=torch.float64)
+        w2 = x @ torch.linalg.solve(X.T @ X, x)
+        saving, ref = (x @ hat @ (ref_ms - sdpa_ms)).item(), (x @ hat @ ref_ms).item()
+        gradient = torch.tensor([1 / ref, -saving / ref**2], dtype=torch.float64)  # of S/R
+        expected = 100 * torch.sqrt(w2 * gradient @ cov @ gradient).item()
+        p = savings(rows)["sdpa"]["projected"][str(layers)]
+        assert p["percent"] == pytest.approx(100 * saving / ref)
+        assert p["percent_se"] == pytest.approx(expected)
+        assert p["percent_se"] != pytest.approx(100 * p["saving_se"] / ref, rel=1e-3)
+
     two = [r for r in rows if r["n_layer"] in (1, 2)]
     p = savings(two)["sdpa"]["projected"]["48"]
     assert p["saving_se"] is None and p["percent_se"] is None
