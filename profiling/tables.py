@@ -109,7 +109,9 @@ def headline_table(results: dict[str, Any]) -> list[str]:
         for n in layers:
             r = by.get((name, n))
             if r and r["step_ms"]:
-                cells.append(_fmt(r["step_ms"]["median"]) + ("*" if noisy(r["step_ms"]) else ""))
+                cells.append(
+                    _fmt(r["step_ms"]["median"]) + ("*" if noisy(r["step_ms"]) else "") + _not_ok(r)
+                )
             else:
                 cells.append((r or {}).get("status", "–"))
         step_fit = fits.get(name, {}).get("step_ms")
@@ -141,6 +143,13 @@ def headline_table(results: dict[str, Any]) -> list[str]:
             "† A layer cannot cost less than nothing: a cell of that variant was disturbed "
             "while timed, most likely one of its shallower ones. Rerun to check.",
         ]
+    stopped = sorted({r["status"] for r in rows if r["step_ms"] and r["status"] != "ok"})
+    if stopped:
+        lines += [
+            "",
+            f"A time marked ({') or ('.join(stopped)}) was measured before its cell stopped: "
+            "shown, but left out of the fits and savings.",
+        ]
     if any(r["step_ms"] and noisy(r["step_ms"]) for r in rows):
         lines += [
             "",
@@ -149,6 +158,11 @@ def headline_table(results: dict[str, Any]) -> list[str]:
             "certain. Rerun to check.",
         ]
     return lines
+
+
+def _not_ok(row: dict[str, Any]) -> str:
+    """' (failed)' after a figure whose cell did not finish, as the fits leave it out."""
+    return "" if row["status"] == "ok" else f" ({row['status']})"
 
 
 def _measured_saving(rows: list[dict[str, Any]], name: str, reference: str, deepest: int) -> str:

@@ -1293,6 +1293,12 @@ def test_the_headline_gives_the_saving_measured_at_the_deepest_depth() -> None:
     rows[-1] = {**rows[-1], "status": "oom", "step_ms": None}  # sdpa at 8 layers
     sdpa = headline_table({"rows": rows, "fits": fits_by_label(rows)})[3]
     assert sdpa.split(" | ")[column] == "+8.0 ms (+27%) @L4"
+    # Timed, then failed in its profiled steps: its time shows, marked, as the fits skip it
+    rows[-1] = {**timed_row("sdpa", 8, 34.0), "status": "failed"}
+    table = headline_table({"rows": rows, "fits": fits_by_label(rows)})
+    assert table[3].split(" | ")[4] == "34.0 (failed)"
+    assert table[3].split(" | ")[column] == "+8.0 ms (+27%) @L4"
+    assert "A time marked (failed) was measured before its cell stopped" in "\n".join(table)
 
 
 def test_what_compiling_buys_pairs_each_variant_with_its_eager_self() -> None:
