@@ -134,6 +134,14 @@ def headline_table(results: dict[str, Any]) -> list[str]:
         measured = last and last["status"] == "ok" and last["peak_mem_bytes"]
         cells.append(_fmt(last["peak_mem_bytes"] / MiB if measured else None))
         lines.append("| " + " | ".join(cells) + " |")
+    if len(layers) > 2 and any(f.get("step_ms") for f in fits.values()):
+        dof = len(layers) - 2
+        lines += [
+            "",
+            f"± is one standard error (se) of a line fitted over {len(layers)} depths: "
+            f"{dof} degree{'s' * (dof > 1)} of freedom, so a 95% interval is "
+            f"± {t95(dof):.1f} se.",
+        ]
     lines += _fewer_depths(saved, layers, baselines(rows))
     if any(r["compile"] for r in rows):
         lines += ["", "`+compile` rows are compared with `naive+compile`, like against like."]
