@@ -52,7 +52,7 @@ SAME = {
 
 # Machines of one name can differ in speed: two cloud VMs both "AMD EPYC", one with half the
 # other's matmul peak. Sweeps whose peaks differ by more than this ratio ran on different
-# machines; on one machine they differ by a few percent (each is the higher of two readings).
+# machines; on one quiet machine they differ by a few percent (each the higher of two readings).
 PEAK_RATIO = 1.3
 
 
@@ -65,8 +65,13 @@ def comparable(sweeps: list[tuple[Path, dict[str, Any]]]) -> str | None:
         if any(v != values[0] for v in values):
             return _differ(what, sweeps, values)
     # Of whole sweeps: one that stopped before its closing reading has only its first, which
-    # a busy moment can have lowered
-    peaks = [r["meta"]["peak_flops"] for _, r in sweeps if "peak_flops_end" in r["meta"]]
+    # a busy moment can have lowered. Nor a busy sweep's: other processes slow the peak's
+    # matmul as they slow the steps, and its savings are shown marked, out of the medians.
+    peaks = [
+        r["meta"]["peak_flops"]
+        for _, r in sweeps
+        if "peak_flops_end" in r["meta"] and not _slowed(r["meta"])
+    ]
     if len(peaks) > 1 and max(peaks) > PEAK_RATIO * min(peaks):
         shown = [
             rate_text(r["meta"]["peak_flops"], unit_of=max(peaks))

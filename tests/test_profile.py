@@ -1655,7 +1655,18 @@ def test_compare_reads_the_savings_of_several_sweeps(
     assert cells[2].startswith("+4.00 ± ") and cells[2].endswith(" §")
     assert cells[5:] == ["+2.00", "–", "+1.00 to +3.00"]  # the other three: 1, 2, 3
     assert "§ Other processes used more than 10% of the CPUs" in printed
-    busy["meta"]["other_cpu_share"] = 0.02
+    # They slow the matmul peak too: a busy sweep's is not another machine's
+    busy["meta"].update(peak_flops=busy["meta"]["peak_flops"] / 2)
+    (folders[1] / "results.json").write_text(json.dumps(busy))
+    assert profile_train.main(["--compare", *map(str, folders)]) == 0
+    printed = capsys.readouterr().out
+    inplace = next(line for line in printed.split("## ")[2].splitlines() if "| inplace |" in line)
+    assert [c.strip() for c in inplace.strip("|").split("|")][5:] == [
+        "+2.00",
+        "–",
+        "+1.00 to +3.00",
+    ]
+    busy["meta"].update(other_cpu_share=0.02, peak_flops=busy["meta"]["peak_flops"] * 2)
     (folders[1] / "results.json").write_text(json.dumps(busy))
     # profiles/<config>/* takes `latest` too, a link to the newest sweep: counted once.
     # A sweep stopped before its first cell left a folder with no results.json: left out.
