@@ -2685,3 +2685,4 @@ def test_the_demo_steps_every_variant_that_runs_here_to_one_loss() -> None:
     assert set(losses) == set(VARIANTS) - set(cuda_only)  # test_model lists them by name
     assert len(set(losses.values())) == 1, losses
     assert done.stdout.count("skipped:") == len(cuda_only)
+    assert f"{len(losses)} variants, one loss" in done.stdout
