@@ -198,56 +198,48 @@ def rows_per_step(train: dict[str, Any], ranks: int) -> int:
     return int(global_batch or train["batch_size"] * ranks * train.get("grad_accum", 1))
 
 
-def say_the_ranks_changed(ranks_before: int, rows_before: int, ranks: int, rows: int) -> None:
-    """A resume on another number of processes reseeds dropout. The batches are drawn from one
-    stream of offsets, each step taking its rows over all ranks (data/loader.py), so they are
-    those the run would have drawn while a step takes as many rows (a global_batch_size);
-    otherwise they differ, and so do the windows evaluate() reads."""
-    batches_note = (
-        "each step trains on the rows it would have drawn"
-        if rows == rows_before
-        else f"a step takes {rows} rows over all processes where it took {rows_before}, so the "
-        "data differs from there on and val_loss and train_loss are evaluated on other "
-        "windows (their curve can step at the resume)"
-    )
-    print(
-        f"resuming on {ranks} process(es); the run trained on {ranks_before} so far: dropout "
-        f"is reseeded and {batches_note}. The run will not match one that never stopped.",
-        file=sys.stderr,
-    )
-
-
 BATCH_FIELDS = ("batch_size", "grad_accum", "global_batch_size")
 # What evaluate() averages over: eval_batches steps' worth of micro-batches of these sizes
 EVAL_FIELDS = (*BATCH_FIELDS, "eval_batches")
 
 
-def say_the_batch_changed(ckpt: dict[str, Any], tc: TrainConfig) -> None:
-    """Another batch size or number of micro-batches trains on: each step takes other rows
-    from the checkpoint's place in the data on, and its gradient averages over another
-    number of them. These, and another train.eval_batches, also change the windows val_loss
-    and train_loss are evaluated on, so the loss curve can step at the resume. Said, as for
-    the schedule and the processes."""
+def say_the_batch_changed(
+    ckpt: dict[str, Any], tc: TrainConfig, ranks_before: int | None, ranks: int
+) -> None:
+    """Another batch, number of micro-batches or number of processes, said with what it
+    changes. The offsets of every micro-batch come from one stream, each step taking its rows
+    over all ranks (data/loader.py): a step trains on the rows the run would have drawn while
+    it takes as many, however they are split, and evaluate() reads the same windows while
+    eval_batches steps' worth of rows stay as many. Another number of processes also reseeds
+    dropout. `ranks_before` None: a checkpoint that does not say (taken as `ranks`)."""
     try:
         before = {
             k: ckpt["config"]["train"][k] for k in EVAL_FIELDS if k in ckpt["config"]["train"]
         }
-    except (KeyError, TypeError):
+        ranks_before = ranks_before or ranks
+        rows_before = rows_per_step(before, ranks_before)
+    except (KeyError, TypeError, ValueError):
         return  # restoring it says what is wrong
-    changed = {k: f"{k} {v} -> {getattr(tc, k)}" for k, v in before.items() if v != getattr(tc, k)}
+    fields = [k for k, v in before.items() if v != getattr(tc, k)]
+    changed = [f"train.{k} {before[k]} -> {getattr(tc, k)}" for k in fields]
+    if ranks != ranks_before:
+        changed.append(f"{ranks} process(es) where it trained on {ranks_before}")
     if not changed:
         return
-    effects = []
-    if any(k in BATCH_FIELDS for k in changed):
+    rows = rows_per_step(dataclasses.asdict(tc), ranks)
+    effects = ["dropout is reseeded"] if ranks != ranks_before else []
+    if rows != rows_before:
         effects.append(
-            "the steps from here draw other batches than the run's would have, so it will not "
-            "match one that never stopped"
+            f"a step takes {rows} rows over all processes where it took {rows_before}, so the "
+            "data differs from there on"
         )
-    effects.append(
-        "val_loss and train_loss are evaluated on other windows from here on, so their curve "
-        "can step at the resume"
-    )
-    print(
-        f"resuming with train.{', train.'.join(changed.values())}: {'; '.join(effects)}",
-        file=sys.stderr,
-    )
+    elif any(k in BATCH_FIELDS for k in fields) or effects:
+        effects.append("each step trains on the rows it would have drawn")
+    if rows * tc.eval_batches != rows_before * before.get("eval_batches", tc.eval_batches):
+        effects.append(
+            "val_loss and train_loss are evaluated on other windows from here on, so their "
+            "curve can step at the resume"
+        )
+    if rows != rows_before or ranks != ranks_before:
+        effects.append("the run will not match one that never stopped")
+    print(f"resuming with {', '.join(changed)}: {'; '.join(effects)}", file=sys.stderr)

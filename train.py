@@ -55,10 +55,8 @@ from resume import (
     check_seed,
     corpus_meta,
     restore_state,
-    rows_per_step,
     say_the_batch_changed,
     say_the_corpus_changed,
-    say_the_ranks_changed,
     say_the_schedule_changed,
     say_what_resuming_changes,
 )
@@ -373,7 +371,6 @@ def _train(
         say_what_resuming_changes(ckpt, config, linear)
         say_the_corpus_changed(ckpt, meta, config.data.name)
         say_the_schedule_changed(ckpt, tc)
-        say_the_batch_changed(ckpt, tc)
 
     # Before the model: a corpus too small for the batch is told in a second, not after a
     # model of block_size (and its memory) is built.
@@ -391,11 +388,8 @@ def _train(
             return RunEnd(out_dir, step, 0, None)
         with restoring(ckpt_path, "rng"):
             ranks_before = restore_rng(ckpt["rng"], tc.seed, step, device, rank, world_size)
-        if master and ranks_before not in (None, world_size):
-            with restoring(ckpt_path, "config"):
-                rows_before = rows_per_step(ckpt["config"]["train"], ranks_before)
-            rows = rows_per_step(asdict(tc), world_size)
-            say_the_ranks_changed(ranks_before, rows_before, world_size, rows)
+        if master:
+            say_the_batch_changed(ckpt, tc, ranks_before, world_size)
     resumed = ckpt is not None
     del ckpt  # its copy of the weights and optimizer state: host memory the run no longer needs
     model = wrap_ddp(raw_model, device) if world_size > 1 else raw_model

@@ -2601,31 +2601,35 @@ def test_evaluate_is_the_mean_loss_over_its_fixed_windows(tmp_path: Path) -> Non
     assert model.training
 
 
-@pytest.mark.parametrize("global_batch", [False, True])
+@pytest.mark.parametrize("keeps_rows", ["", "global_batch_size", "grad_accum"])
 def test_resuming_on_another_number_of_processes_says_what_changes(
-    base_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], global_batch: bool
+    base_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], keeps_rows: str
 ) -> None:
     """A run two ranks saved (one RNG state each), resumed by one process: its dropout is
-    reseeded and, with batch_size unchanged, each step takes half the rows, unless a
-    global_batch_size keeps them (twice the micro-batches). Said, as a changed attention
-    variant or linear path is."""
+    reseeded and, with batch_size unchanged, each step takes half the rows and evaluates on
+    other windows, unless a global_batch_size or twice the micro-batches keep the rows. Said
+    in one line, as a changed attention variant or linear path is."""
     out = copy_run(base_run, tmp_path / "ranks")
     ckpt = load_ckpt(out)
     ckpt["rng"] = [ckpt["rng"][0], ckpt["rng"][0]]
     batch = ckpt["config"]["train"]["batch_size"]
-    if global_batch:
+    resume = ["--out", str(out), "--resume", f"--train.max_steps={STEPS + 1}"]
+    if keeps_rows == "global_batch_size":
         ckpt["config"]["train"]["global_batch_size"] = 2 * batch
+        resume.append(f"--train.global_batch_size={2 * batch}")
+    elif keeps_rows == "grad_accum":
+        resume.append("--train.grad_accum=2")
     torch.save(ckpt, out / checkpoint.CHECKPOINT)
     capsys.readouterr()
-    resume = ["--out", str(out), "--resume", f"--train.max_steps={STEPS + 1}"]
-    if global_batch:
-        resume.append(f"--train.global_batch_size={2 * batch}")
     assert train.main(resume) == 0
     err = capsys.readouterr().err
-    assert "resuming on 1 process(es); the run trained on 2 so far: dropout is reseeded" in err
-    said = f"a step takes {batch} rows over all processes where it took {2 * batch}"
-    assert (said in err) != global_batch
-    assert ("each step trains on the rows it would have drawn" in err) == global_batch
+    said = [line for line in err.splitlines() if "rows" in line or "windows" in line]
+    assert len(said) == 1, said
+    assert "1 process(es) where it trained on 2: dropout is reseeded; " in said[0]
+    rows = f"a step takes {batch} rows over all processes where it took {2 * batch}"
+    assert (rows in said[0]) != bool(keeps_rows)
+    assert ("each step trains on the rows it would have drawn" in said[0]) == bool(keeps_rows)
+    assert ("evaluated on other windows" in said[0]) != bool(keeps_rows)
     assert load_ckpt(out)["step"] == STEPS + 1
 
 
