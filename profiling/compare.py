@@ -65,13 +65,15 @@ def comparable(sweeps: list[tuple[Path, dict[str, Any]]]) -> str | None:
         if any(v != values[0] for v in values):
             return _differ(what, sweeps, values)
     # Of whole sweeps: one that stopped before its closing reading has only its first, which
-    # a busy moment can have lowered. Nor a busy sweep's: other processes slow the peak's
-    # matmul as they slow the steps, and its savings are shown marked, out of the medians.
-    peaks = [
-        r["meta"]["peak_flops"]
-        for _, r in sweeps
-        if "peak_flops_end" in r["meta"] and not _slowed(r["meta"])
-    ]
+    # a busy moment can have lowered. A busy CPU sweep's (its savings shown marked, out of the
+    # medians) may read low for the same reason, as other processes slow the peak's matmul too,
+    # but not high: it must not read faster than the quiet sweeps' slowest.
+    whole = [r["meta"] for _, r in sweeps if "peak_flops_end" in r["meta"]]
+    slowed = [_slowed(m) and str(m.get("device")).startswith("cpu") for m in whole]
+    quiet = [m["peak_flops"] for m, s in zip(whole, slowed, strict=True) if not s]
+    busy = [m["peak_flops"] for m, s in zip(whole, slowed, strict=True) if s]
+    quiet = quiet or busy
+    peaks = quiet + [p for p in busy if p > min(quiet)]
     if len(peaks) > 1 and max(peaks) > PEAK_RATIO * min(peaks):
         shown = [
             rate_text(r["meta"]["peak_flops"], unit_of=max(peaks))

@@ -134,14 +134,7 @@ def headline_table(results: dict[str, Any]) -> list[str]:
         measured = last and last["status"] == "ok" and last["peak_mem_bytes"]
         cells.append(_fmt(last["peak_mem_bytes"] / MiB if measured else None))
         lines.append("| " + " | ".join(cells) + " |")
-    if len(layers) > 2 and any(f.get("step_ms") for f in fits.values()):
-        dof = len(layers) - 2
-        lines += [
-            "",
-            f"± is one standard error (se) of a line fitted over {len(layers)} depths: "
-            f"{dof} degree{'s' * (dof > 1)} of freedom, so a 95% interval is "
-            f"± {t95(dof):.1f} se.",
-        ]
+    lines += _se_note(fits, saved)
     lines += _fewer_depths(saved, layers, baselines(rows))
     if any(r["compile"] for r in rows):
         lines += ["", "`+compile` rows are compared with `naive+compile`, like against like."]
@@ -166,6 +159,30 @@ def headline_table(results: dict[str, Any]) -> list[str]:
             "certain. Rerun to check.",
         ]
     return lines
+
+
+def _se_note(fits: dict[str, dict[str, Any]], saved: dict[str, dict[str, Any]]) -> list[str]:
+    """What the headline's ± means: a slope's standard error over as many depths as its fit
+    took (those whose cells finished), and the multiplier for a 95% interval at each count."""
+    counts = {f["step_ms"]["points"] for f in fits.values() if f.get("step_ms")}
+    counts |= {len(s["depths"]) for s in saved.values()}
+    counts = sorted((n for n in counts if n > 2), reverse=True)
+    if not counts:
+        return []
+    if len(counts) == 1:
+        n = counts[0]
+        dof = f"{n - 2} degree{'s' * (n > 3)} of freedom"
+        return [
+            "",
+            f"± is one standard error (se) of a line fitted over {n} depths: {dof}, so a 95% "
+            f"interval is ± {t95(n - 2):.1f} se.",
+        ]
+    each = "; ".join(f"over {n} depths, ± {t95(n - 2):.1f} se" for n in counts)
+    return [
+        "",
+        "± is one standard error (se) of a line fitted over the depths whose cells finished; "
+        f"a 95% interval is {each}.",
+    ]
 
 
 def _not_ok(row: dict[str, Any]) -> str:

@@ -1300,6 +1300,12 @@ def test_the_headline_gives_the_saving_measured_at_the_deepest_depth() -> None:
     assert table[3].split(" | ")[4] == "34.0 (failed)"
     assert table[3].split(" | ")[column] == "+8.0 ms (+27%) @L4"
     assert "A time marked (failed) was measured before its cell stopped" in "\n".join(table)
+    # sdpa's line over three depths, naive's over four: each with its own multiplier
+    note = next(line for line in table if line.startswith("± is one standard error"))
+    assert note.endswith("over 4 depths, ± 4.3 se; over 3 depths, ± 12.7 se.")
+    rows[-1] = timed_row("sdpa", 8, 34.0)
+    whole = "\n".join(headline_table({"rows": rows, "fits": fits_by_label(rows)}))
+    assert "fitted over 4 depths: 2 degrees of freedom, so a 95% interval is ± 4.3 se." in whole
 
 
 def test_what_compiling_buys_pairs_each_variant_with_its_eager_self() -> None:
@@ -1668,7 +1674,12 @@ def test_compare_reads_the_savings_of_several_sweeps(
         "–",
         "+1.00 to +3.00",
     ]
-    busy["meta"].update(other_cpu_share=0.02, peak_flops=busy["meta"]["peak_flops"] * 2)
+    # ...but not higher: a busy sweep twice as fast as the quiet ones is another machine
+    busy["meta"].update(peak_flops=busy["meta"]["peak_flops"] * 4)
+    (folders[1] / "results.json").write_text(json.dumps(busy))
+    assert profile_train.main(["--compare", *map(str, folders)]) == 2
+    assert "differ in matmul peak" in capsys.readouterr().err
+    busy["meta"].update(other_cpu_share=0.02, peak_flops=busy["meta"]["peak_flops"] / 2)
     (folders[1] / "results.json").write_text(json.dumps(busy))
     # profiles/<config>/* takes `latest` too, a link to the newest sweep: counted once.
     # A sweep stopped before its first cell left a folder with no results.json: left out.
