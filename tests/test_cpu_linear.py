@@ -254,3 +254,22 @@ def test_a_reserved_heap_serves_new_blocks_without_page_faults() -> None:
     reserved = int(run_in_a_process(FAULTS_OF_A_FRESH_BLOCK, "reserve"))
     assert fresh > 6000  # most of its 8192 pages (the heap top may hold a few)
     assert reserved < 500
+
+
+FAULTS_AFTER_A_LARGE_PEAK = """
+import resource, sys, torch, runtime
+if not runtime.keep_freed_host_memory():
+    sys.exit(3)
+for step in range(2):  # a step whose peak leaves more than 1 GiB free at the heap's top
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    blocks = [torch.ones(600 * 2**20, dtype=torch.uint8) for _ in range(2)]
+    del blocks
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux")
+def test_kept_host_memory_stays_after_a_peak_over_a_gib() -> None:
+    """Trimming is off, not merely raised: the second step finds its 1.2 GiB in the heap
+    (at a 1 GiB trim threshold it faulted all 300,000 pages in again, every step)."""
+    assert int(run_in_a_process(FAULTS_AFTER_A_LARGE_PEAK, "keep")) < 1000
