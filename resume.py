@@ -224,22 +224,29 @@ def say_the_batch_changed(
     changed = [f"train.{k} {before[k]} -> {getattr(tc, k)}" for k in fields]
     if ranks != ranks_before:
         changed.append(f"{ranks} process(es) where it trained on {ranks_before}")
-    if not changed:
-        return
     rows = rows_per_step(dataclasses.asdict(tc), ranks)
+    evals_before = before.get("eval_batches", tc.eval_batches)
+    windows_moved = rows * tc.eval_batches != rows_before * evals_before
+    if not changed and rows == rows_before and not windows_moved:
+        return
+    batch_changed = any(k in BATCH_FIELDS for k in fields)
     effects = ["dropout is reseeded"] if ranks != ranks_before else []
     if rows != rows_before:
         effects.append(
             f"a step takes {rows} rows over all processes where it took {rows_before}, so the "
             "data differs from there on"
         )
-    elif any(k in BATCH_FIELDS for k in fields) or effects:
+    elif batch_changed or ranks != ranks_before:
         effects.append("each step trains on the rows it would have drawn")
-    if rows * tc.eval_batches != rows_before * before.get("eval_batches", tc.eval_batches):
+    if windows_moved:
         effects.append(
             "val_loss and train_loss are evaluated on other windows from here on, so their "
             "curve can step at the resume"
         )
     if rows != rows_before or ranks != ranks_before:
         effects.append("the run will not match one that never stopped")
-    print(f"resuming with {', '.join(changed)}: {'; '.join(effects)}", file=sys.stderr)
+    elif batch_changed:  # the same rows, split otherwise, sum in another order
+        effects.append("the run matches one that never stopped to rounding, not exactly")
+    # A checkpoint older than a field that now sets the rows: said by its effect
+    what = ", ".join(changed) or f"{rows} rows per step"
+    print(f"resuming with {what}: {'; '.join(effects)}", file=sys.stderr)

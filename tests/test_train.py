@@ -883,6 +883,49 @@ def test_resume_with_another_batch_says_so(
     assert "never stopped" not in err
 
 
+@pytest.mark.parametrize(
+    ("saved", "now", "said", "not_said"),
+    [
+        # The same 8 rows a step, in two micro-batches: the same data and windows
+        (
+            {"batch_size": 8},
+            {"batch_size": 4, "grad_accum": 2},
+            "each step trains on the rows it would have drawn; the run matches one that never "
+            "stopped to rounding, not exactly",
+            "windows",
+        ),
+        # Half the rows, twice the eval batches: other data, the same windows
+        (
+            {"batch_size": 8, "eval_batches": 2},
+            {"batch_size": 4, "eval_batches": 4},
+            "a step takes 4 rows over all processes where it took 8",
+            "windows",
+        ),
+        # A checkpoint older than global_batch_size: no field to compare, the rows said
+        (
+            {"batch_size": 8, "global_batch_size": None},
+            {"batch_size": 8, "global_batch_size": 32},
+            "resuming with 32 rows per step: a step takes 32 rows over all processes where it "
+            "took 8, so the data differs from there on; val_loss and train_loss are evaluated",
+            "rows it would have drawn",
+        ),
+    ],
+)
+def test_a_resume_says_what_another_batch_changes_by_the_rows_per_step(
+    capsys: pytest.CaptureFixture[str], saved: dict, now: dict, said: str, not_said: str
+) -> None:
+    """The offsets come from one stream: rows per step decide the data, rows per step times
+    eval_batches the evaluation's windows, whatever the split."""
+    from resume import say_the_batch_changed
+
+    train_fields = {"batch_size": 8, "grad_accum": 1, "global_batch_size": 0, "eval_batches": 2}
+    before = {k: v for k, v in {**train_fields, **saved}.items() if v is not None}
+    tc = TrainConfig(**{**train_fields, **now})
+    say_the_batch_changed({"config": {"train": before}}, tc, 1, 1)
+    err = capsys.readouterr().err
+    assert said in err and not_said not in err, err
+
+
 def test_resume_through_another_linear_path_says_so(
     base_run: Path, data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
