@@ -67,7 +67,7 @@ def comparable(sweeps: list[tuple[Path, dict[str, Any]]]) -> str | None:
     # Of whole sweeps: one that stopped before its closing reading has only its first, which
     # a busy moment can have lowered. A busy CPU sweep's (its savings shown marked, out of the
     # medians) may read low for the same reason, as other processes slow the peak's matmul too,
-    # but not high: it must not read faster than the quiet sweeps' slowest.
+    # but not high: one faster than the quiet sweeps' slowest is checked against them.
     whole = [r["meta"] for _, r in sweeps if "peak_flops_end" in r["meta"]]
     slowed = [_slowed(m) and str(m.get("device")).startswith("cpu") for m in whole]
     quiet = [m["peak_flops"] for m, s in zip(whole, slowed, strict=True) if not s]

@@ -260,7 +260,7 @@ FAULTS_AFTER_A_LARGE_PEAK = """
 import ctypes, resource, sys, runtime
 if not runtime.keep_freed_host_memory():
     sys.exit(3)
-libc = ctypes.CDLL(None)  # glibc's malloc, which torch's CPU allocator calls
+libc = ctypes.CDLL(None)  # glibc's malloc: the trim alone (torch's posix_memalign also fragments)
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]
 size = 600 * 2**20
