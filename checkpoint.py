@@ -85,6 +85,12 @@ def write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def first_non_finite(model: torch.nn.Module) -> str | None:
+    """The name of the first tensor of `model`'s state holding a NaN or an infinity, or None:
+    weights no checkpoint may hold (train.py never saves them; sample.py refuses them)."""
+    return next((name for name, t in model.state_dict().items() if not t.isfinite().all()), None)
+
+
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
     """Write the checkpoint atomically (write_atomically). A write that fails for want of space
     or access is a CheckpointError that says the previous checkpoint is untouched; any other

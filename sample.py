@@ -32,7 +32,14 @@ import torch
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from checkpoint import CHECKPOINT, CheckpointError, load_checkpoint, model_config_diff, restoring
+from checkpoint import (
+    CHECKPOINT,
+    CheckpointError,
+    first_non_finite,
+    load_checkpoint,
+    model_config_diff,
+    restoring,
+)
 from config import DTYPES, Config, ConfigError, build_config, load_config
 from data.meta import EOT, file_sha256
 from model import GPT, VARIANTS
@@ -137,9 +144,9 @@ def load_run(
     with restoring(ckpt_path, "model"):
         model.load_state_dict(ckpt["model"])
     # train.py never saves them (it stops at the first NaN): edited, or written by another program
-    broken = [name for name, t in model.state_dict().items() if not t.isfinite().all()]
-    if broken:
-        raise CheckpointError(f"{ckpt_path} holds NaN or infinite weights, in {broken[0]}")
+    broken = first_non_finite(model)
+    if broken is not None:
+        raise CheckpointError(f"{ckpt_path} holds NaN or infinite weights, in {broken}")
     return model.to(device).eval(), Tokenizer.from_file(str(tokenizer_path)), config
 
 

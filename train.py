@@ -31,6 +31,7 @@ from checkpoint import (
     CHECKPOINT,
     CheckpointError,
     describe_os_error,
+    first_non_finite,
     provenance,
     restore_rng,
     restoring,
@@ -689,8 +690,7 @@ class Run:
         """Save without evaluating: a signal asks for a prompt stop, and torchrun kills its
         workers 30 s after forwarding one. The evaluation's other role, never saving weights
         a step made non-finite, is kept by checking them (the same on every rank)."""
-        params = list(self.raw_model.parameters())
-        if not torch.stack([p.detach().isfinite().all() for p in params]).all():
+        if first_non_finite(self.raw_model) is not None:
             raise self.stopped_unsaved(f"the weights are not finite at step {self.step}")
         self.save(None, "not evaluated, to stop promptly")
 

@@ -5,7 +5,7 @@
 The idea of what profile_train.py measures, in one page, apart from its code: the model and
 step train.py runs (nn.Linear on PyTorch's own path, not oneDNN's), torch.profiler over one step
 after a warm-up one, ATen ops counted by the region (forward, backward, optimizer) that
-train_step names, found through the op tree (profile_train.py places them by time). Its
+train_step names, found through the op tree. Its
 default shows the hidden copy that out-of-place masked_fill makes in each layer. CPU only (on a
 GPU the backward's ops run on autograd's own thread, outside the range: profile_train.py places
 them by time, and counts kernels too); no timing here: see make profile.
