@@ -204,14 +204,16 @@ EVAL_FIELDS = (*BATCH_FIELDS, "eval_batches")
 
 
 def say_the_batch_changed(
-    ckpt: dict[str, Any], tc: TrainConfig, ranks_before: int | None, ranks: int
+    ckpt: dict[str, Any], tc: TrainConfig, ranks_before: int | None, ranks: int, dropout: float
 ) -> None:
     """Another batch, number of micro-batches or number of processes, said with what it
     changes. The offsets of every micro-batch come from one stream, each step taking its rows
     over all ranks (data/loader.py): a step trains on the rows the run would have drawn while
     it takes as many, however they are split, and evaluate() reads the same windows while
-    eval_batches steps' worth of rows stay as many. Another number of processes also reseeds
-    dropout. `ranks_before` None: a checkpoint that does not say (taken as `ranks`)."""
+    eval_batches steps' worth of rows stay as many. With dropout (the model's rate now) the
+    masks are drawn per micro-batch from each process's generator, so another split or number
+    of processes draws other masks. `ranks_before` None: a checkpoint that does not say (taken
+    as `ranks`)."""
     try:
         before = {
             k: ckpt["config"]["train"][k] for k in EVAL_FIELDS if k in ckpt["config"]["train"]
@@ -230,22 +232,25 @@ def say_the_batch_changed(
     if not changed and rows == rows_before and not windows_moved:
         return
     batch_changed = any(k in BATCH_FIELDS for k in fields)
-    effects = ["dropout is reseeded"] if ranks != ranks_before else []
+    split_changed = batch_changed or ranks != ranks_before
+    effects = []
     if rows != rows_before:
         effects.append(
             f"a step takes {rows} rows over all processes where it took {rows_before}, so the "
             "data differs from there on"
         )
-    elif batch_changed or ranks != ranks_before:
+    elif split_changed:
         effects.append("each step trains on the rows it would have drawn")
+    if split_changed and dropout > 0:
+        effects.append("dropout draws other masks")
     if windows_moved:
         effects.append(
             "val_loss and train_loss are evaluated on other windows from here on, so their "
             "curve can step at the resume"
         )
-    if rows != rows_before or ranks != ranks_before:
+    if rows != rows_before or (split_changed and dropout > 0):
         effects.append("the run will not match one that never stopped")
-    elif batch_changed:  # the same rows, split otherwise, sum in another order
+    elif split_changed:  # the same rows, split otherwise, sum in another order
         effects.append("the run matches one that never stopped to rounding, not exactly")
     # A checkpoint older than a field that now sets the rows: said by its effect
     what = ", ".join(changed) or f"{rows} rows per step"

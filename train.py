@@ -390,7 +390,7 @@ def _train(
         with restoring(ckpt_path, "rng"):
             ranks_before = restore_rng(ckpt["rng"], tc.seed, step, device, rank, world_size)
         if master:
-            say_the_batch_changed(ckpt, tc, ranks_before, world_size)
+            say_the_batch_changed(ckpt, tc, ranks_before, world_size, config.model.dropout)
     resumed = ckpt is not None
     del ckpt  # its copy of the weights and optimizer state: host memory the run no longer needs
     model = wrap_ddp(raw_model, device) if world_size > 1 else raw_model

@@ -921,9 +921,53 @@ def test_a_resume_says_what_another_batch_changes_by_the_rows_per_step(
     train_fields = {"batch_size": 8, "grad_accum": 1, "global_batch_size": 0, "eval_batches": 2}
     before = {k: v for k, v in {**train_fields, **saved}.items() if v is not None}
     tc = TrainConfig(**{**train_fields, **now})
-    say_the_batch_changed({"config": {"train": before}}, tc, 1, 1)
+    say_the_batch_changed({"config": {"train": before}}, tc, 1, 1, 0.0)
     err = capsys.readouterr().err
     assert said in err and not_said not in err, err
+
+
+@pytest.mark.parametrize(
+    ("ranks_before", "now", "dropout", "said"),
+    [
+        # The same rows split otherwise (4 x 2 micro-batches a process before: 8 rows a step on
+        # 1 process, now 8 x 1; 16 on 2, now 4 x 4 on 1): without dropout only the sums' order
+        # differs
+        (1, {"batch_size": 8, "grad_accum": 1}, 0.0, "the run matches one that never stopped "),
+        (2, {"batch_size": 4, "grad_accum": 4}, 0.0, "the run matches one that never stopped "),
+        # with dropout each micro-batch and process draws its own masks
+        (
+            1,
+            {"batch_size": 8, "grad_accum": 1},
+            0.1,
+            "dropout draws other masks; the run will not match",
+        ),
+        (
+            2,
+            {"batch_size": 4, "grad_accum": 4},
+            0.1,
+            "dropout draws other masks; the run will not match",
+        ),
+    ],
+)
+def test_a_resume_that_splits_the_rows_otherwise_matches_only_without_dropout(
+    capsys: pytest.CaptureFixture[str],
+    ranks_before: int,
+    now: dict,
+    dropout: float,
+    said: str,
+) -> None:
+    """The same rows a step give the same data, split among micro-batches or processes as
+    they may; dropout's masks are drawn per micro-batch from each process's generator, so
+    only a run without dropout matches the one that never stopped (to rounding)."""
+    from resume import say_the_batch_changed
+
+    before = {"batch_size": 4, "grad_accum": 2, "global_batch_size": 0, "eval_batches": 2}
+    tc = TrainConfig(**{**before, **now})
+    say_the_batch_changed({"config": {"train": before}}, tc, ranks_before, 1, dropout)
+    err = capsys.readouterr().err
+    assert "each step trains on the rows it would have drawn" in err, err
+    assert said in err, err
+    assert ("dropout" in err) == (dropout > 0), err
 
 
 def test_resume_through_another_linear_path_says_so(
@@ -2648,10 +2692,10 @@ def test_evaluate_is_the_mean_loss_over_its_fixed_windows(tmp_path: Path) -> Non
 def test_resuming_on_another_number_of_processes_says_what_changes(
     base_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], keeps_rows: str
 ) -> None:
-    """A run two ranks saved (one RNG state each), resumed by one process: its dropout is
-    reseeded and, with batch_size unchanged, each step takes half the rows and evaluates on
-    other windows, unless a global_batch_size or twice the micro-batches keep the rows. Said
-    in one line, as a changed attention variant or linear path is."""
+    """A run two ranks saved (one RNG state each), resumed by one process: with batch_size
+    unchanged, each step takes half the rows and evaluates on other windows, unless a
+    global_batch_size or twice the micro-batches keep the rows, and then (without dropout) it
+    matches to rounding. Said in one line, as a changed attention variant or linear path is."""
     out = copy_run(base_run, tmp_path / "ranks")
     ckpt = load_ckpt(out)
     ckpt["rng"] = [ckpt["rng"][0], ckpt["rng"][0]]
@@ -2668,11 +2712,13 @@ def test_resuming_on_another_number_of_processes_says_what_changes(
     err = capsys.readouterr().err
     said = [line for line in err.splitlines() if "rows" in line or "windows" in line]
     assert len(said) == 1, said
-    assert "1 process(es) where it trained on 2: dropout is reseeded; " in said[0]
+    assert "1 process(es) where it trained on 2: " in said[0]
+    assert "dropout" not in said[0]  # the tiny config has none
     rows = f"a step takes {batch} rows over all processes where it took {2 * batch}"
     assert (rows in said[0]) != bool(keeps_rows)
     assert ("each step trains on the rows it would have drawn" in said[0]) == bool(keeps_rows)
     assert ("evaluated on other windows" in said[0]) != bool(keeps_rows)
+    assert ("matches one that never stopped to rounding" in said[0]) == bool(keeps_rows)
     assert load_ckpt(out)["step"] == STEPS + 1
 
 
