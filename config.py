@@ -46,9 +46,10 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     device: str = "auto"  # auto picks cuda > mps > cpu; or name one: cuda, cuda:1, mps, cpu
-    # auto: bf16 autocast on CUDA, fp32 elsewhere; or float32 (IEEE, PyTorch's default), tf32
-    # (fp32 tensors, CUDA matmuls on TF32 tensor cores: 10-bit mantissa, as nanoGPT turns on),
-    # bfloat16 (autocast; parameters and optimizer state stay fp32)
+    # auto: bf16 autocast on CUDA GPUs from Ampere (compute capability 8.0) on, fp32 elsewhere;
+    # or float32 (IEEE, PyTorch's default), tf32 (fp32 tensors, CUDA matmuls on TF32 tensor
+    # cores: 10-bit mantissa, as nanoGPT turns on), bfloat16 (autocast; parameters and
+    # optimizer state stay fp32); tf32 and bfloat16 need Ampere on
     dtype: str = "auto"
     compile: bool = False  # torch.compile each block; pays off on GPUs, costs a compile up front
     # fp32 nn.Linear on CPUs (cpu_linear.py): auto takes oneDNN on AMD CPUs with AVX-512 (about

@@ -94,7 +94,7 @@ USER_ERRORS = (ConfigError, TrainError, RunDirError, DataError, CheckpointError)
 
 
 class StepResult(NamedTuple):
-    loss: Tensor  # the mean loss over the global batch
+    loss: Tensor  # the mean over this process's micro-batches (the caller all-reduces it)
     grad_norm: Tensor | None  # the gradients' total norm before clipping; None without clipping
 
 
@@ -105,7 +105,8 @@ def train_step(
     grad_clip: float = 0.0,
     amp_dtype: torch.dtype | None = None,
 ) -> StepResult:
-    """Forward, backward and optimizer update over one global batch.
+    """Forward, backward and optimizer update over this process's micro-batches of one step
+    (under DDP, with the gradients averaged over all processes).
 
     The regions are named for the profiler. Loss and norm come back as device tensors, so the
     caller decides when to synchronise.

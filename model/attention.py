@@ -75,9 +75,10 @@ def inplace(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dropout_p: float) -> 
 def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: None, dropout_p: float) -> Tensor:
     """PyTorch's fused entry point; PyTorch picks the backend for these inputs.
 
-    is_causal=True instead of passing `mask`: an explicit mask rules out the flash and
-    cuDNN kernels, and is_causal lets the fused kernels (flash, efficient, cuDNN, the CPU's
-    flash) skip the blocks above the diagonal; the math backend still computes all of T x T.
+    is_causal=True instead of passing `mask`: an explicit mask rules out the flash kernels
+    and makes every other one read a T x T mask, while is_causal lets the fused kernels
+    (flash, efficient, cuDNN, the CPU's flash) skip the blocks above the diagonal; the math
+    backend still computes all of T x T.
     """
     return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from config import ConfigError
-from runtime import StepReadout, pick_device, set_fp32_matmul_precision
+from runtime import StepReadout, autocast_dtype, pick_device, set_fp32_matmul_precision
 
 ROOT = Path(__file__).resolve().parents[1]
 SLEEP_CYCLES = 1_000_000_000  # torch.cuda._sleep: about half a second at a GPU's ~2 GHz
@@ -30,8 +30,11 @@ def matmul_precision():
     torch.set_float32_matmul_precision(before)
 
 
-def test_tf32_is_set_for_cuda_and_refused_elsewhere(matmul_precision: None) -> None:
-    cuda = torch.device("cuda")  # only named: setting the precision needs no GPU
+def test_tf32_is_set_for_cuda_and_refused_elsewhere(
+    matmul_precision: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cuda = torch.device("cuda")  # only named, with an H100's compute capability: no GPU needed
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     set_fp32_matmul_precision("tf32", cuda)
     assert torch.get_float32_matmul_precision() == "high"
     for dtype in ("float32", "auto", "bfloat16"):  # any other dtype: IEEE fp32 matmuls again
@@ -41,6 +44,27 @@ def test_tf32_is_set_for_cuda_and_refused_elsewhere(matmul_precision: None) -> N
     for device in ("cpu", "mps"):
         with pytest.raises(ConfigError, match=rf"train.dtype='tf32'.*{device}"):
             set_fp32_matmul_precision("tf32", torch.device(device))
+    assert torch.get_float32_matmul_precision() == "highest", "a refusal changes nothing"
+
+
+def test_a_gpu_without_bf16_tensor_cores_gets_fp32_or_a_clear_error(
+    matmul_precision: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16 and TF32 tensor cores start at compute capability 8.0: on a V100 or T4, auto
+    trains in fp32 and an explicit bfloat16 or tf32 is refused, naming the setting; not
+    emulated or ignored in silence."""
+    cuda = torch.device("cuda")  # only named: no GPU needed
+    capability = (8, 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert autocast_dtype("auto", cuda) == autocast_dtype("bfloat16", cuda) == torch.bfloat16
+    capability = (7, 5)
+    assert autocast_dtype("auto", cuda) is None
+    assert autocast_dtype("float32", cuda) is None
+    why = r"tensor cores: this GPU \(compute capability 7.5\) has none"
+    with pytest.raises(ConfigError, match=rf"train.dtype='bfloat16' needs bf16 {why}"):
+        autocast_dtype("bfloat16", cuda)
+    with pytest.raises(ConfigError, match=rf"train.dtype='tf32' needs TF32 {why}"):
+        set_fp32_matmul_precision("tf32", cuda)
     assert torch.get_float32_matmul_precision() == "highest", "a refusal changes nothing"
 
 
