@@ -158,6 +158,16 @@ def _why_unreadable(path: Path, error: Exception) -> str:
     return f"{type(error).__name__}" + (f": {first}" if first else "")
 
 
+def _cut_short(path: Path) -> bool:
+    """A file that can be read but is not a whole zip archive."""
+    try:
+        with path.open("rb") as f:
+            f.read(1)
+    except OSError:
+        return False
+    return not zipfile.is_zipfile(path)
+
+
 def load_checkpoint(path: Path, needs: tuple[str, ...] = KEYS) -> dict[str, Any]:
     """The checkpoint at `path`, holding at least `needs` (resuming needs all of KEYS)."""
     if not path.is_file():
@@ -168,7 +178,12 @@ def load_checkpoint(path: Path, needs: tuple[str, ...] = KEYS) -> dict[str, Any]
     except MemoryError:
         raise
     except OSError as e:  # no permission, a failing disk: the file may be whole
-        raise CheckpointError(f"cannot read checkpoint {path}: {e.strerror or e}") from None
+        if not _cut_short(path):
+            raise CheckpointError(f"cannot read checkpoint {path}: {e.strerror or e}") from None
+        # torch raises EINVAL for some archives cut short (a few KiB of a larger file)
+        raise CheckpointError(
+            f"checkpoint {path} is unreadable (truncated or corrupt?): {_why_unreadable(path, e)}"
+        ) from None
     except Exception as e:  # truncated zip, wrong format, pickle error: all mean the same
         # weights_only names a pickled class it refused; other failures (a damaged file
         # among them, which it words alike) have no such name.
