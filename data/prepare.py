@@ -246,13 +246,15 @@ def _build(
                 assignment.duplicates,
             )
         except OSError as e:  # a full disk, a folder made read-only meanwhile
-            # meta.json is removed just before the renames and the new one written last: one
-            # there now is the old corpus's, whose files are untouched.
-            if (out_dir / "meta.json").exists():
-                then = "the corpus there before is as it was"
-            else:
-                then = "no meta.json describes unfinished files, so the next run redoes them"
-            raise _cannot_write(out_dir, e, then) from None
+            raise _cannot_write(out_dir, e, _what_is_left(out_dir)) from None
+
+
+def _what_is_left(out_dir: Path) -> str:
+    """After a prepare that stopped part-way: meta.json is removed just before the renames and
+    the new one written last, so one there now is the old corpus's, whose files are untouched."""
+    if (out_dir / "meta.json").exists():
+        return "the corpus there before is as it was"
+    return "no meta.json describes unfinished files, so the next run redoes them"
 
 
 def _hub_cache(hub: str, out_dir: Path) -> contextlib.AbstractContextManager[str]:
@@ -584,10 +586,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt as e:
         # Outputs go to temporary names first and meta.json comes last (see the docstring).
         how = "stopped by SIGTERM" if isinstance(e, _Terminated) else "interrupted"
-        print(
-            f"{how}; no meta.json describes unfinished files, so the next run redoes them",
-            file=sys.stderr,
-        )
+        out_dir = Path(args.out_root or DEFAULT_OUT_ROOT) / args.name
+        print(f"{how}; {_what_is_left(out_dir)}", file=sys.stderr)
         return 128 + (signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT)
     finally:
         if previous is not None:

@@ -294,10 +294,15 @@ def test_sigterm_removes_the_scratch_folder_and_exits_143(
     handler = signal.getsignal(signal.SIGTERM)
     argv = ["--name", "tiny", "--files", *files, "--vocab-size", str(VOCAB)]
     assert prepare_module.main([*argv, "--out-root", str(tmp_path)]) == 143
-    assert "stopped by SIGTERM" in capsys.readouterr().err
+    assert "stopped by SIGTERM; the corpus there before is as it was" in capsys.readouterr().err
     assert not list(tmp_path.glob(".prepare-*"))
     assert _contents(out) == before
     assert signal.getsignal(signal.SIGTERM) == handler
+    # With no corpus there before, what it left is redone
+    argv[1] = "other"
+    assert prepare_module.main([*argv, "--out-root", str(tmp_path)]) == 143
+    said = "stopped by SIGTERM; no meta.json describes unfinished files, so the next run redoes them"
+    assert said in capsys.readouterr().err
 
 
 def test_a_killed_runs_temporary_files_go_with_the_next_build(corpus: Path, tmp_path: Path) -> None:
