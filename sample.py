@@ -22,6 +22,7 @@ float32, say, on a GPU.
 from __future__ import annotations
 
 import argparse
+import shlex
 import signal
 import sys
 from collections.abc import Callable
@@ -63,7 +64,14 @@ USER_ERRORS = (SampleError, ConfigError, CheckpointError)
 
 
 def _train_first(run_dir: Path) -> str:
-    command = "make train" if run_dir == MAKE_TRAIN_RUN else f"python train.py --out {run_dir}"
+    """The command that trains there: a run stopped before its first checkpoint starts over
+    with the settings its config.toml holds, not train.py's defaults."""
+    command = f"python train.py --out {shlex.quote(str(run_dir))}"
+    if (run_dir / "config.toml").is_file():
+        saved = shlex.quote(str(run_dir / "config.toml"))
+        command = f"python train.py --config {saved} --out {shlex.quote(str(run_dir))}"
+    if run_dir == MAKE_TRAIN_RUN:
+        command = "make train"
     return f"train it first ({command}), or give --run the folder of a run"
 
 

@@ -301,7 +301,9 @@ def test_sigterm_removes_the_scratch_folder_and_exits_143(
     # With no corpus there before, what it left is redone
     argv[1] = "other"
     assert prepare_module.main([*argv, "--out-root", str(tmp_path)]) == 143
-    said = "stopped by SIGTERM; no meta.json describes unfinished files, so the next run redoes them"
+    said = (
+        "stopped by SIGTERM; no meta.json describes unfinished files, so the next run redoes them"
+    )
     assert said in capsys.readouterr().err
 
 

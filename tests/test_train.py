@@ -2377,6 +2377,11 @@ def test_sample_from_a_missing_dir_or_a_file_says_so(
     assert sample.main(["--run", str(started)]) == 2
     err = error_of(capsys.readouterr().err)
     assert f"no checkpoint at {started / checkpoint.CHECKPOINT}; train it first" in err
+    # With its config.toml, it starts over with the run's settings, not train.py's defaults
+    shutil.copy(base_run / "config.toml", started)
+    assert sample.main(["--run", str(started)]) == 2
+    again = f"python train.py --config {started / 'config.toml'} --out {started}"
+    assert f"train it first ({again})" in error_of(capsys.readouterr().err)
     # A corpus folder has a tokenizer.json too: not a run, and no command that trains there
     assert sample.main(["--run", str(data_root / "tiny")]) == 2
     err = error_of(capsys.readouterr().err)
