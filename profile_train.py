@@ -50,6 +50,7 @@ from runtime import (
     autocast_dtype,
     available_variants,
     pick_device,
+    stdout_closed,
     unavailable_reason,
 )
 from train import USER_ERRORS
@@ -247,7 +248,7 @@ def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
             )
             return _rerender(args)
         if args.compare is not None:
-            _alone(args, overrides, "--compare", ("compare",), "reads finished sweeps")
+            _alone(args, overrides, "--compare", ("compare",), "reads the sweeps as measured")
             return _compare(args.compare)
         config = load_config(args.config, overrides)
         default_out = args.out is None
@@ -283,6 +284,8 @@ def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # stdout read by `head`, say: what it printed stands
+        return stdout_closed()
     except OSError as e:  # a full disk, a folder made read-only while the sweep ran
         what, fix = describe_os_error(e)
         kept = args.out is not None and (args.out / "results.json").exists()
@@ -441,7 +444,8 @@ def _compare(given: list[Path]) -> int:
             continue
         real = folder.resolve()
         if real in folders:
-            print(f"--compare: {folder} is {folders[real]}, counted once", file=sys.stderr)
+            same = "given twice" if folder == folders[real] else f"is {folders[real]}"
+            print(f"--compare: {folder} {same}, counted once", file=sys.stderr)
             continue
         folders[real] = folder
     if len(folders) < 2:

@@ -467,3 +467,11 @@ def available_variants(
     return [
         n for n in VARIANTS if unavailable_reason(n, device, dtype, head_size, dropout_p) is None
     ]
+
+
+def stdout_closed() -> int:
+    """The exit status once stdout's reader has gone (`| head`), with no error to print: the
+    reader took what it wanted. stdout is pointed at /dev/null, so Python's flush at exit does
+    not fail again (as Python's signal documentation advises)."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 128 + signal.SIGPIPE

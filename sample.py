@@ -52,6 +52,7 @@ from runtime import (
     check_variant,
     pick_device,
     set_fp32_matmul_precision,
+    stdout_closed,
 )
 
 
@@ -376,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     except (*USER_ERRORS, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        return stdout_closed()
     except KeyboardInterrupt:
         if printed:
             print()
@@ -385,7 +388,10 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 128 + signal.SIGINT
-    print()
+    try:
+        print()
+    except BrokenPipeError:
+        return stdout_closed()
     return 0
 
 

@@ -1685,10 +1685,11 @@ def test_compare_reads_the_savings_of_several_sweeps(
     # A sweep stopped before its first cell left a folder with no results.json: left out.
     (tmp_path / "latest").symlink_to(folders[-1].name)
     (tmp_path / "stopped").mkdir()
-    also = [str(tmp_path / "latest"), str(tmp_path / "stopped")]
+    also = [str(tmp_path / "latest"), str(tmp_path / "stopped"), str(folders[0])]
     assert profile_train.main(["--compare", *map(str, folders), *also]) == 0
     printed, err = capsys.readouterr()
     assert f"{tmp_path / 'latest'} is {folders[-1]}, counted once" in err
+    assert f"{folders[0]} given twice, counted once" in err
     assert f"{tmp_path / 'stopped'} holds no results.json" in err
     assert printed.startswith("# 4 sweeps of one setup")
 

@@ -2363,6 +2363,19 @@ def test_sampled_text_streams_as_it_is_drawn(base_run: Path) -> None:
     assert pieces == ["a", "é"]
 
 
+def test_sample_piped_into_a_reader_that_stops_ends_quietly(base_run: Path) -> None:
+    """`sample.py | head`: once the reader has gone, sampling stops with the shell's status
+    for SIGPIPE (128 + 13) and no traceback."""
+    argv = [sys.executable, str(ROOT / "sample.py"), "--run", str(base_run), "--tokens", "3000"]
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        assert proc.stdout.read(1)  # the prompt, then the stream: the reader has its line
+        proc.stdout.close()
+        err = proc.stderr.read().decode()
+        assert proc.wait(timeout=120) == 128 + signal.SIGPIPE, err
+    assert "Traceback" not in err and "error" not in err, err
+
+
 def test_sample_from_a_missing_dir_or_a_file_says_so(
     base_run: Path, data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
