@@ -62,7 +62,7 @@ def _time_line(name: str, r: dict[str, Any]) -> str:
     mfu = f", MFU {100 * r['mfu']:.1f}%" if r.get("mfu") else ""
     line = f"- **{name}** at L{r['n_layer']}{mfu}: "
     if median:
-        line += f"timed median {median:.1f} ms. "
+        line += f"timed median {median:.1f} ms, the base of the percentages. "
     line += f"{what} in the profiled step {total:.1f} ms: {parts}"
     if median:
         rest = median - total

@@ -51,7 +51,7 @@ STARTUP = "tiny model"  # the warm-up's model (sweeps before it: a tiny compiled
 
 # How the split reads since ops and kernels went to the category of the operator around them.
 _BY_ENCLOSING_OP = (
-    "Each variant's deepest cell, in one profiled step (not one of the timed steps): on "
+    "Each variant's deepest cell, {profiled} (not one of the timed steps): on "
     "CPU the self time of every ATen operator, summed, so nothing counts twice; on CUDA "
     "each kernel's time. Each goes to the category of the outermost operator around it "
     "that has one, and backward work to that of the forward operator it is the gradient "
@@ -98,7 +98,7 @@ def where_time_goes_intro(meta: dict[str, Any]) -> list[str]:
         )
     else:  # sweeps before the enclosing op was used: by each op's or kernel's own name
         how = (
-            "Each variant's deepest cell, in one profiled step (not one of the timed steps). On "
+            "Each variant's deepest cell, {profiled} (not one of the timed steps). On "
             "CPU the self time of every ATen operator is summed, so nothing counts twice; on CUDA "
             "each kernel's time. By the op's name: **linear layers** (`addmm`/`mm`, the oneDNN "
             "linear), **attention** (batched matmuls, softmax, the mask, the fused SDPA kernels: "
@@ -110,8 +110,10 @@ def where_time_goes_intro(meta: dict[str, Any]) -> list[str]:
             "kernels count as everything else, so there the attention category holds only the "
             "fused SDPA kernels."
         )
+    steps = meta.get("profile_steps", 1)
+    profiled = f"per step, over its {steps} profiled steps" if steps > 1 else "in one profiled step"
     return [
-        how,
+        how.replace("{profiled}", profiled),
         "",
         "The timed median minus that total is the time outside the operators: Python, the "
         "autograd engine, dispatch between ops (on CUDA: time with no kernel running). The "

@@ -230,7 +230,8 @@ def write_report(
         f"setup:   {_setup_line(meta)}",
         f"peak:    {meta['peak_flops'] / scale:.1f} {unit} {meta['dtype']} matmul, "
         "measured on the spot"
-        f"{_peak_paths(meta)}",
+        + ("" if "peak_flops_end" in meta else " at the start only (the sweep stopped first)")
+        + _peak_paths(meta),
         f"command: {meta['command']}{_commit_text(meta)}",
         "",
         *_completeness(meta, rows),

@@ -878,6 +878,8 @@ def test_ctrl_c_during_the_closing_peak_reading_still_draws_the_plots(
     report = (tmp_path / "sweep" / "report.md").read_text()
     assert "measured at the start only: the sweep stopped before the end reading" in report
     assert "every MFU here high" in report, "one reading, maybe low: said"
+    summary = (tmp_path / "sweep" / "summary.txt").read_text()
+    assert "matmul, measured on the spot at the start only (the sweep stopped first)" in summary
     for name in ("step_time_vs_layers.png", "memory_vs_layers.png"):
         assert (tmp_path / "sweep" / name).is_file(), name
 
@@ -2579,6 +2581,7 @@ def test_where_the_time_goes_shows_the_time_outside_the_operators() -> None:
         _timed_row("sdpa", 60.0, sdpa, compile=True),
     ]
     naive_line, sdpa_line, *note = where_time_goes(rows)
+    assert "timed median 100.0 ms, the base of the percentages." in naive_line
     assert "90.0 ms: linear layers 40.0 ms (40%), attention 30.0 ms (30%), everything" in naive_line
     assert "outside the operators +10.0 ms (10%)" in naive_line and "exceeds" not in naive_line
     assert "attention 30.0 ms (50%)" in sdpa_line
@@ -2591,6 +2594,19 @@ def test_where_the_time_goes_shows_the_time_outside_the_operators() -> None:
     stored = {"linear layers": 0.5, "attention": 0.25, "everything else": 0.25}
     [line] = where_time_goes([_timed_row("naive", 100.0, naive, time_split=stored)])
     assert "linear layers 45.0 ms (45%), attention 22.5 ms (22%)" in line
+
+
+def test_the_time_split_says_how_many_profiled_steps_it_averages() -> None:
+    """--profile-steps N: the ops' times are per step, averaged over the N profiled steps."""
+    from profiling.method import METHOD, where_time_goes_intro
+
+    for old in (None, "by enclosing op", METHOD["time_categories"]):
+        one, three = (
+            where_time_goes_intro({"time_categories": old, "profile_steps": n})[0] for n in (1, 3)
+        )
+        assert "deepest cell, in one profiled step (not one of the timed" in one, old
+        assert "deepest cell, per step, over its 3 profiled steps (not one of" in three, old
+        assert "{profiled}" not in one + three
 
 
 def test_where_the_time_goes_on_cuda_lists_kernels_by_label() -> None:
