@@ -356,8 +356,8 @@ def paired_table(rows: list[dict[str, Any]]) -> list[str]:
         "the variant's in the same round is one paired difference, free of any drift slower than "
         "a round. The median over the rounds, in ms per step, with a 95% interval for it from the "
         "order statistics (it assumes nothing about how the times spread, only that the rounds "
-        "vary independently; under 6 rounds give none). An interval that excludes 0 is a saving measured in this run; the ms/layer "
-        "columns above are fitted across depths.",
+        "vary independently; under 6 rounds give none). An interval that excludes 0 is a saving "
+        "measured in this run; the ms/layer columns above are fitted across depths.",
         "",
         "| variant | " + " | ".join(f"L{n}" for n in layers) + " |",
         "|---|" + "---|" * len(layers),
