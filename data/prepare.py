@@ -206,6 +206,7 @@ def _build(
     """Split the documents, train the tokenizer on the train side, and write the corpus
     folder (meta.json last); its meta.json. Called holding the out-root's lock."""
     vocab_size = settings["vocab_size"]
+    meta_before = _meta_bytes(out_dir)
     # Arrow files for local corpora are only needed while tokenizing. They are as big as the
     # corpus, so they go by the output (not to /tmp, which may be a small tmpfs).
     try:
@@ -246,15 +247,25 @@ def _build(
                 assignment.duplicates,
             )
         except OSError as e:  # a full disk, a folder made read-only meanwhile
-            raise _cannot_write(out_dir, e, _what_is_left(out_dir)) from None
+            raise _cannot_write(out_dir, e, _what_is_left(out_dir, meta_before)) from None
 
 
-def _what_is_left(out_dir: Path) -> str:
-    """After a prepare that stopped part-way: meta.json is removed just before the renames and
-    the new one written last, so one there now is the old corpus's, whose files are untouched."""
-    if (out_dir / "meta.json").exists():
+def _meta_bytes(out_dir: Path) -> bytes | None:
+    with contextlib.suppress(OSError):
+        return (out_dir / "meta.json").read_bytes()
+    return None
+
+
+def _what_is_left(out_dir: Path, meta_before: bytes | None) -> str:
+    """After a prepare that stopped part-way, given the meta.json there when it began: meta.json
+    is removed just before the renames and the new one written last, so the same one there now
+    is the old corpus's, whose files are untouched, and another is the new corpus's, whole."""
+    now = _meta_bytes(out_dir)
+    if now is None:
+        return "no meta.json describes unfinished files, so the next run redoes them"
+    if now == meta_before:
         return "the corpus there before is as it was"
-    return "no meta.json describes unfinished files, so the next run redoes them"
+    return "the new corpus was written whole (its meta.json is there)"
 
 
 def _hub_cache(hub: str, out_dir: Path) -> contextlib.AbstractContextManager[str]:
@@ -564,6 +575,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
     main_thread = threading.current_thread() is threading.main_thread()  # signals go there
     previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
+    out_dir = Path(args.out_root or DEFAULT_OUT_ROOT) / args.name
+    meta_before = _meta_bytes(out_dir)
     try:
         prepare(
             args.name,
@@ -586,8 +599,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt as e:
         # Outputs go to temporary names first and meta.json comes last (see the docstring).
         how = "stopped by SIGTERM" if isinstance(e, _Terminated) else "interrupted"
-        out_dir = Path(args.out_root or DEFAULT_OUT_ROOT) / args.name
-        print(f"{how}; {_what_is_left(out_dir)}", file=sys.stderr)
+        print(f"{how}; {_what_is_left(out_dir, meta_before)}", file=sys.stderr)
         return 128 + (signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT)
     finally:
         if previous is not None:

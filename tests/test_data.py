@@ -307,6 +307,31 @@ def test_sigterm_removes_the_scratch_folder_and_exits_143(
     assert said in capsys.readouterr().err
 
 
+def test_ctrl_c_after_the_new_meta_json_says_the_new_corpus_is_whole(
+    prepared: Prepared,
+    corpus: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Stopped while cleaning up, after the new meta.json was written: the corpus there is the
+    new one, whole, not the one before."""
+    files, out, before = prepared
+    real_write_outputs = prepare_module._write_outputs
+
+    def written_then_interrupted(*args: Any, **kwargs: Any) -> dict:
+        real_write_outputs(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prepare_module, "_write_outputs", written_then_interrupted)
+    (corpus / "fjord.txt").write_text("changed\n")
+    argv = ["--name", "tiny", "--files", *files, "--vocab-size", str(VOCAB)]
+    assert prepare_module.main([*argv, "--out-root", str(tmp_path)]) == 130
+    said = "interrupted; the new corpus was written whole (its meta.json is there)"
+    assert said in capsys.readouterr().err
+    assert _contents(out) != before
+
+
 def test_a_killed_runs_temporary_files_go_with_the_next_build(corpus: Path, tmp_path: Path) -> None:
     """SIGKILL leaves no chance to clean up: the next build removes what a dead process left,
     never what a live one is writing."""
