@@ -178,7 +178,7 @@ def load_checkpoint(path: Path, needs: tuple[str, ...] = KEYS) -> dict[str, Any]
     except MemoryError:
         raise
     except OSError as e:  # no permission, a failing disk: the file may be whole
-        if not _cut_short(path):
+        if e.errno != errno.EINVAL or not _cut_short(path):
             raise CheckpointError(f"cannot read checkpoint {path}: {e.strerror or e}") from None
         # torch raises EINVAL for some archives cut short (a few KiB of a larger file)
         raise CheckpointError(

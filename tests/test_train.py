@@ -427,6 +427,13 @@ def test_a_checkpoint_that_cannot_be_read_is_not_called_corrupt(
         checkpoint.load_checkpoint(base_run / checkpoint.CHECKPOINT)
     path = base_run / checkpoint.CHECKPOINT
     assert str(raised.value) == f"cannot read checkpoint {path}: Permission denied"
+    # A failing disk can leave zipfile unable to read the file's end too: still a read error
+    failing = OSError(errno.EIO, "Input/output error", str(path))
+    monkeypatch.setattr(checkpoint.torch, "load", Mock(side_effect=failing))
+    monkeypatch.setattr(checkpoint.zipfile, "is_zipfile", Mock(return_value=False))
+    with pytest.raises(checkpoint.CheckpointError) as raised:
+        checkpoint.load_checkpoint(path)
+    assert str(raised.value) == f"cannot read checkpoint {path}: Input/output error"
 
 
 @pytest.mark.parametrize("foreign", ["nanogpt", "tensor"])
