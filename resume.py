@@ -198,6 +198,14 @@ def rows_per_step(train: dict[str, Any], ranks: int) -> int:
     return int(global_batch or train["batch_size"] * ranks * train.get("grad_accum", 1))
 
 
+def split_of(train: dict[str, Any], ranks: int) -> tuple[int, int, int]:
+    """How one step's rows are split: (batch_size, micro-batches per process, processes), by a
+    train config's fields (TrainConfig.micro_batches's rule, on a checkpoint's plain dict)."""
+    batch, global_batch = train["batch_size"], train.get("global_batch_size")
+    micro = global_batch // (batch * ranks) if global_batch else train.get("grad_accum", 1)
+    return batch, micro, ranks
+
+
 BATCH_FIELDS = ("batch_size", "grad_accum", "global_batch_size")
 # What evaluate() averages over: eval_batches steps' worth of micro-batches of these sizes
 EVAL_FIELDS = (*BATCH_FIELDS, "eval_batches")
@@ -220,7 +228,8 @@ def say_the_batch_changed(
         }
         ranks_before = ranks_before or ranks
         rows_before = rows_per_step(before, ranks_before)
-    except (KeyError, TypeError, ValueError):
+        split_before = split_of(before, ranks_before)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
         return  # restoring it says what is wrong
     fields = [k for k, v in before.items() if v != getattr(tc, k)]
     changed = [f"train.{k} {before[k]} -> {getattr(tc, k)}" for k in fields]
@@ -229,10 +238,11 @@ def say_the_batch_changed(
     rows = rows_per_step(dataclasses.asdict(tc), ranks)
     evals_before = before.get("eval_batches", tc.eval_batches)
     windows_moved = rows * tc.eval_batches != rows_before * evals_before
-    if not changed and rows == rows_before and not windows_moved:
+    # By the split itself, not the fields: grad_accum 2 and a global batch of twice batch_size
+    # on one process are the same micro-batches.
+    split_changed = split_of(dataclasses.asdict(tc), ranks) != split_before
+    if not (split_changed or windows_moved):
         return
-    batch_changed = any(k in BATCH_FIELDS for k in fields)
-    split_changed = batch_changed or ranks != ranks_before
     effects = []
     if rows != rows_before:
         effects.append(

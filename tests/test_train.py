@@ -981,6 +981,19 @@ def test_a_resume_that_splits_the_rows_otherwise_matches_only_without_dropout(
     assert ("dropout" in err) == (dropout > 0), err
 
 
+def test_a_resume_with_the_same_split_in_other_fields_says_nothing(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """grad_accum 2, or a global batch of twice batch_size on one process: the same
+    micro-batches, so the same run, dropout and all: nothing to say."""
+    from resume import say_the_batch_changed
+
+    before = {"batch_size": 8, "grad_accum": 2, "global_batch_size": 0, "eval_batches": 2}
+    tc = TrainConfig(**{**before, "grad_accum": 1, "global_batch_size": 16})
+    say_the_batch_changed({"config": {"train": before}}, tc, 1, 1, 0.1)
+    assert capsys.readouterr().err == ""
+
+
 def test_resume_through_another_linear_path_says_so(
     base_run: Path, data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
