@@ -322,8 +322,8 @@ def restore_rng(
     if isinstance(states, dict):
         states = [states]
     if len(states) != world_size:
-        # Dropout masks then differ from an uninterrupted run (and so does the data order,
-        # unless batch_size x ranks is the same as before).
+        # Dropout masks then differ from an uninterrupted run; the data does only where the
+        # rows per step changed (resume.say_the_batch_changed says which).
         torch.manual_seed(seed + rank + world_size * step)
         return saved
     torch.set_rng_state(states[rank]["torch"])

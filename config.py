@@ -23,7 +23,7 @@ import torch
 from model import GPTConfig
 
 CPU_LINEAR = ("auto", "onednn", "torch")  # see cpu_linear.py
-DTYPES = ("auto", "float32", "tf32", "bfloat16")  # auto: bf16 autocast on CUDA, fp32 elsewhere
+DTYPES = ("auto", "float32", "tf32", "bfloat16")  # auto: bf16 on CUDA from Ampere on, else fp32
 
 
 NOT_A_DEVICE = "not a device; use auto, cpu, cuda, cuda:N or mps"

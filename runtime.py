@@ -173,7 +173,7 @@ def _cpus_to_count() -> list[str] | None:
     return usable if set(usable) < lines else None
 
 
-def _before_ampere(device: torch.device) -> str | None:
+def before_ampere(device: torch.device) -> str | None:
     """Why a CUDA device has no bf16 or TF32 tensor cores (compute capability below 8.0, e.g.
     V100, T4), or None: any other device, where this does not apply."""
     if device.type != "cuda":
@@ -189,9 +189,9 @@ def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
     auto: bf16 on CUDA GPUs with bf16 tensor cores, fp32 elsewhere; bfloat16 asked for on an
     older GPU is an error, as torch would emulate it."""
     if dtype == "auto":
-        bf16 = device.type == "cuda" and _before_ampere(device) is None
+        bf16 = device.type == "cuda" and before_ampere(device) is None
         return torch.bfloat16 if bf16 else None
-    if dtype == "bfloat16" and (why := _before_ampere(device)) is not None:
+    if dtype == "bfloat16" and (why := before_ampere(device)) is not None:
         raise ConfigError(
             f"train.dtype='bfloat16' needs bf16 tensor cores: {why}; use float32 (or auto)"
         )
@@ -208,7 +208,7 @@ def set_fp32_matmul_precision(dtype: str, device: torch.device) -> None:
             f"train.dtype='tf32': TF32 tensor cores are a CUDA feature, and this run is on "
             f"{device}; use float32 there"
         )
-    if dtype == "tf32" and (why := _before_ampere(device)) is not None:
+    if dtype == "tf32" and (why := before_ampere(device)) is not None:
         raise ConfigError(f"train.dtype='tf32' needs TF32 tensor cores: {why}; use float32")
     # PyTorch's own switch: "high" is TF32 for cuBLAS (and oneDNN), "highest" IEEE everywhere.
     torch.set_float32_matmul_precision("high" if dtype == "tf32" else "highest")

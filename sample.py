@@ -15,8 +15,8 @@ continues as the corpus would; --tokens counts that token.
 Attention holds no weights, so a run can be sampled with another variant than it trained
 with (--attention), e.g. a GPU run's sdpa-cudnn on a CPU: every variant computes the same
 function, to rounding. It samples in the run's precision as the device reads it (train.dtype
-"auto": bf16 autocast on CUDA, fp32 elsewhere) unless --dtype says otherwise: a CPU run's
-float32, say, on a GPU.
+"auto": bf16 autocast on CUDA from Ampere on, fp32 elsewhere) unless --dtype says otherwise:
+a CPU run's float32, say, on a GPU.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from runtime import (
     VariantUnavailable,
     autocast,
     autocast_dtype,
+    before_ampere,
     check_variant,
     pick_device,
     set_fp32_matmul_precision,
@@ -74,6 +75,26 @@ def _train_first(run_dir: Path) -> str:
     if run_dir == MAKE_TRAIN_RUN:
         command = "make train"
     return f"train it first ({command}), or give --run the folder of a run"
+
+
+def sampling_precision(config: Config, device: torch.device, dtype: str | None) -> Config:
+    """The config with the precision to sample in: `dtype` if given, else the run's; on a GPU
+    without the tensor cores it needs (before Ampere), a given one is an error and the run's
+    own gives way to float32, said."""
+    if dtype is not None:
+        config = replace(config, train=replace(config.train, dtype=dtype))
+    cores = {"bfloat16": "bf16", "tf32": "TF32"}.get(config.train.dtype)
+    if cores is None or (why := before_ampere(device)) is None:
+        return config
+    if dtype is not None:
+        raise SampleError(f"--dtype {dtype} needs {cores} tensor cores: {why}; use float32")
+    # The run's own precision, which this GPU lacks: fp32 computes the same function.
+    print(
+        f"note: the run trained in {config.train.dtype}, which needs {cores} tensor cores: "
+        f"{why}; sampling in float32",
+        file=sys.stderr,
+    )
+    return replace(config, train=replace(config.train, dtype="float32"))
 
 
 def load_run(
@@ -124,8 +145,7 @@ def load_run(
             f"{tokenizer_path} is not the tokenizer {ckpt_path} was trained with (sha256 "
             f"{trained_with[:12]}); copy that corpus's back (it was {corpus}, if unchanged since)"
         )
-    if dtype is not None:
-        config = replace(config, train=replace(config.train, dtype=dtype))
+    config = sampling_precision(config, device, dtype)
     if attention is not None:
         # Dropout off too: sampling never applies it, and flex, which has none, would refuse
         # a run trained with it.
@@ -200,7 +220,8 @@ def sample_run(
     # A tf32 run samples with TF32 on CUDA; elsewhere in IEEE fp32, as it cannot train there
     set_fp32_matmul_precision(config.train.dtype if dev.type == "cuda" else "float32", dev)
     shown = Shown(tokenizer, ids, eot, stream)
-    # The run's train.dtype as this device reads it ("auto": bf16 on CUDA, fp32 on a CPU).
+    # The run's train.dtype as this device reads it ("auto": bf16 on CUDA from Ampere on, fp32
+    # on a CPU).
     with autocast(dev, autocast_dtype(config.train.dtype, dev)):
         out = model.generate(
             idx,
@@ -322,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         "--dtype",
         choices=DTYPES,
         help="precision to sample in (default: the run's train.dtype; auto: bf16 autocast on "
-        "CUDA, fp32 elsewhere)",
+        "CUDA from Ampere on, fp32 elsewhere)",
     )
     parser.add_argument(
         "--no-token-healing",

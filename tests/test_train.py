@@ -2383,6 +2383,29 @@ def test_sampled_text_streams_as_it_is_drawn(base_run: Path) -> None:
     assert pieces == ["a", "é"]
 
 
+def test_sampling_on_a_gpu_without_bf16_or_tf32_tensor_cores(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before Ampere: a run trained in bf16 or tf32 samples in fp32, said; asking for either
+    with --dtype is an error naming the flag."""
+    cuda = torch.device("cuda")  # only named, with a T4's compute capability: no GPU needed
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    for trained, cores in (("bfloat16", "bf16"), ("tf32", "TF32")):
+        config = load_config(TINY, [f"--train.dtype={trained}"])
+        assert sample.sampling_precision(config, cuda, None).train.dtype == "float32"
+        assert (
+            f"note: the run trained in {trained}, which needs {cores} tensor cores: this GPU "
+            "(compute capability 7.5) has none" in capsys.readouterr().err
+        )
+        with pytest.raises(sample.SampleError, match=rf"--dtype {trained} needs {cores} tensor"):
+            sample.sampling_precision(config, cuda, trained)
+    float32 = load_config(TINY, ["--train.dtype=float32"])
+    assert sample.sampling_precision(float32, cuda, "auto").train.dtype == "auto"
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert sample.sampling_precision(float32, cuda, "bfloat16").train.dtype == "bfloat16"
+
+
 def test_sample_piped_into_a_reader_that_stops_ends_quietly(base_run: Path) -> None:
     """`sample.py | head`: once the reader has gone, sampling stops with the shell's status
     for SIGPIPE (128 + 13) and no traceback."""
