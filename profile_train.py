@@ -47,9 +47,11 @@ from profiling.results import render_results
 from profiling.sweep import COMPILE_MODES, Sweep, SweepOptions
 from runtime import (
     SignalScope,
+    StdoutClosed,
     autocast_dtype,
     available_variants,
     pick_device,
+    say,
     stdout_closed,
     unavailable_reason,
 )
@@ -207,8 +209,11 @@ class Interrupts(SignalScope):
 
 
 def main(argv: list[str] | None = None) -> int:
-    with Interrupts() as interrupts:
-        return _main(argv, interrupts)
+    try:
+        with Interrupts() as interrupts:
+            return _main(argv, interrupts)
+    except StdoutClosed:  # stdout read by `head`, say: what was printed stands
+        return stdout_closed()
 
 
 def sweep_options(
@@ -284,8 +289,6 @@ def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except BrokenPipeError:  # stdout read by `head`, say: what it printed stands
-        return stdout_closed()
     except OSError as e:  # a full disk, a folder made read-only while the sweep ran
         what, fix = describe_os_error(e)
         kept = args.out is not None and (args.out / "results.json").exists()
@@ -318,8 +321,8 @@ def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
         else:
             print("interrupted", file=sys.stderr)
         return 128 + (signal.SIGTERM if isinstance(stop, Terminated) else signal.SIGINT)
-    print((args.out / "summary.txt").read_text(encoding="utf-8"))
-    print(f"report: {args.out / 'report.md'}")
+    say((args.out / "summary.txt").read_text(encoding="utf-8"))
+    say(f"report: {args.out / 'report.md'}")
     if not any(r["status"] == "ok" for r in sweep.rows):
         print("error: no cell was measured; the reasons are above", file=sys.stderr)
         return 1
@@ -469,7 +472,7 @@ def _compare(given: list[Path]) -> int:
         raise ConfigError(f"--compare: {_cannot_read(what, e)}") from None
     if differ:
         raise ConfigError(f"--compare: {differ}")
-    print(text, end="")
+    say(text, end="")
     return 0
 
 
@@ -491,7 +494,7 @@ def _rerender(args: argparse.Namespace) -> int:
             raise ConfigError(f"--diff={args.diff!r}: give two labels A,B, e.g. inplace,naive")
         a, b = labels
         try:
-            print(diff_text(results["rows"], a, b))
+            say(diff_text(results["rows"], a, b))
         except ValueError as e:
             raise ConfigError(str(e)) from None
         except (KeyError, TypeError, AttributeError) as e:
@@ -509,7 +512,7 @@ def _rerender(args: argparse.Namespace) -> int:
         ) from None
     except (KeyError, TypeError, AttributeError, ValueError) as e:  # parsed, but hand-edited
         raise ConfigError(_cannot_read(str(path), e)) from None
-    print((args.report / "summary.txt").read_text(encoding="utf-8"))
+    say((args.report / "summary.txt").read_text(encoding="utf-8"))
     return 0
 
 

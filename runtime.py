@@ -469,9 +469,27 @@ def available_variants(
     ]
 
 
+class StdoutClosed(Exception):
+    """stdout's reader has gone (`| head`): it took what it wanted; no error to report."""
+
+
+def say(text: str = "", end: str = "\n") -> None:
+    """print() to stdout, flushed, where a reader that has gone raises StdoutClosed: only
+    stdout's broken pipe, not one of a worker process's."""
+    try:
+        print(text, end=end, flush=True)
+    except BrokenPipeError:
+        raise StdoutClosed from None
+
+
 def stdout_closed() -> int:
-    """The exit status once stdout's reader has gone (`| head`), with no error to print: the
-    reader took what it wanted. stdout is pointed at /dev/null, so Python's flush at exit does
-    not fail again (as Python's signal documentation advises)."""
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    """The exit status after StdoutClosed, the shell's for SIGPIPE. Where stdout is a file
+    descriptor, it is pointed at /dev/null, so Python's flush at exit does not fail again (as
+    Python's signal documentation advises)."""
+    with contextlib.suppress(OSError, ValueError):  # a replaced sys.stdout: no descriptor
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, sys.stdout.fileno())
+        finally:
+            os.close(devnull)
     return 128 + signal.SIGPIPE

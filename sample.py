@@ -46,12 +46,14 @@ from data.meta import EOT, file_sha256
 from model import GPT, VARIANTS
 from rundir import MAKE_TRAIN_RUN
 from runtime import (
+    StdoutClosed,
     VariantUnavailable,
     autocast,
     autocast_dtype,
     before_ampere,
     check_variant,
     pick_device,
+    say,
     set_fp32_matmul_precision,
     stdout_closed,
 )
@@ -376,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def stream(piece: str) -> None:
         printed.append(piece)
-        print(piece, end="", flush=True)
+        say(piece, end="")
 
     try:
         sample_run(
@@ -398,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     except (*USER_ERRORS, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except BrokenPipeError:
+    except StdoutClosed:
         return stdout_closed()
     except KeyboardInterrupt:
         if printed:
@@ -410,8 +412,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 128 + signal.SIGINT
     try:
-        print()
-    except BrokenPipeError:
+        say()
+    except StdoutClosed:
         return stdout_closed()
     return 0
 

@@ -1528,6 +1528,28 @@ def rows_of(results: dict, variant: str, n_layer: int) -> dict:
     )
 
 
+def test_a_report_piped_into_a_reader_that_has_gone_ends_quietly(tmp_path: Path) -> None:
+    """`profile_train.py --report DIR | head -0`: the report is written, then printing to the
+    closed pipe ends with the shell's status for SIGPIPE (128 + 13), no traceback or error."""
+    copy = Path(shutil.copytree(ROOT / "docs/results/cpu-2core", tmp_path / "sweep"))
+    argv = [sys.executable, str(ROOT / "profile_train.py"), "--report", str(copy)]
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.close()  # the reader is gone before anything is printed
+        err = proc.stderr.read().decode()
+        assert proc.wait(timeout=120) == 128 + signal.SIGPIPE, err
+    assert err == "", err
+    assert (copy / "report.md").read_bytes() == (
+        ROOT / "docs/results/cpu-2core/report.md"
+    ).read_bytes()
+
+
+def test_stdout_closed_where_stdout_has_no_descriptor(capsys: pytest.CaptureFixture[str]) -> None:
+    """In-process (a test's captured stdout, a redirect_stdout) there is no descriptor to point
+    elsewhere: the status all the same, and nothing raised."""
+    assert runtime.stdout_closed() == 128 + signal.SIGPIPE
+
+
 def test_report_rerender_and_diff(
     naive_vs_inplace: dict, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
