@@ -31,7 +31,7 @@ def findings(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def where_time_goes(rows: list[dict[str, Any]]) -> list[str]:
+def where_time_goes(rows: list[dict[str, Any]], profile_steps: int = 1) -> list[str]:
     """For each variant at its deepest measured depth: the time of the profiled step by category
     (linear layers, attention, everything else), what lies outside the ops, and the largest ops
     (CPU) or kernels (CUDA)."""
@@ -40,7 +40,7 @@ def where_time_goes(rows: list[dict[str, Any]]) -> list[str]:
         name = label(r["variant"], r["compile"])
         if r.get("cpu_ms_per_step") and r["n_layer"] >= deepest.get(name, {}).get("n_layer", 0):
             deepest[name] = r
-    lines = [_time_line(name, r) for name, r in deepest.items()]
+    lines = [_time_line(name, r, profile_steps) for name, r in deepest.items()]
     if any(_split_ms(r)[1] for r in deepest.values()):
         lines += [
             "",
@@ -50,7 +50,7 @@ def where_time_goes(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def _time_line(name: str, r: dict[str, Any]) -> str:
+def _time_line(name: str, r: dict[str, Any], profile_steps: int) -> str:
     cuda = bool(r.get("device_ms_per_step"))
     times = r["device_ms_per_step"] if cuda else r["cpu_ms_per_step"]
     total = sum(times.values())
@@ -63,7 +63,8 @@ def _time_line(name: str, r: dict[str, Any]) -> str:
     line = f"- **{name}** at L{r['n_layer']}{mfu}: "
     if median:
         line += f"timed median {median:.1f} ms, the base of the percentages. "
-    line += f"{what} in the profiled step {total:.1f} ms: {parts}"
+    profiled = "per profiled step" if profile_steps > 1 else "in the profiled step"
+    line += f"{what} {profiled} {total:.1f} ms: {parts}"
     if median:
         rest = median - total
         line += (
@@ -71,8 +72,9 @@ def _time_line(name: str, r: dict[str, Any]) -> str:
         )
         if rest < 0:
             line += (
-                f" ({what.lower()} exceeds the timed median: the profiled step ran slower than "
-                "the timed ones, so this says nothing of the time outside them)"
+                f" ({what.lower()} exceeds the timed median: the profiled "
+                + ("steps ran" if profile_steps > 1 else "step ran")
+                + " slower than the timed ones, so this says nothing of the time outside them)"
             )
     if r["compile"] and not cuda:
         line += (

@@ -51,7 +51,7 @@ STARTUP = "tiny model"  # the warm-up's model (sweeps before it: a tiny compiled
 
 # How the split reads since ops and kernels went to the category of the operator around them.
 _BY_ENCLOSING_OP = (
-    "Each variant's deepest cell, {profiled} (not one of the timed steps): on "
+    "Each variant's deepest cell, {profiled}: on "
     "CPU the self time of every ATen operator, summed, so nothing counts twice; on CUDA "
     "each kernel's time. Each goes to the category of the outermost operator around it "
     "that has one, and backward work to that of the forward operator it is the gradient "
@@ -98,7 +98,7 @@ def where_time_goes_intro(meta: dict[str, Any]) -> list[str]:
         )
     else:  # sweeps before the enclosing op was used: by each op's or kernel's own name
         how = (
-            "Each variant's deepest cell, {profiled} (not one of the timed steps). On "
+            "Each variant's deepest cell, {profiled}. On "
             "CPU the self time of every ATen operator is summed, so nothing counts twice; on CUDA "
             "each kernel's time. By the op's name: **linear layers** (`addmm`/`mm`, the oneDNN "
             "linear), **attention** (batched matmuls, softmax, the mask, the fused SDPA kernels: "
@@ -111,14 +111,20 @@ def where_time_goes_intro(meta: dict[str, Any]) -> list[str]:
             "fused SDPA kernels."
         )
     steps = meta.get("profile_steps", 1)
-    profiled = f"per step, over its {steps} profiled steps" if steps > 1 else "in one profiled step"
+    profiled = (
+        f"per step, over its {steps} profiled steps (none of them a timed step)"
+        if steps > 1
+        else "in one profiled step (not one of the timed steps)"
+    )
     return [
         how.replace("{profiled}", profiled),
         "",
         "The timed median minus that total is the time outside the operators: Python, the "
         "autograd engine, dispatch between ops (on CUDA: time with no kernel running). The "
         "profiler's own overhead inflates the ops' times, so the remainder reads smaller than it "
-        "is, and it can come out negative when the profiled step ran slower than the timed ones.",
+        "is, and it can come out negative when the profiled "
+        + ("steps ran" if steps > 1 else "step ran")
+        + " slower than the timed ones.",
         "",
         "MFU counts matmul FLOPs only, the linear layers' and attention's (inside the fused kernel "
         "for SDPA), against the rate of one large square matmul. It stays below that peak because "

@@ -302,7 +302,7 @@ def _report_md(results: dict[str, Any], plots: tuple[str, ...] = tuple(PLOTS)) -
             "",
             *where_time_goes_intro(meta),
             "",
-            *where_time_goes(rows),
+            *where_time_goes(rows, meta.get("profile_steps", 1)),
             "",
             *(
                 [

@@ -2611,6 +2611,9 @@ def test_where_the_time_goes_shows_the_time_outside_the_operators() -> None:
     assert "Inductor's fused kernels are not ATen operators" in sdpa_line
     assert "Inductor" not in naive_line
     assert "predates these categories" in note[-1]  # no stored split in these rows
+    naive_of_three, sdpa_of_three, *_ = where_time_goes(rows, profile_steps=3)
+    assert "Operators' self time per profiled step 90.0 ms" in naive_of_three
+    assert "the profiled steps ran slower than the timed ones" in sdpa_of_three
 
     # A stored split over every op is used as is, in ms of the listed total.
     stored = {"linear layers": 0.5, "attention": 0.25, "everything else": 0.25}
@@ -2623,11 +2626,12 @@ def test_the_time_split_says_how_many_profiled_steps_it_averages() -> None:
     from profiling.method import METHOD, where_time_goes_intro
 
     for old in (None, "by enclosing op", METHOD["time_categories"]):
-        one, three = (
-            where_time_goes_intro({"time_categories": old, "profile_steps": n})[0] for n in (1, 3)
+        (one, _, one_rest, *_), (three, _, three_rest, *_) = (
+            where_time_goes_intro({"time_categories": old, "profile_steps": n}) for n in (1, 3)
         )
         assert "deepest cell, in one profiled step (not one of the timed" in one, old
-        assert "deepest cell, per step, over its 3 profiled steps (not one of" in three, old
+        assert "deepest cell, per step, over its 3 profiled steps (none of them a timed" in three
+        assert "when the profiled steps ran slower" in three_rest and "step ran" in one_rest
         assert "{profiled}" not in one + three
 
 
