@@ -22,6 +22,7 @@ a CPU run's float32, say, on a GPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shlex
 import signal
 import sys
@@ -404,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
         return stdout_closed()
     except KeyboardInterrupt:
         if printed:
-            print()
+            with contextlib.suppress(StdoutClosed):  # the text's reader may be gone too
+                say()
         print(
             f"interrupted before the sample was complete (--tokens {args.tokens})"
             + ("; above, the text sampled so far" if printed else ""),
