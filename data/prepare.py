@@ -184,6 +184,8 @@ def prepare(
             raise _cannot_write(out_dir, e, "give another --out-root") from None
         with one_at_a_time(out_dir.parent):
             remove_stale_scratch(out_dir.parent)
+            # A killed prepare's files (each as big as a split), whether this one reuses or not
+            remove_stale_temporaries(out_dir, (*OUTPUT_FILES, "meta.json"))
             if is_complete(out_dir, content_sha256):
                 print(f"reusing {out_dir}: inputs and settings unchanged ({content_sha256[:12]})")
                 record_source(out_dir, corpus.source)
@@ -470,7 +472,6 @@ def _write_outputs(
     duplicates: int,
 ) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(out_dir, OUTPUT_FILES)
     temporary = {final: out_dir / f".{final}.{os.getpid()}.tmp" for final in OUTPUT_FILES}
     try:
         # Written by Python, not Tokenizer.save: its errors (a full disk) are plain Exceptions.

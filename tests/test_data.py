@@ -356,6 +356,11 @@ def test_a_killed_runs_temporary_files_go_with_the_next_build(corpus: Path, tmp_
     assert not gone_scratch.exists() and live_scratch.exists() and foreign.exists()
     os.rename(foreign, elsewhere.name)
     elsewhere.__exit__(None, None, None)
+    # A prepare that reuses the corpus removes them too, and a killed meta.json write's file
+    for name in ("train.bin", "meta.json"):
+        (out / f".{name}.999999999.tmp").write_bytes(b"half a file")
+    prepare("tiny", files=[str(corpus / "*.txt")], vocab_size=VOCAB, out_root=tmp_path)
+    assert not list(out.glob(".*.999999999.tmp")) and live.exists()
     with pytest.raises(PrepareError, match=r"give a list of paths or globs, e\.g\. \["):
         prepare("tiny", files=str(corpus / "*.txt"), vocab_size=VOCAB, out_root=tmp_path)
 
