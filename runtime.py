@@ -173,15 +173,19 @@ def _cpus_to_count() -> list[str] | None:
     return usable if set(usable) < lines else None
 
 
-def before_ampere(device: torch.device) -> str | None:
-    """Why a CUDA device has no bf16 or TF32 tensor cores (compute capability below 8.0, e.g.
-    V100, T4), or None: any other device, where this does not apply."""
-    if device.type != "cuda":
+def missing_tensor_cores(dtype: str, device: torch.device) -> str | None:
+    """Why `device` cannot run `dtype` ("needs bf16 tensor cores: ..."): bfloat16 and tf32 on a
+    GPU before Ampere (compute capability below 8.0, e.g. V100, T4); None where it can."""
+    cores = {"bfloat16": "bf16", "tf32": "TF32"}.get(dtype)
+    if cores is None or device.type != "cuda":
         return None
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) >= (8, 0):
         return None
-    return f"this GPU (compute capability {major}.{minor}) has none: they start at 8.0 (Ampere)"
+    return (
+        f"needs {cores} tensor cores: this GPU (compute capability {major}.{minor}) has none: "
+        "they start at 8.0 (Ampere)"
+    )
 
 
 def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
@@ -189,12 +193,10 @@ def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
     auto: bf16 on CUDA GPUs with bf16 tensor cores, fp32 elsewhere; bfloat16 asked for on an
     older GPU is an error, as torch would emulate it."""
     if dtype == "auto":
-        bf16 = device.type == "cuda" and before_ampere(device) is None
+        bf16 = device.type == "cuda" and missing_tensor_cores("bfloat16", device) is None
         return torch.bfloat16 if bf16 else None
-    if dtype == "bfloat16" and (why := before_ampere(device)) is not None:
-        raise ConfigError(
-            f"train.dtype='bfloat16' needs bf16 tensor cores: {why}; use float32 (or auto)"
-        )
+    if dtype == "bfloat16" and (missing := missing_tensor_cores(dtype, device)) is not None:
+        raise ConfigError(f"train.dtype='bfloat16' {missing}; use float32 (or auto)")
     # No float16: it needs loss scaling, which this trainer omits; bfloat16 does not.
     return {"float32": None, "tf32": None, "bfloat16": torch.bfloat16}[dtype]
 
@@ -208,8 +210,8 @@ def set_fp32_matmul_precision(dtype: str, device: torch.device) -> None:
             f"train.dtype='tf32': TF32 tensor cores are a CUDA feature, and this run is on "
             f"{device}; use float32 there"
         )
-    if dtype == "tf32" and (why := before_ampere(device)) is not None:
-        raise ConfigError(f"train.dtype='tf32' needs TF32 tensor cores: {why}; use float32")
+    if dtype == "tf32" and (missing := missing_tensor_cores(dtype, device)) is not None:
+        raise ConfigError(f"train.dtype='tf32' {missing}; use float32")
     # PyTorch's own switch: "high" is TF32 for cuBLAS (and oneDNN), "highest" IEEE everywhere.
     torch.set_float32_matmul_precision("high" if dtype == "tf32" else "highest")
 

@@ -51,8 +51,8 @@ from runtime import (
     VariantUnavailable,
     autocast,
     autocast_dtype,
-    before_ampere,
     check_variant,
+    missing_tensor_cores,
     pick_device,
     say,
     set_fp32_matmul_precision,
@@ -86,15 +86,14 @@ def sampling_precision(config: Config, device: torch.device, dtype: str | None) 
     own gives way to float32, said."""
     if dtype is not None:
         config = replace(config, train=replace(config.train, dtype=dtype))
-    cores = {"bfloat16": "bf16", "tf32": "TF32"}.get(config.train.dtype)
-    if cores is None or (why := before_ampere(device)) is None:
+    missing = missing_tensor_cores(config.train.dtype, device)
+    if missing is None:
         return config
     if dtype is not None:
-        raise SampleError(f"--dtype {dtype} needs {cores} tensor cores: {why}; use float32")
+        raise SampleError(f"--dtype {dtype} {missing}; use float32")
     # The run's own precision, which this GPU lacks: fp32 computes the same function.
     print(
-        f"note: the run trained in {config.train.dtype}, which needs {cores} tensor cores: "
-        f"{why}; sampling in float32",
+        f"note: the run trained in {config.train.dtype}, which {missing}; sampling in float32",
         file=sys.stderr,
     )
     return replace(config, train=replace(config.train, dtype="float32"))
