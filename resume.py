@@ -192,15 +192,11 @@ def restore_state(
     return ckpt["step"]
 
 
-def rows_per_step(train: dict[str, Any], ranks: int) -> int:
-    """The sequences one optimizer step trains on, over all ranks, by a train config's fields."""
-    global_batch = train.get("global_batch_size")  # checkpoints before it had none
-    return int(global_batch or train["batch_size"] * ranks * train.get("grad_accum", 1))
-
-
 def split_of(train: dict[str, Any], ranks: int) -> tuple[int, int, int]:
     """How one step's rows are split: (batch_size, micro-batches per process, processes), by a
-    train config's fields (TrainConfig.micro_batches's rule, on a checkpoint's plain dict)."""
+    train config's fields (TrainConfig.micro_batches's rule, on a checkpoint's plain dict);
+    their product is the rows a step trains on."""
+    # Checkpoints before global_batch_size have none
     batch, global_batch = train["batch_size"], train.get("global_batch_size")
     micro = global_batch // (batch * ranks) if global_batch else train.get("grad_accum", 1)
     return batch, micro, ranks
@@ -227,7 +223,6 @@ def say_the_batch_changed(
             k: ckpt["config"]["train"][k] for k in EVAL_FIELDS if k in ckpt["config"]["train"]
         }
         ranks_before = ranks_before or ranks
-        rows_before = rows_per_step(before, ranks_before)
         split_before = split_of(before, ranks_before)
     except (KeyError, TypeError, ValueError, ZeroDivisionError):
         return  # restoring it says what is wrong
@@ -235,12 +230,13 @@ def say_the_batch_changed(
     changed = [f"train.{k} {before[k]} -> {getattr(tc, k)}" for k in fields]
     if ranks != ranks_before:
         changed.append(f"{ranks} process(es) where it trained on {ranks_before}")
-    rows = rows_per_step(dataclasses.asdict(tc), ranks)
+    split = split_of(dataclasses.asdict(tc), ranks)
+    rows, rows_before = math.prod(split), math.prod(split_before)
     evals_before = before.get("eval_batches", tc.eval_batches)
     windows_moved = rows * tc.eval_batches != rows_before * evals_before
     # By the split itself, not the fields: grad_accum 2 and a global batch of twice batch_size
     # on one process are the same micro-batches.
-    split_changed = split_of(dataclasses.asdict(tc), ranks) != split_before
+    split_changed = split != split_before
     if not (split_changed or windows_moved):
         return
     effects = []
