@@ -71,10 +71,9 @@ USER_ERRORS = (SampleError, ConfigError, CheckpointError)
 def _train_first(run_dir: Path) -> str:
     """The command that trains there: a run stopped before its first checkpoint starts over
     with the settings its config.toml holds, not train.py's defaults."""
-    command = f"python train.py --out {shlex.quote(str(run_dir))}"
-    if (run_dir / "config.toml").is_file():
-        saved = shlex.quote(str(run_dir / "config.toml"))
-        command = f"python train.py --config {saved} --out {shlex.quote(str(run_dir))}"
+    saved = run_dir / "config.toml"
+    config = f"--config {shlex.quote(str(saved))} " if saved.is_file() else ""
+    command = f"python train.py {config}--out {shlex.quote(str(run_dir))}"
     if run_dir == MAKE_TRAIN_RUN:
         command = "make train"
     return f"train it first ({command}), or give --run the folder of a run"
