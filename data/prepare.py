@@ -57,7 +57,8 @@ Decisions, so that a reader need not reverse-engineer them:
   Tokens include one <|endoftext|> per document, bytes include nothing for it.
 * Reuse: content_sha256 covers the settings (with the output format and `tokenizers`
   versions) and the inputs (--files/--stdlib: relative names and raw bytes; --hub: the text of
-  every kept document). If meta.json has the same hash and the files it describes are
+  every kept document; a local folder's path is not a setting, so one moved or typed otherwise
+  is the same corpus). If meta.json has the same hash and the files it describes are
   whole, nothing is redone. --hub has to load the dataset to hash it; a Hub dataset's
   download is cached in <out-root>/NAME/.hf_cache, a local folder's Arrow copy is temporary
   (in <out-root>/.prepare-*, or the system's temporary folder where the out-root is read-only,
@@ -127,6 +128,7 @@ DEFAULT_OUT_ROOT = Path("data")  # relative to the working directory, as data.ro
 FORMAT_VERSION = 2  # 2: train/val chosen by content hash, meta.json duplicate_documents
 OUTPUT_FILES = ("tokenizer.json", "train.bin", "val.bin")
 HF_CACHE_DIR = ".hf_cache"
+LOCAL_HUB = "(a local folder)"  # meta.json settings.hub for one; no Hub name has a space
 BATCH_DOCUMENTS = 64  # per encode_batch call: enough for tokenizers' threads, small in memory
 
 
@@ -172,7 +174,10 @@ def prepare(
             corpus = files_corpus(files or [], encoding_errors, max_bytes)
         else:
             assert hub is not None
-            settings |= {"hub": hub, "hub_config": hub_config, "split": split}
+            # A local folder is known by its documents, which the digest covers, not by its
+            # path: typed otherwise (./d, d/) or moved, it is the same corpus, reused
+            where = LOCAL_HUB if Path(hub).exists() else hub
+            settings |= {"hub": where, "hub_config": hub_config, "split": split}
             settings["text_column"] = text_column
             hub_cache = Path(cleanup.enter_context(_hub_cache(hub, out_dir)))
             corpus = hub_corpus(hub, hub_config, split, text_column, max_bytes, hub_cache)

@@ -401,6 +401,12 @@ def test_hub_reads_local_parquet_folder(
     capsys.readouterr()
     prepare("hubby", hub="~/hub", text_column="body", vocab_size=VOCAB, out_root=tmp_path)
     assert "reusing" in capsys.readouterr().out
+    # Moved, and typed with a trailing slash: the same documents, reused; meta.json follows it
+    moved = folder.rename(tmp_path / "moved")
+    prepare("hubby", hub=f"{moved}/", text_column="body", vocab_size=VOCAB, out_root=tmp_path)
+    assert "reusing" in capsys.readouterr().out
+    assert _meta(out)["source"]["dataset"] == str(moved)
+    folder = moved
 
     with pytest.raises(PrepareError, match=r"--text-column 'nope'.*columns: \['body', 'id'\]"):
         prepare("hubby", hub=str(folder), text_column="nope", out_root=tmp_path)
