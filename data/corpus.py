@@ -112,7 +112,9 @@ def _expand_files(patterns: Sequence[str]) -> list[Path]:
 
 def files_corpus(patterns: Sequence[str], encoding_errors: str, max_bytes: int | None) -> Corpus:
     paths = _expand_files(patterns)
-    root = Path(os.path.commonpath([path.parent for path in paths]))
+    # Names are hashed relative to the common folder of the files --max-bytes keeps, so that
+    # files it leaves out (added or dropped) cannot change them
+    root = Path(os.path.commonpath([path.parent for path in _within_budget(paths, max_bytes)]))
     replace = encoding_errors == "replace"
     corpus = _read_local(paths, root, skip_bad=False, replace_bad=replace, max_bytes=max_bytes)
     corpus.source = {
@@ -122,6 +124,22 @@ def files_corpus(patterns: Sequence[str], encoding_errors: str, max_bytes: int |
         **corpus.source,
     }
     return corpus
+
+
+def _within_budget(paths: list[Path], max_bytes: int | None) -> list[Path]:
+    """The files that fit --max-bytes by their sizes on disk (the first always: _read_local
+    says when it does not fit)."""
+    if max_bytes is None:
+        return paths
+    total = 0
+    for count, path in enumerate(paths):
+        try:
+            total += path.stat().st_size
+        except OSError:  # _read_local names the file and the error
+            continue
+        if count and total > max_bytes:
+            return paths[:count]
+    return paths
 
 
 def _read_local(
@@ -134,7 +152,6 @@ def _read_local(
     skipped: dict[str, Any] = {"empty_documents": 0, "non_utf8_files": [], "over_max_bytes": 0}
     total = replaced = 0
     for index, path in enumerate(paths):
-        name = path.relative_to(root).as_posix()
         try:
             raw = path.read_bytes()
         except OSError as error:
@@ -151,11 +168,14 @@ def _read_local(
             continue
         bad = _invalid_utf8(raw)
         if bad is not None and skip_bad:  # skipped: takes none of the --max-bytes budget
-            skipped["non_utf8_files"].append(name)
+            skipped["non_utf8_files"].append(path.relative_to(root).as_posix())
             continue
         if not _fits(max_bytes, total, len(raw), first=not kept, what=str(path)):
             skipped["over_max_bytes"] = len(paths) - index
             break
+        if not path.is_relative_to(root):  # it grew or shrank since its size was read
+            raise PrepareError(f"{path} changed while it was read; run again")
+        name = path.relative_to(root).as_posix()
         if bad is not None:  # a file the budget left out is neither an error nor counted
             offset, count = bad
             if not replace_bad:

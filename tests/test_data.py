@@ -244,6 +244,28 @@ def test_rerun_reuses_and_changes_rebuild(
     assert "max_bytes" not in said
 
 
+def test_files_the_budget_leaves_out_do_not_change_the_corpus(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Names are hashed relative to the kept files' common folder: a folder of files that
+    --max-bytes leaves out, added or dropped, is not a change of the documents kept."""
+    kept = _write(tmp_path / "texts" / "kept", {f"{w}.txt": _document(w) for w in WORDS})
+    extra = _write(tmp_path / "texts" / "extra", {"late.txt": _document("late")})
+    budget = sum(p.stat().st_size for p in kept.iterdir())
+    prepare(
+        "capped", files=[str(kept / "*.txt")], vocab_size=VOCAB, out_root=tmp_path, max_bytes=budget
+    )
+    capsys.readouterr()
+    both = [str(kept / "*.txt"), str(extra / "*.txt")]
+    prepare("capped", files=both, vocab_size=VOCAB, out_root=tmp_path, max_bytes=budget)
+    said = capsys.readouterr()
+    assert "reusing" in said.out and "replacing" not in said.err
+    # With the budget raised the extra file is kept: another corpus
+    out = prepare("capped", files=both, vocab_size=VOCAB, out_root=tmp_path, max_bytes=2 * budget)
+    assert f"(max_bytes {budget} -> {2 * budget})" in capsys.readouterr().err
+    assert sum(split["documents"] for split in _meta(out)["splits"].values()) == len(WORDS) + 1
+
+
 def test_truncated_output_is_rebuilt(
     corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
