@@ -928,6 +928,14 @@ def test_split_keeps_a_document_on_each_side(texts: list[str], val_fraction: flo
     assert split.duplicates == len(texts) - len(set(texts))
 
 
+@pytest.mark.parametrize("val_fraction", [0.1, 0.3])
+def test_val_gets_about_val_fraction_of_the_documents(val_fraction: float) -> None:
+    """Of 4000 distinct documents, about val_fraction go to val (within 0.03, over 4 sigma;
+    the same every run, as the keys hash fixed texts)."""
+    split = split_documents([f"document {i}\n" for i in range(4000)], val_fraction, seed=0)
+    assert len(split.val) / 4000 == pytest.approx(val_fraction, abs=0.03)
+
+
 def test_all_identical_documents_are_an_error(tmp_path: Path) -> None:
     folder = _write(tmp_path / "corpus", {f"{i}.txt": "same text\n" for i in range(3)})
     with pytest.raises(PrepareError, match=r"all 3 documents are identical"):

@@ -114,6 +114,19 @@ def naive_vs_inplace(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return results
 
 
+def test_host_memory_release_grows_no_heap_and_says_so(tmp_path: Path) -> None:
+    """--host-memory release: no heap reserved before the timed steps, and the report says
+    freed memory went back to the OS (glibc's own setting; a process that kept it before,
+    as this test process may have, cannot undo that, so only what the sweep did is checked)."""
+    rc, results = sweep(
+        tmp_path, "--variants", "inplace", "--layers", "1", "--host-memory", "release"
+    )
+    assert rc == 0 and results["rows"][0]["status"] == "ok"
+    assert results["meta"]["host_memory"] == "release"
+    assert results["meta"]["heap_reserve_bytes"] is None
+    assert "returned to the OS" in (tmp_path / "sweep" / "report.md").read_text()
+
+
 def test_hidden_copy_through_the_profiler(naive_vs_inplace: dict) -> None:
     """naive minus inplace = exactly n_layer aten::clone per step, in the forward region."""
     rows = {(r["variant"], r["n_layer"]): r for r in naive_vs_inplace["rows"]}
@@ -2981,11 +2994,13 @@ def test_other_load_counts_only_inside_its_windows() -> None:
         time.sleep(0.05)
     first = load.share()
     assert first is not None
-    time.sleep(0.05)  # outside every window: nothing changes
+    time.sleep(0.3)  # outside every window: nothing changes
     assert load.share() == first
     with load.counting():
         time.sleep(0.05)
-    assert load._closed[2] == pytest.approx(0.1, abs=0.05)  # the two windows' wall time
+    # The two windows' wall time, without the 0.3 s between them (a loose upper bound: a
+    # busy machine may wake a sleeper late)
+    assert 0.1 <= load._closed[2] < 0.4
 
 
 def test_a_failed_cell_leaves_the_report_honest(naive_vs_inplace: dict) -> None:

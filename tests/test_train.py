@@ -723,10 +723,18 @@ def test_a_cpu_run_says_when_other_processes_took_the_cpus(
     err = capsys.readouterr().err
     assert ("note: other processes used 50% of the CPUs" in err) == (share > 0), err
     if share:  # compiled, the run's own compile workers count among them, and it says so
+        compiled: list[GPT] = []
+        real = train.compile_blocks
+        monkeypatch.setattr(train, "compile_blocks", lambda m: compiled.append(m) or real(m))
+        frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         assert run(data_root, tmp_path / "compiled", *one_step, "--train.compile=true") == 0
         assert "other processes (Inductor's compile workers among them) used 50%" in (
             capsys.readouterr().err
         )
+        # train.compile=true compiles the blocks, and the step ran through the compiled graph
+        assert len(compiled) == 1
+        assert all(block._compiled_call_impl is not None for block in compiled[0].blocks)
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > frames
 
 
 def test_resume_without_checkpoint_is_an_error(
@@ -1576,10 +1584,11 @@ def test_resume_reads_a_checkpoint_with_the_older_single_rng_state(
     assert load_ckpt(out)["step"] == STEPS + 1
 
 
-def test_without_config_the_run_goes_to_runs_builtin(
+def test_without_out_the_run_goes_to_runs_named_for_its_config(
     data_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Not runs/default, where `make train` keeps the run of configs/default.toml."""
+    """runs/builtin without a config: not runs/default, where `make train` keeps the run of
+    configs/default.toml."""
     monkeypatch.chdir(tmp_path)
     small = ["--model.block_size=32", "--model.n_layer=1", "--model.n_embd=32"]
     once = ["--train.max_steps=1", "--train.batch_size=2", "--train.eval_batches=1"]
@@ -1587,6 +1596,9 @@ def test_without_config_the_run_goes_to_runs_builtin(
     assert train.main([*small, *once, *corpus]) == 0
     assert (tmp_path / "runs" / "builtin" / checkpoint.CHECKPOINT).is_file()
     assert not (tmp_path / "runs" / "default").exists()
+    # With a config, runs/<its name>
+    assert train.main(["--config", str(TINY), *once, *corpus]) == 0
+    assert (tmp_path / "runs" / "tiny" / checkpoint.CHECKPOINT).is_file()
 
 
 @pytest.mark.parametrize("n", ["0", "-2"])
@@ -2141,6 +2153,25 @@ def test_sample_generates_as_many_tokens_as_asked(
     assert made == [20]
 
 
+def test_sample_passes_its_sampling_flags_to_generate(
+    base_run: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--temperature (default 0.8), --top-k (default 50, 0 for none) and --top-p (default 1)
+    reach the sampler."""
+    asked: list[tuple[float, int | None, float | None]] = []
+    real = GPT.generate
+
+    def spied(self: GPT, idx: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        asked.append((kwargs["temperature"], kwargs["top_k"], kwargs["top_p"]))
+        return real(self, idx, *args, **kwargs)
+
+    monkeypatch.setattr(GPT, "generate", spied)
+    sample_text(capsys, base_run)
+    sample_text(capsys, base_run, "--temperature", "0.7", "--top-k", "7", "--top-p", "0.9")
+    sample_text(capsys, base_run, "--top-k", "0")
+    assert asked == [(0.8, 50, 1.0), (0.7, 7, 0.9), (0.8, None, 1.0)]
+
+
 def test_sample_a_run_without_config_toml_uses_the_config_its_checkpoint_records(
     base_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -2668,11 +2699,11 @@ def test_every_param_group_follows_the_schedule(base_run: Path) -> None:
 # --- the optimizer and the step, by themselves ------------------------------------------------------
 
 
-def small_model(seed: int = 0) -> GPT:
+def small_model(seed: int = 0, dropout: float = 0.0) -> GPT:
     torch.manual_seed(seed)
     return GPT(
         load_config(
-            TINY, ["--model.vocab_size=64", "--model.block_size=16", "--model.dropout=0"]
+            TINY, ["--model.vocab_size=64", "--model.block_size=16", f"--model.dropout={dropout}"]
         ).model
     )
 
@@ -2739,8 +2770,10 @@ def test_gradient_accumulation_matches_one_batch_of_all_the_rows() -> None:
     torch.testing.assert_close(update_two, update_one, rtol=1e-4, atol=1e-7)
 
 
-def test_evaluate_is_the_mean_loss_over_its_fixed_windows(tmp_path: Path) -> None:
-    model = small_model()
+@pytest.mark.parametrize("dropout", [0.0, 0.5])
+def test_evaluate_is_the_mean_loss_over_its_fixed_windows(tmp_path: Path, dropout: float) -> None:
+    """In eval mode (no dropout), over the same windows each time; training mode after."""
+    model = small_model(dropout=dropout)
     tokens = tmp_path / "val.bin"
     np.random.default_rng(0).integers(0, 64, 2000, dtype=np.uint16).tofile(tokens)
     batches = TokenBatches(tokens, block_size=16, batch_size=4, seed=3, device=torch.device("cpu"))
