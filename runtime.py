@@ -435,7 +435,7 @@ def unavailable_reason(
                 for w in caught
                 if "kernel" in str(w.message)
             ]
-            first_line = " ".join(str(e).strip().splitlines()[0].split())
+            first_line = " ".join((str(e).strip().splitlines() or [type(e).__name__])[0].split())
             return "; ".join(part.rstrip(".") for part in [first_line, *why]).replace(":; ", ": ")
     return None
 

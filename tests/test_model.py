@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -180,6 +181,14 @@ def test_unavailable_on_cpu_says_why(variant: str) -> None:
         check_variant(variant, "cpu", torch.float32)
     message = str(err.value)
     assert variant in message and "cpu" in message and "CUDA" in message
+
+
+def test_a_refusal_without_a_message_is_named_by_its_type(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuses(*args: Any) -> Tensor:
+        raise RuntimeError("")
+
+    monkeypatch.setitem(VARIANTS, "naive", dataclasses.replace(VARIANTS["naive"], fn=refuses))
+    assert unavailable_reason("naive", "cpu", torch.float32, 16) == "RuntimeError"
 
 
 def test_forward_only_check_passes_flex_on_cpu_and_nothing_else_new() -> None:
