@@ -69,16 +69,20 @@ Decisions, so that a reader need not reverse-engineer them:
   are moved into place and the new one is written last, so an interrupted run never leaves a
   meta.json that describes files it did not finish. Bad input fails before anything is written,
   except --hub's download cache (a wrong --text-column, say, is found after the download,
-  which the retry then reuses). One prepare at a time per out-root: a second one waits (a lock
-  on the folder; where the filesystem has no locks, none).
+  which the retry then reuses). A folder that holds files no prepare wrote and no corpus's
+  meta.json (another tool's train.bin and val.bin) is refused, not written over. One prepare
+  at a time per out-root: a second one waits (a lock on the folder; where the filesystem has
+  no locks, none).
 """
 
 import argparse
 import contextlib
 import hashlib
 import itertools
+import json
 import math
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -383,6 +387,32 @@ def _check_out_dir(out_dir: Path) -> None:
             f"{out_dir} holds a training run ({', '.join(run_files)}); give the corpus another "
             "--name or --out-root"
         )
+    others = _not_a_corpus(out_dir)
+    if others:
+        listed = ", ".join(others[:3]) + f" and {len(others) - 3} more" * (len(others) > 3)
+        raise PrepareError(
+            f"{out_dir} holds files no prepare wrote ({listed}) and no corpus's meta.json, and "
+            "its train.bin, val.bin and tokenizer.json would be overwritten; give the corpus "
+            "another --name or --out-root"
+        )
+
+
+def _not_a_corpus(out_dir: Path) -> list[str]:
+    """The names in out_dir that show it is someone else's folder (another tool's token files,
+    a folder of texts): any but a prepare's own, where no meta.json of a corpus is there. Only
+    a prepare's names: one stopped between its renames, whose meta.json was removed first."""
+    try:
+        json.loads((out_dir / "meta.json").read_text())["content_sha256"]
+        return []  # a corpus: files added beside it are kept, never written
+    except (OSError, ValueError, TypeError, KeyError):
+        pass
+    ours = {*OUTPUT_FILES, HF_CACHE_DIR}
+    try:
+        names = [p.name for p in out_dir.iterdir()]
+    except OSError:  # not there (or unreadable: the writes say so)
+        return []
+    temporary = re.compile(r"\.(tokenizer\.json|train\.bin|val\.bin|meta\.json)\.\d+\.tmp")
+    return sorted(n for n in names if n not in ours and not temporary.fullmatch(n))
 
 
 def _check_writable(out_dir: Path, folder: Path) -> None:

@@ -731,6 +731,26 @@ def test_a_run_directory_or_a_file_is_no_place_for_a_corpus(corpus: Path, tmp_pa
         prepare("c", files=files, vocab_size=VOCAB, out_root=tmp_path / "afile")
 
 
+def test_another_tools_token_files_are_not_overwritten(corpus: Path, tmp_path: Path) -> None:
+    """A folder with files no prepare wrote and no corpus's meta.json (nanoGPT's train.bin,
+    val.bin and meta.pkl) is refused; one a prepare left without meta.json, stopped between
+    its renames, holds only its own names and is rebuilt; beside a corpus, added files stay."""
+    files = [str(corpus / "*.txt")]
+    theirs = _write(tmp_path / "shake", {"meta.pkl": "vocab", "train.bin": "1", "val.bin": "2"})
+    before = _contents(theirs)
+    with pytest.raises(PrepareError, match=r"shake holds files no prepare wrote \(meta\.pkl\)"):
+        prepare("shake", files=files, vocab_size=VOCAB, out_root=tmp_path)
+    assert _contents(theirs) == before
+    out = prepare("ours", files=files, vocab_size=VOCAB, out_root=tmp_path)
+    (out / "meta.json").unlink()
+    (out / ".train.bin.123.tmp").write_bytes(b"")
+    prepare("ours", files=files, vocab_size=VOCAB, out_root=tmp_path)
+    assert (out / "meta.json").is_file()
+    (out / "NOTES.md").write_text("mine")
+    prepare("ours", files=files, vocab_size=VOCAB + 1, out_root=tmp_path)
+    assert (out / "NOTES.md").read_text() == "mine"
+
+
 def test_an_out_root_that_cannot_be_written_says_so_before_any_work(
     corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
