@@ -16,11 +16,13 @@ import platform
 import shlex
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import sysconfig
 import time
 import weakref
+import zipfile
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -415,6 +417,30 @@ def test_unreadable_checkpoint_on_resume_is_an_error(
     (out / "config.toml").unlink()
     assert train.main(["--out", str(out), "--resume"]) == 2
     assert f"{ckpt} is unreadable" in error_of(capsys.readouterr().err)
+
+
+def test_a_checkpoint_with_flipped_tensor_bytes_is_refused(
+    base_run: Path, data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """torch.load reads flipped bytes inside a tensor as other numbers; the archive's CRC-32
+    finds them, so neither resume (which would save over it) nor sample.py uses them."""
+    out = copy_run(base_run, tmp_path / "run")
+    ckpt = out / checkpoint.CHECKPOINT
+    with zipfile.ZipFile(ckpt) as archive:
+        entry = max(archive.infolist(), key=lambda info: info.file_size)  # a weight's bytes
+    damaged = bytearray(ckpt.read_bytes())
+    header = entry.header_offset
+    name_len, extra_len = struct.unpack("<HH", damaged[header + 26 : header + 30])
+    start = header + 30 + name_len + extra_len
+    damaged[start : start + 8] = bytes(b ^ 0xFF for b in damaged[start : start + 8])
+    ckpt.write_bytes(damaged)
+    assert torch.load(ckpt, weights_only=True)["step"] == STEPS, "torch itself reads it"
+    assert run(data_root, out, *SHARED_OVERRIDES, "--resume") == 2
+    said = f"{ckpt} is damaged: the bytes of its entry {entry.filename} do not match"
+    assert said in error_of(capsys.readouterr().err)
+    assert ckpt.read_bytes() == damaged
+    assert sample.main(["--run", str(out), "--tokens", "2"]) == 2
+    assert said in capsys.readouterr().err
 
 
 def test_a_checkpoint_that_cannot_be_read_is_not_called_corrupt(
