@@ -743,6 +743,16 @@ class Run:
             )
 
 
+def _failed_to_compile(e: BaseException) -> bool:
+    """An error of torch.compile's backend (no C++ compiler for Inductor, say)."""
+    dynamo = sys.modules.get("torch._dynamo.exc")  # there once anything was compiled
+    return dynamo is not None and isinstance(e, dynamo.BackendCompilerFailed)
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__,
@@ -790,13 +800,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except (torch.OutOfMemoryError, RuntimeError, MemoryError) as e:
+        if _failed_to_compile(e):
+            cause = getattr(e, "inner_exception", None) or e  # the backend's own error
+            print(
+                f"error: train.compile=true, and torch.compile failed: "
+                f"{type(cause).__name__}: {_first_line(cause)}; train "
+                "without it (--train.compile=false), or fix what it names; the last "
+                "checkpoint, if any, is as it was",
+                file=sys.stderr,
+            )
+            return 2
         # CUDA raises OutOfMemoryError; the CPU allocator a RuntimeError that says so; Python
         # (NumPy, the batch loader) MemoryError.
         oom = isinstance(e, (torch.OutOfMemoryError, MemoryError))
         if not oom and "can't allocate memory" not in str(e):
             raise
         print(
-            f"error: out of memory ({(str(e).strip() or type(e).__name__).splitlines()[0][:200]}); "
+            f"error: out of memory ({_first_line(e)}); "
             "lower train.batch_size (raise train.grad_accum to keep the tokens per step; with "
             "train.global_batch_size set, that is derived), or the "
             "model's size (model.block_size, n_layer, n_embd); the last checkpoint, if any, is "

@@ -763,6 +763,31 @@ def test_a_cpu_run_says_when_other_processes_took_the_cpus(
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > frames
 
 
+def test_a_compile_that_fails_is_an_error_naming_the_setting(
+    data_root: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """As where Inductor finds no C++ compiler: one line that says what failed and the way
+    round it, not a traceback."""
+
+    def no_compiler(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Any:
+        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")
+
+    def compile_blocks(model: GPT) -> None:
+        for block in model.blocks:
+            block.compile(backend=no_compiler)
+
+    monkeypatch.setattr(train, "compile_blocks", compile_blocks)
+    one_step = ["--train.max_steps=1", "--train.eval_interval=0", "--train.compile=true"]
+    assert run(data_root, tmp_path / "run", *one_step) == 2
+    err = capsys.readouterr().err
+    assert "error: train.compile=true, and torch.compile failed: " in err
+    assert "No working C++ compiler found" in err and "--train.compile=false" in err
+    assert "Traceback" not in err
+
+
 def test_resume_without_checkpoint_is_an_error(
     data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
