@@ -286,7 +286,8 @@ def read_toml(path: str | Path) -> dict[str, Any]:
     """A config file's tables, as written; errors name the file."""
     path = Path(path)
     try:
-        return tomllib.loads(path.read_text(encoding="utf-8"))  # TOML is UTF-8 by spec
+        # TOML is UTF-8 by spec; a byte-order mark (some Windows editors write one) is dropped
+        return tomllib.loads(path.read_text(encoding="utf-8-sig"))
     except FileNotFoundError:
         project = Path(__file__).resolve().parent
         if path.is_absolute() or Path.cwd().resolve() == project:

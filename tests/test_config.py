@@ -41,6 +41,13 @@ def test_shipped_config_parses_and_round_trips(tmp_path: Path, path: Path) -> No
 # --- precedence and value forms -----------------------------------------------------------------
 
 
+def test_a_byte_order_mark_is_no_error(tmp_path: Path) -> None:
+    """Some Windows editors start a UTF-8 file with one; invisible, it made line 1 invalid."""
+    path = tmp_path / "bom.toml"
+    path.write_bytes(b"\xef\xbb\xbf[model]\nn_layer = 3\n")
+    assert load_config(path).model.n_layer == 3
+
+
 def test_no_file_and_no_overrides_gives_the_defaults() -> None:
     assert load_config(None) == Config()
 
