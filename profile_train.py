@@ -50,6 +50,7 @@ from runtime import (
     StdoutClosed,
     autocast_dtype,
     available_variants,
+    cli_path,
     pick_device,
     say,
     stdout_closed,
@@ -110,7 +111,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     )
     p.add_argument(
         "--config",
-        type=Path,
+        type=cli_path,
         default=Path("configs/profile.toml"),
         help="TOML with the shapes to profile",
     )
@@ -135,7 +136,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--data", default="synthetic", help="'synthetic' or a prepared corpus name")
     p.add_argument(
         "--out",
-        type=Path,
+        type=cli_path,
         help="output folder, new or empty (default: profiles/<config name>/<timestamp>)",
     )
     p.add_argument("--no-traces", dest="traces", action="store_false", help="write no trace files")
@@ -161,7 +162,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     )
     p.add_argument(
         "--report",
-        type=Path,
+        type=cli_path,
         metavar="DIR",
         help=(
             "re-render the report of an existing sweep from its results.json, which stays as it is"
@@ -172,7 +173,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     )
     p.add_argument(
         "--compare",
-        type=Path,
+        type=cli_path,
         nargs="+",
         metavar="DIR",
         help="print the savings of several sweeps of one setup side by side, with their median",

@@ -19,6 +19,7 @@ import sys
 import time
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Self
 
 import torch
@@ -469,6 +470,11 @@ def available_variants(
     return [
         n for n in VARIANTS if unavailable_reason(n, device, dtype, head_size, dropout_p) is None
     ]
+
+
+def cli_path(text: str) -> Path:
+    """A path flag's value: ~ expanded, as no shell does after '=' (--out=~/runs/x)."""
+    return Path(text).expanduser()
 
 
 class StdoutClosed(Exception):

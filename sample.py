@@ -52,6 +52,7 @@ from runtime import (
     autocast,
     autocast_dtype,
     check_variant,
+    cli_path,
     missing_tensor_cores,
     pick_device,
     say,
@@ -305,7 +306,9 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
-    parser.add_argument("--run", type=Path, required=True, help="run directory written by train.py")
+    parser.add_argument(
+        "--run", type=cli_path, required=True, help="run directory written by train.py"
+    )
     parser.add_argument(
         "--prompt",
         default="\n",

@@ -72,6 +72,7 @@ from runtime import (
     autocast_dtype,
     available_variants,
     check_variant,
+    cli_path,
     init_distributed,
     keep_freed_host_memory,
     set_fp32_matmul_precision,
@@ -763,13 +764,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--config",
-        type=Path,
+        type=cli_path,
         help="TOML file with [model], [data], [train]; with --resume, the run's own config.toml "
         "is used instead when it has one",
     )
     parser.add_argument(
         "--out",
-        type=Path,
+        type=cli_path,
         help="run directory (default: runs/<config name>, or runs/builtin without --config)",
     )
     parser.add_argument(

@@ -590,7 +590,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=0, help="for the train/val document split")
     parser.add_argument(
-        "--out-root", type=Path, help=f"default ./{DEFAULT_OUT_ROOT} (the same as data.root)"
+        "--out-root",
+        type=lambda text: Path(text).expanduser(),
+        help=f"default ./{DEFAULT_OUT_ROOT} (the same as data.root)",
     )
     return parser.parse_args(argv)
 

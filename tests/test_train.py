@@ -788,6 +788,22 @@ def test_a_compile_that_fails_is_an_error_naming_the_setting(
     assert "Traceback" not in err
 
 
+def test_path_flags_expand_a_tilde_no_shell_expanded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--out=~/x reaches the program as typed (a shell expands ~ only at a word's start): it
+    is the home folder's x, not a folder named ~ in the working directory."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert train.main(["--out=~/run", "--resume"]) == 2
+    assert f"no checkpoint at {tmp_path / 'home' / 'run' / checkpoint.CHECKPOINT}" in (
+        capsys.readouterr().err
+    )
+    assert sample.main(["--run=~/run"]) == 2
+    assert str(tmp_path / "home" / "run") in capsys.readouterr().err
+    assert not (tmp_path / "~").exists()
+
+
 def test_resume_without_checkpoint_is_an_error(
     data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
