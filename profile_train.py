@@ -350,6 +350,9 @@ def _sweep_flags(args: argparse.Namespace, overrides: list[str]) -> tuple[list[i
             raise ConfigError(f"--{flag.replace('_', '-')}={getattr(args, flag)}: must be >= 1")
     if not (math.isfinite(args.peak_seconds) and args.peak_seconds > 0):
         raise ConfigError(f"--peak-seconds={args.peak_seconds}: must be a positive number")
+    if not args.traces and (args.trace_layers is not None or args.trace_stacks):
+        given = "--trace-layers" if args.trace_layers is not None else "--trace-stacks"
+        raise ConfigError(f"{given} with --no-traces: no trace is written to apply it to")
     traced = set(_csv_list(args.trace_layers or "", int, "--trace-layers"))
     if traced - set(layers):
         raise ConfigError(

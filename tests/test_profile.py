@@ -1426,6 +1426,10 @@ def test_bad_arguments_name_the_problem(tmp_path: Path, capsys: pytest.CaptureFi
         assert "Traceback" not in err, err
     rc, _ = sweep(tmp_path, "--layers", "1,2", "--trace-layers", "2,4")
     assert "--trace-layers=2,4: 4 not among --layers=1,2" in capsys.readouterr().err
+    for given in (["--trace-layers", "1"], ["--trace-stacks"]):
+        rc, _ = sweep(tmp_path, "--layers", "1", "--no-traces", *given)
+        err = capsys.readouterr().err
+        assert rc == 2 and f"{given[0]} with --no-traces: no trace is written" in err, err
     rc, _ = sweep(tmp_path, "--layers", "1", "--data.name=stdlib")
     assert "--data synthetic or --data NAME" in capsys.readouterr().err
     assert not (tmp_path / "sweep").exists(), "bad input wrote nothing"
