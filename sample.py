@@ -42,7 +42,7 @@ from checkpoint import (
     model_config_diff,
     restoring,
 )
-from config import DTYPES, Config, ConfigError, build_config, load_config
+from config import DTYPES, Config, ConfigError, build_config, missing_fields, read_toml
 from data.meta import EOT, file_sha256
 from model import GPT, VARIANTS
 from rundir import MAKE_TRAIN_RUN
@@ -123,13 +123,22 @@ def load_run(
         raise SampleError(f"no checkpoint at {ckpt_path}; {_train_first(run_dir)}")
     ckpt = load_checkpoint(ckpt_path, needs=("model",))  # the rest is resuming's
     config_path = run_dir / "config.toml"
+    recorded = ckpt.get("config")
     if not config_path.is_file():  # as resuming does: the config the checkpoint records
-        recorded = ckpt.get("config")
         if not isinstance(recorded, dict):
             raise SampleError(f"{run_dir} has no config.toml, and {ckpt_path} records no config")
         config = build_config(recorded, source=f"the config {ckpt_path} records")
     else:
-        config = load_config(config_path)
+        raw = read_toml(config_path)
+        # A field cut from it would read as its default, and be blamed on config.toml below
+        missing = missing_fields(raw, recorded if isinstance(recorded, dict) else {})
+        if missing:
+            raise SampleError(
+                f"{config_path} lacks {', '.join(missing)}, which train.py writes: it is damaged "
+                f"or was cut; delete it to sample with the config {ckpt_path} records, or "
+                "restore them"
+            )
+        config = build_config(raw, source=str(config_path))
     # The weights may fit a config.toml edited after training (n_head, say) and still compute
     # another function: the checkpoint's own config, if it has one, decides.
     diff = model_config_diff(ckpt, asdict(config.model), now="in config.toml")

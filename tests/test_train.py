@@ -2239,6 +2239,24 @@ def test_sample_passes_its_sampling_flags_to_generate(
     assert asked == [(0.8, 50, 1.0), (0.7, 7, 0.9), (0.8, None, 1.0)]
 
 
+def test_sample_a_config_toml_cut_short_is_named_not_blamed_for_its_defaults(
+    base_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A field cut from config.toml would read as its default and be called a mismatch ("4 in
+    config.toml", which the file never said): the missing field is named, as on resume."""
+    out = copy_run(base_run, tmp_path / "cut")
+    toml = out / "config.toml"
+    toml.write_text(
+        "".join(
+            line for line in toml.read_text().splitlines(True) if not line.startswith("n_layer")
+        )
+    )
+    assert sample.main(["--run", str(out), "--tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"{toml} lacks model.n_layer, which train.py writes" in err
+    assert "delete it to sample with the config" in err
+
+
 def test_sample_a_run_without_config_toml_uses_the_config_its_checkpoint_records(
     base_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
