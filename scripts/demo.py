@@ -19,11 +19,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from config import TrainConfig
 from cpu_linear import wants_onednn
 from model import VARIANTS, GPTConfig
-from runtime import autocast_dtype, pick_device, unavailable_reason
+from runtime import (
+    StdoutClosed,
+    autocast_dtype,
+    pick_device,
+    say,
+    stdout_closed,
+    unavailable_reason,
+)
 from train import USER_ERRORS, build_model, train_step
 
 
 def main() -> int:
+    try:
+        return _demo()
+    except StdoutClosed:  # `| head`: what was printed stands
+        return stdout_closed()
+
+
+def _demo() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -41,7 +55,7 @@ def main() -> int:
     torch.manual_seed(0)  # the same batch on every run
     batch = torch.randint(0, config.vocab_size, (4, config.block_size + 1), device=device)
     linear = ", nn.Linear through oneDNN" if onednn else ""
-    print(f"one training step per variant on {device} ({dtype}{linear}), B=4 T={config.block_size}")
+    say(f"one training step per variant on {device} ({dtype}{linear}), B=4 T={config.block_size}")
 
     def first_loss(attention: str) -> float:
         """A fresh model's first training step, on the same weights and batch: its loss."""
@@ -54,16 +68,16 @@ def main() -> int:
     for name, variant in VARIANTS.items():
         reason = unavailable_reason(name, device, dtype, config.head_size)
         if reason is not None:
-            print(f"  {name:15s} skipped: {reason}")
+            say(f"  {name:15s} skipped: {reason}")
             continue
         losses[name] = first_loss(name)
-        print(f"  {name:15s} loss {losses[name]:.4f}  ({variant.summary})")
+        say(f"  {name:15s} loss {losses[name]:.4f}  ({variant.summary})")
     # One function done differently: the losses agree to rounding (bf16's, on a GPU).
     spread = max(losses.values()) - min(losses.values())
     if spread > (2e-2 if amp is not None else 1e-4):
         print(f"error: the variants' losses differ by {spread:.4g}", file=sys.stderr)
         return 1
-    print(
+    say(
         f"{len(losses)} variants, one loss: the same attention, computed differently. "
         "For their step times: make profile"
     )

@@ -2962,3 +2962,12 @@ def test_the_demo_steps_every_variant_that_runs_here_to_one_loss() -> None:
     assert len(set(losses.values())) == 1, losses
     assert done.stdout.count("skipped:") == len(cuda_only)
     assert f"{len(losses)} variants, one loss" in done.stdout
+    # `make demo | head -1`: quiet, with the shell's status for SIGPIPE
+    argv = [sys.executable, str(ROOT / "scripts" / "demo.py"), "--device", "cpu"]
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        assert proc.stdout.readline().startswith(b"one training step per variant")
+        proc.stdout.close()
+        err = proc.stderr.read().decode()
+        assert proc.wait(timeout=120) == 128 + signal.SIGPIPE, err
+    assert "Traceback" not in err, err
