@@ -288,6 +288,10 @@ class Sweep:
             # taken the name since main chose it.
             self.out.mkdir(parents=True, exist_ok=not self.options.link_latest)
         except FileExistsError:
+            if self.out.is_symlink() and not self.out.exists():  # mkdir says "exists" of it
+                raise ConfigError(
+                    f"--out {self.out} is a link to {os.readlink(self.out)}, which does not exist"
+                ) from None
             raise ConfigError(
                 f"{self.out} was taken by another sweep started at the same time; run again"
             ) from None

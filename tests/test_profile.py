@@ -718,6 +718,12 @@ def test_an_out_folder_that_cannot_be_written_is_refused_before_measuring(
     err = capsys.readouterr().err
     assert f"--out {out}: cannot write there (Read-only file system)" in err
     assert "matmul peak" not in err
+    # A link to nothing: mkdir calls it existing, which is not another sweep's doing
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "gone")
+    assert profile_train.main(["--variants", "naive", "--layers", "1", "--out", str(dangling)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {dangling} is a link to {tmp_path / 'gone'}, which does not exist" in err
 
 
 def test_failing_cells_do_not_stop_the_sweep(
