@@ -143,6 +143,8 @@ def _os_error_behind(error: BaseException) -> OSError | None:
 
 
 def no_checkpoint(path: Path) -> CheckpointError:
+    if path.is_dir():  # not the file train.py writes, though a new run would call it one
+        return CheckpointError(f"{path} is a folder, not a checkpoint; move it aside")
     return CheckpointError(f"no checkpoint at {path} (train first, or check --out)")
 
 

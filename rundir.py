@@ -85,6 +85,8 @@ def open_run(
     anything is written. Returns the checkpoint's path and the checkpoint to resume from
     (checked against the config and corpus), or None for a new run."""
     ckpt_path = out_dir / CHECKPOINT
+    if ckpt_path.is_dir():
+        raise no_checkpoint(ckpt_path)
     if ckpt_path.exists() and not resume:
         raise RunDirError(
             f"{out_dir} already holds a checkpoint; continue it with {resume_hint(out_dir)}, or "

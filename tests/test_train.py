@@ -804,6 +804,17 @@ def test_path_flags_expand_a_tilde_no_shell_expanded(
     assert not (tmp_path / "~").exists()
 
 
+def test_a_folder_named_like_the_checkpoint_is_named_as_such(
+    data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Not "holds a checkpoint, resume it" then "no checkpoint, train first": one answer."""
+    (tmp_path / "run" / checkpoint.CHECKPOINT).mkdir(parents=True)
+    said = f"{tmp_path / 'run' / checkpoint.CHECKPOINT} is a folder, not a checkpoint"
+    for resuming in ([], ["--resume"]):
+        assert run(data_root, tmp_path / "run", *resuming) == 2
+        assert said in error_of(capsys.readouterr().err)
+
+
 def test_resume_without_checkpoint_is_an_error(
     data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
