@@ -7,6 +7,7 @@ writes them on rank 0 only. docs/training.md lists the fields.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,8 +19,8 @@ def start_metrics(path: Path, resume_step: int | None) -> None:
     """A fresh run starts a fresh metrics.jsonl; a resumed one drops the lines logged after
     its checkpoint (a crash between checkpoints), since those steps run again, and a line
     cut short by a kill mid-write or without an integer step (bytes that are not UTF-8 are
-    read as U+FFFD). The kept lines are written to a temporary file and renamed over the log,
-    so a crash meanwhile loses none of them."""
+    read as U+FFFD), saying how many. The kept lines are written to a temporary file and
+    renamed over the log, so a crash meanwhile loses none of them."""
     if resume_step is None or not path.exists():
         path.write_text("")
         return
@@ -33,8 +34,16 @@ def start_metrics(path: Path, resume_step: int | None) -> None:
         return isinstance(step, int) and not isinstance(step, bool) and step <= resume_step
 
     lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    text = "".join(line + "\n" for line in lines if kept(line))
+    keep = [line for line in lines if kept(line)]
+    text = "".join(line + "\n" for line in keep)
     write_atomically(path, lambda f: f.write(text.encode("utf-8")))
+    dropped = [line for line in lines if line.strip() and not kept(line)]
+    if dropped:  # said, as a note a user typed into the log is among them
+        print(
+            f"note: {path}: {len(dropped)} line(s) dropped, logged after step {resume_step} "
+            "(they run again) or not a step's record",
+            file=sys.stderr,
+        )
 
 
 class MetricsLog:

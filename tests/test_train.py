@@ -650,18 +650,23 @@ def test_a_steps_metrics_line(tmp_path: Path) -> None:
 
 
 def test_resume_drops_a_metrics_line_cut_short(
-    base_run: Path, data_root: Path, tmp_path: Path
+    base_run: Path, data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A kill in the middle of a log write leaves half a line; resuming must still work. So
-    must other damage: a line whose step is not a number, bytes that are not UTF-8."""
+    must other damage: a line whose step is not a number, bytes that are not UTF-8. How many
+    lines went is said (a note typed into the log would be among them)."""
     out = copy_run(base_run, tmp_path / "run")
     with open(out / "metrics.jsonl", "ab") as f:
         f.write(b'{"step": "x", "loss": 1.0}\n{"step": 99, "loss": 1.0, "note": "\xff"}\n')
         f.write(b'{"step": true, "loss": 1.0}\n')  # JSON's true is no step, though bool is int
         f.write(b'{"step": 21, "loss": 5.7')
+    capsys.readouterr()
     assert run(data_root, out, f"--train.max_steps={STEPS + 2}", "--resume") == 0
     assert [r["step"] for r in train_lines(out)] == list(range(1, STEPS + 3))
     assert not list(out.glob("*.tmp"))
+    assert f"metrics.jsonl: 4 line(s) dropped, logged after step {STEPS}" in (
+        capsys.readouterr().err
+    )
 
 
 def test_out_that_is_a_file_or_holds_corpora_is_refused(
