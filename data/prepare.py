@@ -69,8 +69,8 @@ Decisions, so that a reader need not reverse-engineer them:
   are moved into place and the new one is written last, so an interrupted run never leaves a
   meta.json that describes files it did not finish. Bad input fails before anything is written,
   except --hub's download cache (a wrong --text-column, say, is found after the download,
-  which the retry then reuses). A folder that holds files no prepare wrote and no corpus's
-  meta.json (another tool's train.bin and val.bin) is refused, not written over. One prepare
+  which the retry then reuses). Token files beside files no prepare wrote, with no corpus's
+  meta.json (another tool's train.bin and val.bin), are refused, not written over. One prepare
   at a time per out-root: a second one waits (a lock on the folder; where the filesystem has
   no locks, none).
 """
@@ -82,7 +82,6 @@ import itertools
 import json
 import math
 import os
-import re
 import signal
 import sys
 import tempfile
@@ -391,28 +390,31 @@ def _check_out_dir(out_dir: Path) -> None:
     if others:
         listed = ", ".join(others[:3]) + f" and {len(others) - 3} more" * (len(others) > 3)
         raise PrepareError(
-            f"{out_dir} holds files no prepare wrote ({listed}) and no corpus's meta.json, and "
-            "its train.bin, val.bin and tokenizer.json would be overwritten; give the corpus "
-            "another --name or --out-root"
+            f"{out_dir} holds files no prepare wrote ({listed}) beside token files, and no "
+            "corpus's meta.json: they may be another tool's, and would be overwritten; give "
+            "the corpus another --name or --out-root (or, if a prepare left them, delete "
+            f"{', '.join(OUTPUT_FILES)} there)"
         )
 
 
 def _not_a_corpus(out_dir: Path) -> list[str]:
-    """The names in out_dir that show it is someone else's folder (another tool's token files,
-    a folder of texts): any but a prepare's own, where no meta.json of a corpus is there. Only
-    a prepare's names: one stopped between its renames, whose meta.json was removed first."""
+    """The names in out_dir that show that the token files there are someone else's (nanoGPT's
+    train.bin and val.bin beside its meta.pkl): any but a prepare's own and hidden ones, where
+    files a prepare writes are there and no meta.json of a corpus. A prepare stopped between its
+    renames (its meta.json removed first) leaves only its own names, and is rebuilt."""
+    if not any((out_dir / name).exists() for name in OUTPUT_FILES):
+        return []  # nothing there to overwrite
     try:
         json.loads((out_dir / "meta.json").read_text())["content_sha256"]
         return []  # a corpus: files added beside it are kept, never written
     except (OSError, ValueError, TypeError, KeyError):
         pass
-    ours = {*OUTPUT_FILES, HF_CACHE_DIR}
     try:
         names = [p.name for p in out_dir.iterdir()]
-    except OSError:  # not there (or unreadable: the writes say so)
+    except OSError:  # unreadable: the writes say so
         return []
-    temporary = re.compile(r"\.(tokenizer\.json|train\.bin|val\.bin|meta\.json)\.\d+\.tmp")
-    return sorted(n for n in names if n not in ours and not temporary.fullmatch(n))
+    ours = {*OUTPUT_FILES, "meta.json"}  # a damaged meta.json is rebuilt, as before
+    return sorted(n for n in names if n not in ours and not n.startswith("."))
 
 
 def _check_writable(out_dir: Path, folder: Path) -> None:

@@ -732,20 +732,29 @@ def test_a_run_directory_or_a_file_is_no_place_for_a_corpus(corpus: Path, tmp_pa
 
 
 def test_another_tools_token_files_are_not_overwritten(corpus: Path, tmp_path: Path) -> None:
-    """A folder with files no prepare wrote and no corpus's meta.json (nanoGPT's train.bin,
-    val.bin and meta.pkl) is refused; one a prepare left without meta.json, stopped between
-    its renames, holds only its own names and is rebuilt; beside a corpus, added files stay."""
+    """Token files beside files no prepare wrote, without a corpus's meta.json (nanoGPT's
+    train.bin, val.bin and meta.pkl), are refused; a folder with nothing to overwrite is
+    written; one a prepare left without meta.json (stopped between its renames) or with a
+    damaged one is rebuilt; beside a corpus, added files stay."""
     files = [str(corpus / "*.txt")]
     theirs = _write(tmp_path / "shake", {"meta.pkl": "vocab", "train.bin": "1", "val.bin": "2"})
     before = _contents(theirs)
     with pytest.raises(PrepareError, match=r"shake holds files no prepare wrote \(meta\.pkl\)"):
         prepare("shake", files=files, vocab_size=VOCAB, out_root=tmp_path)
     assert _contents(theirs) == before
+    # Nothing there to overwrite (a folder of texts, a .DS_Store): written
+    _write(tmp_path / "texts", {"d1.txt": "mine"})
+    prepare("texts", files=files, vocab_size=VOCAB, out_root=tmp_path)
+    assert (tmp_path / "texts" / "d1.txt").read_text() == "mine"
     out = prepare("ours", files=files, vocab_size=VOCAB, out_root=tmp_path)
     (out / "meta.json").unlink()
     (out / ".train.bin.123.tmp").write_bytes(b"")
+    (out / ".DS_Store").write_bytes(b"")
     prepare("ours", files=files, vocab_size=VOCAB, out_root=tmp_path)
     assert (out / "meta.json").is_file()
+    (out / "meta.json").write_text('{"cut')  # damaged: rebuilt, as before
+    prepare("ours", files=files, vocab_size=VOCAB, out_root=tmp_path)
+    assert "content_sha256" in _meta(out)
     (out / "NOTES.md").write_text("mine")
     prepare("ours", files=files, vocab_size=VOCAB + 1, out_root=tmp_path)
     assert (out / "NOTES.md").read_text() == "mine"
