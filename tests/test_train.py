@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
-from unittest.mock import Mock
+from unittest.mock import Mock, patch
 
 import numpy as np
 import pytest
@@ -441,6 +441,14 @@ def test_a_checkpoint_with_flipped_tensor_bytes_is_refused(
     assert ckpt.read_bytes() == damaged
     assert sample.main(["--run", str(out), "--tokens", "2"]) == 2
     assert said in capsys.readouterr().err
+    # One saved without checksums (torch's compute_crc32 = False) records 0 for each: loaded
+    saved = torch.load(copy_run(base_run, tmp_path / "whole") / checkpoint.CHECKPOINT)
+    serialization = torch.utils.serialization.config.save
+    with patch.object(serialization, "compute_crc32", False):
+        torch.save(saved, ckpt)
+    with zipfile.ZipFile(ckpt) as archive:
+        assert {info.CRC for info in archive.infolist()} == {0}
+    assert checkpoint.load_checkpoint(ckpt)["step"] == STEPS
 
 
 def test_a_checkpoint_that_cannot_be_read_is_not_called_corrupt(
