@@ -473,8 +473,9 @@ def available_variants(
 
 
 def cli_path(text: str) -> Path:
-    """A path flag's value: ~ expanded, as no shell does after '=' (--out=~/runs/x)."""
-    return Path(text).expanduser()
+    """A path flag's value: ~ expanded, as no shell does after '=' (--out=~/runs/x); one that
+    cannot be (~nosuchuser) is left as typed."""
+    return Path(os.path.expanduser(text))
 
 
 class StdoutClosed(Exception):

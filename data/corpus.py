@@ -89,7 +89,7 @@ def stdlib_corpus(max_bytes: int | None) -> Corpus:
 def _expand_files(patterns: Sequence[str]) -> list[Path]:
     """Paths and globs -> existing files, in argument order, each glob sorted, no repeats."""
     found: dict[Path, None] = {}  # an ordered set
-    for pattern in patterns:
+    for pattern in map(os.path.expanduser, patterns):  # --files=~/t/*.txt: no shell expanded it
         # An existing file is taken literally even if its name holds glob characters.
         if not Path(pattern).is_file() and any(char in pattern for char in "*?["):
             matches = sorted(
@@ -119,7 +119,8 @@ def files_corpus(patterns: Sequence[str], encoding_errors: str, max_bytes: int |
     corpus = _read_local(paths, root, skip_bad=False, replace_bad=replace, max_bytes=max_bytes)
     corpus.source = {
         "kind": "files",
-        "patterns": [os.path.abspath(p) for p in patterns],  # a rebuild runs from anywhere
+        # Absolute, so a rebuild runs from anywhere
+        "patterns": [os.path.abspath(os.path.expanduser(p)) for p in patterns],
         "root": str(root),
         **corpus.source,
     }

@@ -593,7 +593,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="for the train/val document split")
     parser.add_argument(
         "--out-root",
-        type=lambda text: Path(text).expanduser(),
+        type=lambda text: Path(os.path.expanduser(text)),
         help=f"default ./{DEFAULT_OUT_ROOT} (the same as data.root)",
     )
     return parser.parse_args(argv)

@@ -731,6 +731,16 @@ def test_a_run_directory_or_a_file_is_no_place_for_a_corpus(corpus: Path, tmp_pa
         prepare("c", files=files, vocab_size=VOCAB, out_root=tmp_path / "afile")
 
 
+def test_files_expands_a_tilde_no_shell_expanded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--files=~/texts/*.txt reaches prepare as typed; the rebuild command holds the path."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    _write(tmp_path / "texts", {f"{w}.txt": _document(w) for w in WORDS})
+    out = prepare("home", files=["~/texts/*.txt"], vocab_size=VOCAB, out_root=tmp_path)
+    assert _meta(out)["source"]["patterns"] == [str(tmp_path / "texts" / "*.txt")]
+
+
 def test_another_tools_token_files_are_not_overwritten(corpus: Path, tmp_path: Path) -> None:
     """Token files beside files no prepare wrote, without a corpus's meta.json (nanoGPT's
     train.bin, val.bin and meta.pkl), are refused; a folder with nothing to overwrite is

@@ -815,6 +815,9 @@ def test_path_flags_expand_a_tilde_no_shell_expanded(
     assert sample.main(["--run=~/run"]) == 2
     assert str(tmp_path / "home" / "run") in capsys.readouterr().err
     assert not (tmp_path / "~").exists()
+    # A ~user with no home here is left as typed, as a shell leaves it
+    assert train.main(["--out=~nosuchuser/run", "--resume"]) == 2
+    assert "no checkpoint at ~nosuchuser/run/" in capsys.readouterr().err
 
 
 def test_a_folder_named_like_the_checkpoint_is_named_as_such(
