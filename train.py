@@ -750,6 +750,12 @@ def _failed_to_compile(e: BaseException) -> bool:
     return dynamo is not None and isinstance(e, dynamo.BackendCompilerFailed)
 
 
+def _out_of_memory(e: BaseException) -> bool:
+    # CUDA raises OutOfMemoryError; the CPU allocator a RuntimeError that says so; Python
+    # (NumPy, the batch loader) MemoryError.
+    return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or "can't allocate memory" in str(e)
+
+
 def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
 
@@ -801,23 +807,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except (torch.OutOfMemoryError, RuntimeError, MemoryError) as e:
-        if _failed_to_compile(e):
-            cause = getattr(e, "inner_exception", None) or e  # the backend's own error
+        cause = getattr(e, "inner_exception", None) or e  # a compile's: the backend's own
+        if _failed_to_compile(e) and not _out_of_memory(cause):
+            if os.environ.get("TORCHDYNAMO_VERBOSE") == "1":  # torch's knob for its traceback
+                raise
             print(
                 f"error: train.compile=true, and torch.compile failed: "
-                f"{type(cause).__name__}: {_first_line(cause)}; train "
-                "without it (--train.compile=false), or fix what it names; the last "
-                "checkpoint, if any, is as it was",
+                f"{type(cause).__name__}: {_first_line(cause)}; train without it "
+                "(--train.compile=false), or fix what it names (TORCHDYNAMO_VERBOSE=1 shows "
+                "torch's traceback); the last checkpoint, if any, is as it was",
                 file=sys.stderr,
             )
             return 2
-        # CUDA raises OutOfMemoryError; the CPU allocator a RuntimeError that says so; Python
-        # (NumPy, the batch loader) MemoryError.
-        oom = isinstance(e, (torch.OutOfMemoryError, MemoryError))
-        if not oom and "can't allocate memory" not in str(e):
+        if not _out_of_memory(cause):  # out of memory while compiling too (autotuning)
             raise
         print(
-            f"error: out of memory ({_first_line(e)}); "
+            f"error: out of memory ({_first_line(cause)}); "
             "lower train.batch_size (raise train.grad_accum to keep the tokens per step; with "
             "train.global_batch_size set, that is derived), or the "
             "model's size (model.block_size, n_layer, n_embd); the last checkpoint, if any, is "

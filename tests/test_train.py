@@ -783,22 +783,33 @@ def test_a_compile_that_fails_is_an_error_naming_the_setting(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """As where Inductor finds no C++ compiler: one line that says what failed and the way
-    round it, not a traceback."""
+    round it, not a traceback; out of memory while compiling is out of memory; and
+    TORCHDYNAMO_VERBOSE=1, torch's knob for its traceback, gets the traceback."""
+    raises: list[Exception] = []
 
-    def no_compiler(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Any:
-        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")
+    def backend(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Any:
+        raise raises[-1]
 
     def compile_blocks(model: GPT) -> None:
         for block in model.blocks:
-            block.compile(backend=no_compiler)
+            block.compile(backend=backend)
 
     monkeypatch.setattr(train, "compile_blocks", compile_blocks)
     one_step = ["--train.max_steps=1", "--train.eval_interval=0", "--train.compile=true"]
+    raises.append(RuntimeError("No working C++ compiler found"))
     assert run(data_root, tmp_path / "run", *one_step) == 2
     err = capsys.readouterr().err
-    assert "error: train.compile=true, and torch.compile failed: " in err
-    assert "No working C++ compiler found" in err and "--train.compile=false" in err
-    assert "Traceback" not in err
+    said = "error: train.compile=true, and torch.compile failed: RuntimeError: No working C++"
+    assert said in err and "--train.compile=false" in err and "Traceback" not in err
+    raises.append(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert run(data_root, tmp_path / "oom", *one_step) == 2
+    err = capsys.readouterr().err
+    assert "error: out of memory (CUDA out of memory. Tried to allocate 2.00 GiB)" in err
+    assert "lower train.batch_size" in err
+    monkeypatch.setenv("TORCHDYNAMO_VERBOSE", "1")
+    raises.append(RuntimeError("an Inductor bug"))
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="an Inductor bug"):
+        run(data_root, tmp_path / "verbose", *one_step)
 
 
 def test_path_flags_expand_a_tilde_no_shell_expanded(
