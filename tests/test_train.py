@@ -2148,6 +2148,26 @@ def test_a_signal_saves_at_once_without_evaluating_but_never_non_finite_weights(
         assert "step 3: not evaluated, to stop promptly; saved" in captured.out
 
 
+def test_a_signal_during_an_evaluation_saves_it_then_stops_after_one_more_step(
+    data_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As the docs say: the evaluation under way finishes and its checkpoint is saved (the
+    ranks evaluate together), then the run stops, saved, after the next step."""
+    real_evaluate = train.evaluate
+    calls = itertools.count()
+
+    def evaluate(*args: Any) -> float:
+        if next(calls) == 2:  # val at step 2 (step 0's val and train-eval come first)
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_evaluate(*args)
+
+    monkeypatch.setattr(train, "evaluate", evaluate)
+    out = tmp_path / "run"
+    assert run(data_root, out, "--train.max_steps=6", "--train.eval_interval=2") == 130
+    assert [r["step"] for r in eval_lines(out)] == [0, 2]  # step 2's evaluation finished
+    assert load_ckpt(out)["step"] == 3 and load_ckpt(out)["val_loss"] is None
+
+
 def test_a_signal_during_a_step_is_in_that_steps_stop_flag(
     data_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
