@@ -458,7 +458,15 @@ def _write_run_files(
     start_metrics(out_dir / "metrics.jsonl", resumed_at)
     # Atomically, as every file of the run: sample.py may be reading it.
     tokenizer = (data_dir / "tokenizer.json").read_bytes()
-    write_atomically(out_dir / "tokenizer.json", lambda f: f.write(tokenizer))
+    own = out_dir / "tokenizer.json"
+    if resumed_at is not None and own.is_file() and own.read_bytes() != tokenizer:
+        # The corpus's is the one the checkpoint was trained with (checked by open_run)
+        print(
+            f"note: {own} was not the tokenizer {out_dir / CHECKPOINT} was trained with "
+            f"(edited or damaged); replaced with {data_dir / 'tokenizer.json'}",
+            file=sys.stderr,
+        )
+    write_atomically(own, lambda f: f.write(tokenizer))
     return unsaved
 
 

@@ -2148,6 +2148,20 @@ def test_a_signal_saves_at_once_without_evaluating_but_never_non_finite_weights(
         assert "step 3: not evaluated, to stop promptly; saved" in captured.out
 
 
+def test_resume_says_it_replaced_a_run_tokenizer_that_was_not_the_checkpoints(
+    base_run: Path, data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = copy_run(base_run, tmp_path / "run")
+    (out / "tokenizer.json").write_text("{}")
+    assert run(data_root, out, f"--train.max_steps={STEPS + 1}", "--resume") == 0
+    assert f"note: {out / 'tokenizer.json'} was not the tokenizer" in capsys.readouterr().err
+    assert (out / "tokenizer.json").read_bytes() == (
+        data_root / "tiny" / "tokenizer.json"
+    ).read_bytes()
+    assert run(data_root, out, f"--train.max_steps={STEPS + 2}", "--resume") == 0
+    assert "was not the tokenizer" not in capsys.readouterr().err  # said once, when it was
+
+
 def test_a_signal_during_an_evaluation_saves_it_then_stops_after_one_more_step(
     data_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
