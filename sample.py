@@ -223,6 +223,9 @@ def sample_run(
     if not ids:
         raise SampleError("the prompt is empty; give at least one character")
     first_allowed = None
+    # Shown first, whole, also where healing drops its last token: Ctrl-C before the first
+    # draw then keeps the prompt as typed
+    prompt_text = tokenizer.decode(ids, skip_special_tokens=False)
     if token_healing and max_new_tokens > 0:
         ids, first_allowed = heal(tokenizer, ids)
     generator = torch.Generator(device=dev).manual_seed(seed)
@@ -230,7 +233,7 @@ def sample_run(
     eot = tokenizer.token_to_id(EOT) if stop_at_eot else None
     # A tf32 run samples with TF32 on CUDA; elsewhere in IEEE fp32, as it cannot train there
     set_fp32_matmul_precision(config.train.dtype if dev.type == "cuda" else "float32", dev)
-    shown = Shown(tokenizer, ids, eot, stream)
+    shown = Shown(tokenizer, ids, eot, stream, prompt_text)
     # The run's train.dtype as this device reads it ("auto": bf16 on CUDA from Ampere on, fp32
     # on a CPU).
     with autocast(dev, autocast_dtype(config.train.dtype, dev)):
@@ -255,10 +258,11 @@ def sample_run(
 
 
 class Shown:
-    """The sampled text given to `stream` as it grows: each new token's text once it decodes
-    whole (a character split over byte-level tokens waits for its last byte, as
-    `tokenizers`' DecodeStream buffers it), nothing after the separator `eot` (None: it is
-    text like any other)."""
+    """The sampled text given to `stream` as it grows: the prompt first, then each new token's
+    text once it decodes whole (a character split over byte-level tokens waits for its last
+    byte, as `tokenizers`' DecodeStream buffers it), nothing after the separator `eot` (None:
+    it is text like any other). `prompt`: the whole prompt, shown first where `ids` lack its
+    healed last token, whose text every first token allowed starts with."""
 
     def __init__(
         self,
@@ -266,18 +270,21 @@ class Shown:
         ids: list[int],
         eot: int | None,
         stream: Callable[[str], None] | None,
+        prompt: str = "",
     ) -> None:
         self.tokenizer, self.eot, self.stream = tokenizer, eot, stream
         self.done, self.stopped = "", False
         self.decoder = DecodeStream(skip_special_tokens=False)
+        self.decoded = "".join(self._decode(token) for token in ids)  # the text of ids so far
         # The prompt as one piece; one healed in the middle of a character shows it whole later.
-        self._show("".join(self._decode(token) for token in ids))
+        self._show(prompt or self.decoded)
 
     def add(self, next_id: torch.Tensor) -> None:
         token = int(next_id[0, 0])
         self.stopped |= token == self.eot
         if not self.stopped and self.stream is not None:
-            self._show(self.done + self._decode(token))
+            self.decoded += self._decode(token)
+            self._show(self.decoded)
 
     def finish(self, text: str) -> None:
         """The rest of the text returned, a split character's replacement included."""

@@ -2569,6 +2569,25 @@ def test_sampled_text_streams_as_it_is_drawn(base_run: Path) -> None:
     shown.add(torch.tensor([[tail]]))
     shown.finish("aé")
     assert pieces == ["a", "é"]
+    # Given the whole prompt, as sample_run gives it: shown whole, first
+    pieces = []
+    shown = sample.Shown(tokenizer, [*tokenizer.encode("a").ids, lead], None, pieces.append, "aé")
+    shown.add(torch.tensor([[tail]]))
+    shown.add(torch.tensor([[tokenizer.token_to_id("b")]]))
+    shown.finish("aéb")
+    assert pieces == ["aé", "b"]
+
+
+def test_a_healed_prompt_is_shown_whole_before_the_first_draw(base_run: Path) -> None:
+    """Healing drops "x = "'s last token (a lone space) to draw it again among the tokens
+    that start with it; what is shown first is still the prompt as typed, so a Ctrl-C before
+    the first draw keeps it."""
+    tokenizer = Tokenizer.from_file(str(base_run / "tokenizer.json"))
+    healed, _ = sample.heal(tokenizer, tokenizer.encode("x = ").ids)
+    assert tokenizer.decode(healed) == "x =", "the case this test is about"
+    pieces: list[str] = []
+    text = sample.sample_run(base_run, "x = ", 10, seed=0, stream=pieces.append)
+    assert pieces[0] == "x = " and "".join(pieces) == text
 
 
 def test_sampling_on_a_gpu_without_bf16_or_tf32_tensor_cores(
