@@ -415,6 +415,13 @@ def main(argv: list[str] | None = None) -> int:
             token_healing=not args.no_token_healing,
             stream=stream,
         )
+    except UnicodeEncodeError as e:  # the prompt is checked: this is stdout's encoding
+        print(
+            f"error: stdout's encoding, {e.encoding}, cannot show the sampled text "
+            f"({e.object[e.start : e.end]!r}); set PYTHONIOENCODING=utf-8",
+            file=sys.stderr,
+        )
+        return 2
     except (*USER_ERRORS, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -2578,6 +2578,16 @@ def test_sampled_text_streams_as_it_is_drawn(base_run: Path) -> None:
     assert pieces == ["aé", "b"]
 
 
+def test_sample_to_a_stdout_that_cannot_encode_the_text_says_so(base_run: Path) -> None:
+    """Not blamed on the input: the prompt is valid; stdout's encoding is what fails."""
+    argv = [sys.executable, str(ROOT / "sample.py"), "--run", str(base_run), "--prompt", "é"]
+    env = os.environ | {"PYTHONIOENCODING": "ascii"}
+    done = subprocess.run([*argv, "--tokens", "2"], capture_output=True, text=True, env=env)
+    assert done.returncode == 2
+    assert "error: stdout's encoding, ascii, cannot show the sampled text" in done.stderr
+    assert "PYTHONIOENCODING=utf-8" in done.stderr and "Traceback" not in done.stderr
+
+
 def test_a_healed_prompt_is_shown_whole_before_the_first_draw(base_run: Path) -> None:
     """Healing drops "x = "'s last token (a lone space) to draw it again among the tokens
     that start with it; what is shown first is still the prompt as typed, so a Ctrl-C before
