@@ -570,18 +570,13 @@ class Run:
                 unread = None
                 if stop_requested and self.step < self.last_step:  # the last step ends as planned
                     self.save_to_stop()
-                    stopped_by = agreed_signal(stop.received, self.device, self.world_size)
-                    self.bar.close()
-                    self.note_other_load(other_load)
-                    if self.master:
-                        print(
-                            f"stopped by {stopped_by} after step {self.step}; resume with "
-                            f"{resume_hint(self.out_dir)}",
-                            file=sys.stderr,
-                        )
-                    return RunEnd(self.out_dir, self.step, self.step - first_step, stopped_by)
+                    return self.stopped(stop, first_step, other_load)
                 if evaluating and self.step != self.last_step:
                     self.eval_and_save()
+                    # A signal during the evaluation: saved with it, so one process stops now
+                    # (ranks learn of each other's signals only in the next step's flags)
+                    if self.world_size == 1 and stop.received is not None:
+                        return self.stopped(stop, first_step, other_load)
             self.eval_and_save()
         self.note_other_load(other_load)
         if self.master and self.step < tc.max_steps:
@@ -591,6 +586,19 @@ class Run:
                 file=sys.stderr,
             )
         return RunEnd(self.out_dir, self.step, self.step - first_step, None)
+
+    def stopped(self, stop: StopSignal, first_step: int, other_load: OtherLoad) -> RunEnd:
+        """The end of a run a signal stopped, once it is saved."""
+        stopped_by = agreed_signal(stop.received, self.device, self.world_size)
+        self.bar.close()
+        self.note_other_load(other_load)
+        if self.master:
+            print(
+                f"stopped by {stopped_by} after step {self.step}; resume with "
+                f"{resume_hint(self.out_dir)}",
+                file=sys.stderr,
+            )
+        return RunEnd(self.out_dir, self.step, self.step - first_step, stopped_by)
 
     def queue_step(self, stop: StopSignal) -> Pending:
         """One training step, queued; its loss, norm and this rank's stop flag not yet read.
