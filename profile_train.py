@@ -213,8 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with Interrupts() as interrupts:
             return _main(argv, interrupts)
-    except StdoutClosed:  # stdout read by `head`, say: what was printed stands
-        return stdout_closed()
+    except StdoutClosed as e:  # stdout read by `head`, say: what was printed stands
+        return stdout_closed(e)
 
 
 def sweep_options(

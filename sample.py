@@ -425,8 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     except (*USER_ERRORS, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except StdoutClosed:
-        return stdout_closed()
+    except StdoutClosed as e:
+        return stdout_closed(e)
     except KeyboardInterrupt:
         if printed:
             with contextlib.suppress(StdoutClosed):  # the text's reader may be gone too
@@ -439,8 +439,8 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + signal.SIGINT
     try:
         say()
-    except StdoutClosed:
-        return stdout_closed()
+    except StdoutClosed as e:
+        return stdout_closed(e)
     return 0
 
 

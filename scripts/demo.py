@@ -33,8 +33,8 @@ from train import USER_ERRORS, build_model, train_step
 def main() -> int:
     try:
         return _demo()
-    except StdoutClosed:  # `| head`: what was printed stands
-        return stdout_closed()
+    except StdoutClosed as e:  # `| head`: what was printed stands
+        return stdout_closed(e)
 
 
 def _demo() -> int:

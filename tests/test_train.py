@@ -2580,6 +2580,19 @@ def test_sampled_text_streams_as_it_is_drawn(base_run: Path) -> None:
     assert pieces == ["aé", "b"]
 
 
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full here")
+def test_sample_to_a_full_disk_says_so(base_run: Path) -> None:
+    """`sample.py > file` on a full disk: an error naming stdout, not a traceback."""
+    argv = [sys.executable, str(ROOT / "sample.py"), "--run", str(base_run), "--tokens", "2"]
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(argv, stdout=full, stderr=subprocess.PIPE, text=True)
+    assert done.returncode == 2, done.stderr
+    assert (
+        done.stderr
+        == "error: cannot write to stdout (No space left on device); the output is cut short\n"
+    )
+
+
 def test_sample_to_a_stdout_that_cannot_encode_the_text_says_so(base_run: Path) -> None:
     """Not blamed on the input: the prompt is valid; stdout's encoding is what fails."""
     argv = [sys.executable, str(ROOT / "sample.py"), "--run", str(base_run), "--prompt", "é"]
