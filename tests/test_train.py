@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import errno
+import io
 import itertools
 import json
 import math
@@ -2580,27 +2581,28 @@ def test_sampled_text_streams_as_it_is_drawn(base_run: Path) -> None:
     assert pieces == ["aé", "b"]
 
 
-@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full here")
-def test_sample_to_a_full_disk_says_so(base_run: Path) -> None:
-    """`sample.py > file` on a full disk: an error naming stdout, not a traceback."""
-    argv = [sys.executable, str(ROOT / "sample.py"), "--run", str(base_run), "--tokens", "2"]
-    with open("/dev/full", "w") as full:
-        done = subprocess.run(argv, stdout=full, stderr=subprocess.PIPE, text=True)
-    assert done.returncode == 2, done.stderr
-    assert (
-        done.stderr
-        == "error: cannot write to stdout (No space left on device); the output is cut short\n"
+class FullDisk(io.StringIO):
+    """A stdout whose writes fail as `> file` on a full disk does."""
+
+    def write(self, text: str) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_sample_to_a_full_disk_or_a_stdout_that_cannot_encode_says_so(
+    base_run: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An error naming stdout, not a traceback; and a stdout that cannot encode the text is
+    named, not blamed on the input (the prompt is valid)."""
+    monkeypatch.setattr(sys, "stdout", FullDisk())
+    assert sample.main(["--run", str(base_run), "--tokens", "2"]) == 2
+    assert capsys.readouterr().err == (
+        "error: cannot write to stdout (No space left on device); the output is cut short\n"
     )
-
-
-def test_sample_to_a_stdout_that_cannot_encode_the_text_says_so(base_run: Path) -> None:
-    """Not blamed on the input: the prompt is valid; stdout's encoding is what fails."""
-    argv = [sys.executable, str(ROOT / "sample.py"), "--run", str(base_run), "--prompt", "é"]
-    env = os.environ | {"PYTHONIOENCODING": "ascii"}
-    done = subprocess.run([*argv, "--tokens", "2"], capture_output=True, text=True, env=env)
-    assert done.returncode == 2
-    assert "error: stdout's encoding, ascii, cannot show the sampled text" in done.stderr
-    assert "PYTHONIOENCODING=utf-8" in done.stderr and "Traceback" not in done.stderr
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(io.BytesIO(), encoding="ascii"))
+    assert sample.main(["--run", str(base_run), "--prompt", "é", "--tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "error: stdout's encoding, ascii, cannot show the sampled text" in err
+    assert "PYTHONIOENCODING=utf-8" in err
 
 
 def test_a_healed_prompt_is_shown_whole_before_the_first_draw(base_run: Path) -> None:
