@@ -37,10 +37,10 @@ def start_metrics(path: Path, resume_step: int | None) -> None:
     keep = [line for line in lines if kept(line)]
     text = "".join(line + "\n" for line in keep)
     write_atomically(path, lambda f: f.write(text.encode("utf-8")))
-    dropped = [line for line in lines if line.strip() and not kept(line)]
+    dropped = sum(1 for line in lines if line.strip()) - len(keep)  # blank ones aside
     if dropped:  # said, as a note a user typed into the log is among them
         print(
-            f"note: {path}: {len(dropped)} line(s) dropped, logged after step {resume_step} "
+            f"note: {path}: {dropped} line(s) dropped, logged after step {resume_step} "
             "(they run again) or not a step's record",
             file=sys.stderr,
         )

@@ -436,8 +436,8 @@ def unavailable_reason(
                 for w in caught
                 if "kernel" in str(w.message)
             ]
-            first_line = " ".join((str(e).strip().splitlines() or [type(e).__name__])[0].split())
-            return "; ".join(part.rstrip(".") for part in [first_line, *why]).replace(":; ", ": ")
+            first = " ".join(first_line(e).split())
+            return "; ".join(part.rstrip(".") for part in [first, *why]).replace(":; ", ": ")
     return None
 
 
@@ -470,6 +470,11 @@ def available_variants(
     return [
         n for n in VARIANTS if unavailable_reason(n, device, dtype, head_size, dropout_p) is None
     ]
+
+
+def first_line(error: BaseException) -> str:
+    """An error's message in one line: its first, or its type's name where it has none."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def cli_path(text: str) -> Path:

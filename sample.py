@@ -415,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
             token_healing=not args.no_token_healing,
             stream=stream,
         )
+        say()
     except UnicodeEncodeError as e:  # the prompt is checked: this is stdout's encoding
         print(
             f"error: stdout's encoding, {e.encoding}, cannot show the sampled text "
@@ -437,10 +438,6 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 128 + signal.SIGINT
-    try:
-        say()
-    except StdoutClosed as e:
-        return stdout_closed(e)
     return 0
 
 

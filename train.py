@@ -73,6 +73,7 @@ from runtime import (
     available_variants,
     check_variant,
     cli_path,
+    first_line,
     init_distributed,
     keep_freed_host_memory,
     set_fp32_matmul_precision,
@@ -772,10 +773,6 @@ def _out_of_memory(e: BaseException) -> bool:
     return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or "can't allocate memory" in str(e)
 
 
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__,
@@ -829,7 +826,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise
             print(
                 f"error: train.compile=true, and torch.compile failed: "
-                f"{type(cause).__name__}: {_first_line(cause)}; train without it "
+                f"{type(cause).__name__}: {first_line(cause)[:200]}; train without it "
                 "(--train.compile=false), or fix what it names (TORCHDYNAMO_VERBOSE=1 shows "
                 "torch's traceback); the last checkpoint, if any, is as it was",
                 file=sys.stderr,
@@ -838,7 +835,7 @@ def main(argv: list[str] | None = None) -> int:
         if not _out_of_memory(cause):  # out of memory while compiling too (autotuning)
             raise
         print(
-            f"error: out of memory ({_first_line(cause)}); "
+            f"error: out of memory ({first_line(cause)[:200]}); "
             "lower train.batch_size (raise train.grad_accum to keep the tokens per step; with "
             "train.global_batch_size set, that is derived), or the "
             "model's size (model.block_size, n_layer, n_embd); the last checkpoint, if any, is "
