@@ -37,6 +37,7 @@ import torch
 
 from checkpoint import describe_os_error
 from config import ConfigError, fields_help, load_config
+from console import StdoutClosed, cli_path, say, stdout_closed
 from data.meta import CORPUS_NAME, CORPUS_NAME_RULE
 from model import VARIANTS, GPTConfig, unknown_variant
 from profiling.analysis import fits_by_label
@@ -47,13 +48,9 @@ from profiling.results import render_results
 from profiling.sweep import COMPILE_MODES, Sweep, SweepOptions
 from runtime import (
     SignalScope,
-    StdoutClosed,
     autocast_dtype,
     available_variants,
-    cli_path,
     pick_device,
-    say,
-    stdout_closed,
     unavailable_reason,
 )
 from train import USER_ERRORS

@@ -19,7 +19,6 @@ import sys
 import time
 import warnings
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any, Self
 
 import torch
@@ -28,6 +27,7 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from config import NOT_A_DEVICE, ConfigError, TrainConfig, parse_device
+from console import first_line
 from model import VARIANTS, get_variant
 
 
@@ -470,52 +470,3 @@ def available_variants(
     return [
         n for n in VARIANTS if unavailable_reason(n, device, dtype, head_size, dropout_p) is None
     ]
-
-
-def first_line(error: BaseException) -> str:
-    """An error's message in one line: its first, or its type's name where it has none."""
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
-
-
-def cli_path(text: str) -> Path:
-    """A path flag's value: ~ expanded, as no shell does after '=' (--out=~/runs/x); one that
-    cannot be (~nosuchuser) is left as typed."""
-    return Path(os.path.expanduser(text))
-
-
-class StdoutClosed(Exception):
-    """stdout cannot be written to: its reader has gone (`| head`: it took what it wanted; no
-    error to report), or the write failed (`> file` on a full disk: `error` says why)."""
-
-    def __init__(self, error: OSError | None = None) -> None:
-        super().__init__(error)
-        self.error = error
-
-
-def say(text: str = "", end: str = "\n") -> None:
-    """print() to stdout, flushed, where a failed write raises StdoutClosed: only stdout's,
-    not a worker process's broken pipe."""
-    try:
-        print(text, end=end, flush=True)
-    except BrokenPipeError:
-        raise StdoutClosed from None
-    except OSError as e:
-        raise StdoutClosed(e) from None
-
-
-def stdout_closed(closed: StdoutClosed | None = None) -> int:
-    """The exit status after StdoutClosed: the shell's for SIGPIPE where the reader went, 2
-    with an error where a write failed. Where stdout is a file descriptor, it is pointed at
-    /dev/null, so Python's flush at exit does not fail again (as Python's signal documentation
-    advises)."""
-    with contextlib.suppress(OSError, ValueError):  # a replaced sys.stdout: no descriptor
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        try:
-            os.dup2(devnull, sys.stdout.fileno())
-        finally:
-            os.close(devnull)
-    if closed is not None and closed.error is not None:
-        why = closed.error.strerror or closed.error
-        print(f"error: cannot write to stdout ({why}); the output is cut short", file=sys.stderr)
-        return 2
-    return 128 + signal.SIGPIPE

@@ -43,21 +43,18 @@ from checkpoint import (
     restoring,
 )
 from config import DTYPES, Config, ConfigError, build_config, missing_fields, read_toml
+from console import StdoutClosed, cli_path, say, stdout_closed
 from data.meta import EOT, file_sha256
 from model import GPT, VARIANTS
 from rundir import MAKE_TRAIN_RUN
 from runtime import (
-    StdoutClosed,
     VariantUnavailable,
     autocast,
     autocast_dtype,
     check_variant,
-    cli_path,
     missing_tensor_cores,
     pick_device,
-    say,
     set_fp32_matmul_precision,
-    stdout_closed,
 )
 
 

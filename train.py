@@ -46,6 +46,7 @@ from config import (
     dump_toml,
     fields_help,
 )
+from console import cli_path, first_line
 from cpu_linear import LINEAR_PATHS, use_onednn_linears, wants_onednn
 from data.loader import TokenBatches
 from data.meta import DataError, check_vocab
@@ -72,8 +73,6 @@ from runtime import (
     autocast_dtype,
     available_variants,
     check_variant,
-    cli_path,
-    first_line,
     init_distributed,
     keep_freed_host_memory,
     set_fp32_matmul_precision,

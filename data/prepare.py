@@ -98,6 +98,7 @@ from tqdm import tqdm
 if __package__ in (None, ""):  # run as `python data/prepare.py`: make `data.` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from console import StdoutClosed, cli_path, say, stdout_closed
 from data.corpus import (
     Corpus,
     PrepareError,
@@ -132,6 +133,7 @@ FORMAT_VERSION = 2  # 2: train/val chosen by content hash, meta.json duplicate_d
 OUTPUT_FILES = ("tokenizer.json", "train.bin", "val.bin")
 HF_CACHE_DIR = ".hf_cache"
 LOCAL_HUB = "(a local folder)"  # meta.json settings.hub for one; no Hub name has a space
+_stdout_status: int | None = None  # stdout's exit status once a line could not be written
 BATCH_DOCUMENTS = 64  # per encode_batch call: enough for tokenizers' threads, small in memory
 
 
@@ -195,19 +197,30 @@ def prepare(
             # A killed prepare's files (each as big as a split), whether this one reuses or not
             remove_stale_temporaries(out_dir, (*OUTPUT_FILES, "meta.json"))
             if is_complete(out_dir, content_sha256):
-                print(f"reusing {out_dir}: inputs and settings unchanged ({content_sha256[:12]})")
+                _say(f"reusing {out_dir}: inputs and settings unchanged ({content_sha256[:12]})")
                 record_source(out_dir, corpus.source)
                 return out_dir
             if out_dir.exists():  # not reused: it will be written, before the tokenizer is trained
                 _check_writable(out_dir, out_dir)
             meta = _build(out_dir, name, corpus, settings, content_sha256)
         counts = meta["splits"]
-        print(
+        _say(
             f"prepared {out_dir}: vocab {meta['vocab_size']}, "
             f"train {counts['train']['documents']} docs / {counts['train']['tokens']} tokens, "
             f"val {counts['val']['documents']} docs / {counts['val']['tokens']} tokens"
         )
         return out_dir
+
+
+def _say(text: str) -> None:
+    """A line of progress on stdout. One that cannot be written (`| head` took its line and
+    went, a full disk) does not stop the corpus: it is dropped, and so are the lines after it
+    (stdout goes to /dev/null), and main ends with stdout's status."""
+    global _stdout_status
+    try:
+        say(text)
+    except StdoutClosed as e:
+        _stdout_status = stdout_closed(e)
 
 
 def _build(
@@ -238,10 +251,10 @@ def _build(
             "train": documents.select(assignment.train),
             "val": documents.select(assignment.val),
         }
-        print(f"training a {vocab_size}-token byte-level BPE on {len(assignment.train)} documents")
+        _say(f"training a {vocab_size}-token byte-level BPE on {len(assignment.train)} documents")
         tokenizer = _train_tokenizer(splits["train"], vocab_size)
         if tokenizer.get_vocab_size() < vocab_size:
-            print(
+            _say(
                 f"note: the tokenizer has {tokenizer.get_vocab_size()} tokens, fewer than "
                 f"--vocab-size {vocab_size}: the training documents allow no more merges"
             )
@@ -593,7 +606,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="for the train/val document split")
     parser.add_argument(
         "--out-root",
-        type=lambda text: Path(os.path.expanduser(text)),
+        type=cli_path,
         help=f"default ./{DEFAULT_OUT_ROOT} (the same as data.root)",
     )
     return parser.parse_args(argv)
@@ -612,6 +625,8 @@ def _terminate(signum: int, frame: object) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    global _stdout_status
+    _stdout_status = None
     args = _parse_args(argv)
     main_thread = threading.current_thread() is threading.main_thread()  # signals go there
     previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
@@ -644,7 +659,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-    return 0
+    return _stdout_status or 0  # the corpus is whole; its lines were not all shown
 
 
 if __name__ == "__main__":

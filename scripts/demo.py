@@ -17,14 +17,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from config import TrainConfig
+from console import StdoutClosed, say, stdout_closed
 from cpu_linear import wants_onednn
 from model import VARIANTS, GPTConfig
 from runtime import (
-    StdoutClosed,
     autocast_dtype,
     pick_device,
-    say,
-    stdout_closed,
     unavailable_reason,
 )
 from train import USER_ERRORS, build_model, train_step

@@ -30,6 +30,7 @@ from data import store as store_module
 from data.loader import TokenBatches
 from data.meta import DataError
 from data.prepare import EOT, EOT_ID, PrepareError, _content_key, prepare, split_documents
+from data.store import is_complete
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 400  # small: fast to train, still room to merge every test word
@@ -1022,3 +1023,23 @@ def test_the_prepare_hint_asks_for_the_models_vocab_where_a_tokenizer_can_have_i
     assert f"--vocab-size {MIN_VOCAB_SIZE}" in prepare_command(Path("data/x"), MIN_VOCAB_SIZE)
     assert "--vocab-size" not in prepare_command(Path("data/x"), MIN_VOCAB_SIZE - 1)
     assert prepare_command(Path("data/x")) == "python data/prepare.py --name x --stdlib"
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs Linux's /dev/full")
+def test_a_stdout_that_fails_costs_its_lines_not_the_corpus(corpus: Path, tmp_path: Path) -> None:
+    """`> file` on a full disk: one error line and status 2; a reader that has gone (`| head`):
+    the shell's SIGPIPE status, quietly. Either way the corpus is made, whole."""
+    command = [sys.executable, str(ROOT / "data" / "prepare.py"), "--files", str(corpus / "*.txt")]
+    command += ["--out-root", str(tmp_path), "--vocab-size", str(VOCAB)]
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([*command, "--name", "full"], stdout=full, stderr=subprocess.PIPE)
+    err = done.stderr.decode()
+    assert done.returncode == 2 and "Traceback" not in err, err
+    assert err.count("error: cannot write to stdout (No space left on device)") == 1, err
+    gone = subprocess.Popen([*command, "--name", "gone"], stdout=subprocess.PIPE)
+    assert gone.stdout is not None
+    gone.stdout.close()  # before its first line
+    assert gone.wait(timeout=120) == 128 + signal.SIGPIPE
+    for name in ("full", "gone"):
+        assert _meta(tmp_path / name)["splits"]["val"]["documents"] >= 1
+        assert is_complete(tmp_path / name, _meta(tmp_path / name)["content_sha256"])

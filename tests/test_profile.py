@@ -1567,12 +1567,6 @@ def test_a_report_piped_into_a_reader_that_has_gone_ends_quietly(tmp_path: Path)
     ).read_bytes()
 
 
-def test_stdout_closed_where_stdout_has_no_descriptor(capsys: pytest.CaptureFixture[str]) -> None:
-    """In-process (a test's captured stdout, a redirect_stdout) there is no descriptor to point
-    elsewhere: the status all the same, and nothing raised."""
-    assert runtime.stdout_closed() == 128 + signal.SIGPIPE
-
-
 def test_report_rerender_and_diff(
     naive_vs_inplace: dict, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
