@@ -56,12 +56,13 @@ def naive(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dropout_p: float) -> Te
 def inplace(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dropout_p: float) -> Tensor:
     """`naive` with `masked_fill_`: the same function, one copy fewer per layer.
 
-    Why this is safe under autograd (the blog only showed it under no_grad): autograd refuses
-    an in-place op on a tensor whose value a backward formula saved. The scores come from a
-    multiply by a Python scalar, whose backward needs only that scalar, and the matmul before
-    it saved q and k, not its output. So nothing saved the scores, their version bump is
-    harmless, and masked_fill_'s own backward only needs the mask. softmax saves its output,
-    which is a new tensor, so it is unaffected.
+    Why this is safe under autograd (the blog only showed it under no_grad): an in-place op
+    on a tensor whose value a backward formula saved makes that backward raise (the saved
+    tensor's version counter has moved). The scores come from a multiply by a Python scalar,
+    whose backward needs only that scalar, and the matmul before it saved q and k, not its
+    output. So nothing saved the scores, their version bump is harmless, and masked_fill_'s
+    own backward only needs the mask. softmax saves its output, which is a new tensor, so it
+    is unaffected.
     """
     scale = 1.0 / q.size(-1) ** 0.5
     att = (q @ k.transpose(-2, -1)) * scale  # (B, H, T, T)
@@ -75,10 +76,11 @@ def inplace(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dropout_p: float) -> 
 def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: None, dropout_p: float) -> Tensor:
     """PyTorch's fused entry point; PyTorch picks the backend for these inputs.
 
-    is_causal=True instead of passing `mask`: an explicit mask rules out the flash kernels
-    and makes every other one read a T x T mask, while is_causal lets the fused kernels
-    (flash, efficient, cuDNN, the CPU's flash) skip the blocks above the diagonal; the math
-    backend still computes all of T x T.
+    is_causal=True instead of passing `mask`: an explicit mask rules out CUDA's flash kernel
+    and makes the kernels that take one (the CPU's flash kernel among them) read a T x T
+    mask and compute the blocks it hides, while is_causal lets the fused kernels (flash,
+    efficient, cuDNN, the CPU's flash) skip the blocks above the diagonal; the math backend
+    still computes all of T x T.
     """
     return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
 
