@@ -86,9 +86,10 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: None, dropout_p: float) -> Tenso
 
 
 def _pinned(backend: SDPBackend) -> AttentionFn:
-    # Kept out of torch.compile's graphs: there the backend is chosen when the graph is built,
-    # and a pinned sdpa_kernel is not honoured (a compiled SDPA-math block ran the CPU flash
-    # kernel). Eager, the pin holds; the rest of a compiled block stays compiled around it.
+    # Kept out of torch.compile's graphs: there Inductor's attention-fusion pass can rewrite the
+    # pinned math back into a plain SDPA call that picks its own backend (a compiled SDPA-math
+    # block ran the CPU flash kernel). Eager, the pin holds; the rest of a compiled block stays
+    # compiled around it.
     @torch.compiler.disable
     def fn(q: Tensor, k: Tensor, v: Tensor, mask: None, dropout_p: float) -> Tensor:
         # sdpa_kernel with a single backend: if it cannot take these inputs, torch raises
