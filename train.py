@@ -50,6 +50,7 @@ from console import cli_path, first_line
 from cpu_linear import LINEAR_PATHS, use_onednn_linears, wants_onednn
 from data.loader import TokenBatches
 from data.meta import DataError, check_vocab
+from host import OtherLoad, keep_freed_host_memory
 from metrics import MetricsLog, start_metrics
 from model import GPT, GPTConfig
 from optim import build_optimizer, lr_at
@@ -64,7 +65,6 @@ from resume import (
 )
 from rundir import RunDirError, lock_run_dir, open_run, resume_hint, run_config
 from runtime import (
-    OtherLoad,
     StepReadout,
     StopSignal,
     VariantUnavailable,
@@ -74,7 +74,6 @@ from runtime import (
     available_variants,
     check_variant,
     init_distributed,
-    keep_freed_host_memory,
     set_fp32_matmul_precision,
     wrap_ddp,
 )

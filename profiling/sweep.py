@@ -32,6 +32,7 @@ from config import Config, ConfigError
 from cpu_linear import cpu_field, wants_onednn
 from data.loader import TokenBatches
 from data.meta import check_vocab, load_meta
+from host import OtherLoad, keep_freed_host_memory, reserve_heap
 from model import VARIANTS
 from profiling.analysis import balanced_orders, label
 from profiling.cells import (
@@ -62,11 +63,8 @@ from profiling.method import METHOD, MIN_TIMED_STEPS, PROFILE_LEAD_STEPS, STARTU
 from profiling.progress import Progress
 from profiling.results import write_json, write_results
 from runtime import (
-    OtherLoad,
     autocast_dtype,
-    keep_freed_host_memory,
     pick_device,
-    reserve_heap,
     set_fp32_matmul_precision,
     unavailable_reason,
 )

@@ -195,8 +195,8 @@ def run_in_a_process(script: str, mode: str) -> str:
 
 
 WHERE_A_BIG_BLOCK_LIVES = """
-import sys, torch, runtime
-if sys.argv[1] == "keep" and not runtime.keep_freed_host_memory():
+import sys, torch, host
+if sys.argv[1] == "keep" and not host.keep_freed_host_memory():
     sys.exit(3)
 
 
@@ -232,12 +232,12 @@ def test_kept_host_memory_stays_for_reuse() -> None:
 
 
 FAULTS_OF_A_FRESH_BLOCK = """
-import resource, sys, torch, runtime
-if not runtime.keep_freed_host_memory():
+import resource, sys, torch, host
+if not host.keep_freed_host_memory():
     sys.exit(3)
 torch.ones(2**20, dtype=torch.uint8)  # the heap's first growth, whatever it costs
 if sys.argv[1] == "reserve":
-    runtime.reserve_heap(64 * 2**20)
+    host.reserve_heap(64 * 2**20)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 torch.ones(32 * 2**20, dtype=torch.uint8)  # a block the heap has not held yet
 print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
@@ -257,8 +257,8 @@ def test_a_reserved_heap_serves_new_blocks_without_page_faults() -> None:
 
 
 FAULTS_AFTER_A_LARGE_PEAK = """
-import ctypes, resource, sys, runtime
-if not runtime.keep_freed_host_memory():
+import ctypes, resource, sys, host
+if not host.keep_freed_host_memory():
     sys.exit(3)
 libc = ctypes.CDLL(None)  # glibc's malloc: the trim alone (torch's posix_memalign also fragments)
 libc.malloc.restype = ctypes.c_void_p

@@ -34,6 +34,7 @@ import profile_train
 import runtime
 from config import load_config
 from cpu_linear import onednn_unavailable_reason
+from host import OtherLoad
 from model import GPT, attention
 from profiling.analysis import (
     fit_line,
@@ -47,7 +48,6 @@ from profiling.cells import Cell
 from profiling.measure import BACKEND_OPS, count_flops, parse_events, verify_backend
 from profiling.sweep import Sweep
 from profiling.tables import headline_table, paired_table
-from runtime import OtherLoad
 
 TINY = [
     "--model.vocab_size=128",
@@ -203,7 +203,7 @@ def test_results_json_contract(naive_vs_inplace: dict) -> None:
     # The MFU denominator is the fastest matmul path timed, and every path is reported.
     assert meta["peak_flops"] == pytest.approx(max(meta["peak_flops_by_path"].values()))
     assert meta["linear"] in ("oneDNN", "torch") and meta["host_memory"] in ("keep", "release")
-    # Where memory is kept, the heap is grown before the timed steps (runtime.reserve_heap).
+    # Where memory is kept, the heap is grown before the timed steps (host.reserve_heap).
     assert meta["heap_reserve_bytes"] == (256 << 20 if meta["host_memory"] == "keep" else None)
     assert meta["cells_planned"] == 9  # 3 variants x 3 depths
     assert meta["other_cpu_share"] is None or 0 <= meta["other_cpu_share"] <= 1
