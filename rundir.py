@@ -1,7 +1,8 @@
 """The run directory: where a run's files go (config.toml, metrics.jsonl, tokenizer.json,
-ckpt.pt), the lock a run holds on it, and the config a run resumes with.
+ckpt.pt), the lock a run holds on it, the config a run resumes with, and the files beside the
+checkpoint that a run writes before its first step.
 
-train.py calls these before it writes anything; errors name the directory or file at fault
+train.py calls these before its first step; errors name the directory or file at fault
 (a RunDirError, or a ConfigError for the config a run resumes with).
 """
 
@@ -19,16 +20,24 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from checkpoint import CHECKPOINT, check_compatible, load_checkpoint, no_checkpoint
+from checkpoint import (
+    CHECKPOINT,
+    check_compatible,
+    load_checkpoint,
+    no_checkpoint,
+    write_atomically,
+)
 from config import (
     Config,
     ConfigError,
     build_config,
     config_diff,
+    dump_toml,
     load_config,
     missing_fields,
     read_toml,
 )
+from metrics import start_metrics
 
 
 class RunDirError(RuntimeError):
@@ -292,3 +301,35 @@ def _recorded_config(ckpt_path: Path) -> dict[str, Any] | None:
         ckpt = load_checkpoint(ckpt_path)  # raises the worded error, or reads it after all
     recorded = ckpt.get("config") if isinstance(ckpt, dict) else None
     return recorded if isinstance(recorded, dict) else None
+
+
+def write_run_files(
+    config: Config, out_dir: Path, data_dir: Path, resumed_at: int | None
+) -> bytes | None:
+    """Rank 0's files beside the checkpoint: config.toml, metrics.jsonl (on resume, cut back to
+    the checkpoint's step) and the corpus's tokenizer. Returns the settings config.toml is to
+    hold once this call saves its first checkpoint, where they differ from what it holds.
+
+    config.toml is the config of the run's checkpoint: a new run's is written now; on resume,
+    one with other settings replaces it only after the first checkpoint they make, so a
+    resume that fails before (a NaN from a bad override) leaves the run as it was."""
+    saved = out_dir / "config.toml"
+    text = dump_toml(config).encode("utf-8")
+    unsaved = None
+    if resumed_at is None:
+        write_atomically(saved, lambda f: f.write(text))
+    elif not (saved.is_file() and saved.read_bytes() == text):
+        unsaved = text
+    start_metrics(out_dir / "metrics.jsonl", resumed_at)
+    # Atomically, as every file of the run: sample.py may be reading it.
+    tokenizer = (data_dir / "tokenizer.json").read_bytes()
+    own = out_dir / "tokenizer.json"
+    if resumed_at is not None and own.is_file() and own.read_bytes() != tokenizer:
+        # The corpus's is the one the checkpoint was trained with (checked by open_run)
+        print(
+            f"note: {own} was not the tokenizer {out_dir / CHECKPOINT} was trained with "
+            f"(edited or damaged); replaced with {data_dir / 'tokenizer.json'}",
+            file=sys.stderr,
+        )
+    write_atomically(own, lambda f: f.write(tokenizer))
+    return unsaved

@@ -43,7 +43,6 @@ from config import (
     Config,
     ConfigError,
     TrainConfig,
-    dump_toml,
     fields_help,
 )
 from console import cli_path, first_line
@@ -51,7 +50,7 @@ from cpu_linear import LINEAR_PATHS, use_onednn_linears, wants_onednn
 from data.loader import TokenBatches
 from data.meta import DataError, check_vocab
 from host import OtherLoad, keep_freed_host_memory
-from metrics import MetricsLog, start_metrics
+from metrics import MetricsLog
 from model import GPT, GPTConfig
 from optim import build_optimizer, lr_at
 from resume import (
@@ -63,7 +62,14 @@ from resume import (
     say_the_schedule_changed,
     say_what_resuming_changes,
 )
-from rundir import RunDirError, lock_run_dir, open_run, resume_hint, run_config
+from rundir import (
+    RunDirError,
+    lock_run_dir,
+    open_run,
+    resume_hint,
+    run_config,
+    write_run_files,
+)
 from runtime import (
     StepReadout,
     StopSignal,
@@ -399,7 +405,7 @@ def _train(
     tokens_per_step = tc.batch_size * grad_accum * world_size * config.model.block_size
     unsaved_config = None
     if master:  # the directory was made and locked by lock_run_dir
-        unsaved_config = _write_run_files(config, out_dir, data_dir, step if resumed else None)
+        unsaved_config = write_run_files(config, out_dir, data_dir, step if resumed else None)
         if resumed:
             print(f"resuming {out_dir} after step {step} of {tc.max_steps}")
         _say_how_it_runs(
@@ -435,38 +441,6 @@ def _train(
         written_by={**provenance(), "device": str(device), "linear": linear} if master else {},
     )
     return run.loop()
-
-
-def _write_run_files(
-    config: Config, out_dir: Path, data_dir: Path, resumed_at: int | None
-) -> bytes | None:
-    """Rank 0's files beside the checkpoint: config.toml, metrics.jsonl (on resume, cut back to
-    the checkpoint's step) and the corpus's tokenizer. Returns the settings config.toml is to
-    hold once this call saves its first checkpoint, where they differ from what it holds.
-
-    config.toml is the config of the run's checkpoint: a new run's is written now; on resume,
-    one with other settings replaces it only after the first checkpoint they make, so a
-    resume that fails before (a NaN from a bad override) leaves the run as it was."""
-    saved = out_dir / "config.toml"
-    text = dump_toml(config).encode("utf-8")
-    unsaved = None
-    if resumed_at is None:
-        write_atomically(saved, lambda f: f.write(text))
-    elif not (saved.is_file() and saved.read_bytes() == text):
-        unsaved = text
-    start_metrics(out_dir / "metrics.jsonl", resumed_at)
-    # Atomically, as every file of the run: sample.py may be reading it.
-    tokenizer = (data_dir / "tokenizer.json").read_bytes()
-    own = out_dir / "tokenizer.json"
-    if resumed_at is not None and own.is_file() and own.read_bytes() != tokenizer:
-        # The corpus's is the one the checkpoint was trained with (checked by open_run)
-        print(
-            f"note: {own} was not the tokenizer {out_dir / CHECKPOINT} was trained with "
-            f"(edited or damaged); replaced with {data_dir / 'tokenizer.json'}",
-            file=sys.stderr,
-        )
-    write_atomically(own, lambda f: f.write(tokenizer))
-    return unsaved
 
 
 @dataclass(eq=False, repr=False)  # holds the model: no field-by-field == or repr
