@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.profiler import ProfilerActivity
 
 from config import NOT_A_DEVICE, ConfigError, TrainConfig, parse_device
 from console import first_line
@@ -263,6 +264,26 @@ class VariantUnavailable(RuntimeError):
     """An attention variant that cannot run (train, or infer) on a device and dtype."""
 
 
+# The ATen op by which a trace shows each SDPA backend ran: how a pinned variant's profiled
+# cell is checked, and its probe off CUDA. On MPS the math backend is a kernel of its own.
+BACKEND_OPS = {
+    "MATH": (
+        "aten::_scaled_dot_product_attention_math",
+        "aten::_scaled_dot_product_attention_math_for_mps",
+    ),
+    "FLASH_ATTENTION": (
+        "aten::_scaled_dot_product_flash_attention",
+        "aten::_scaled_dot_product_flash_attention_for_cpu",
+    ),
+    "EFFICIENT_ATTENTION": ("aten::_scaled_dot_product_efficient_attention",),
+    "CUDNN_ATTENTION": ("aten::_scaled_dot_product_cudnn_attention",),
+}
+# Devices where SDPA pinned to a backend that cannot take the inputs raises instead of running
+# another kernel (CUDA's seen on an H200; the CPU's by the tests). On others (MPS: whether its
+# SDPA reads the pin depends on the build) a probe checks its trace for the backend's op.
+PINS_RAISE = frozenset({"cpu", "cuda"})
+
+
 _TRIGGERED = re.compile(r"\s*\(Triggered internally at [^)]*\)")
 
 
@@ -302,13 +323,25 @@ def unavailable_reason(
         mask = variant.make_mask(T, device)
     else:
         mask = torch.ones(T, T, dtype=torch.bool, device=device).triu(1)
+    # Elsewhere than PINS_RAISE a device may run its own kernel whatever the pin, so the
+    # probe's trace must show the pinned backend's op (not under a profiler already running:
+    # one at a time).
+    traced = variant.backend is not None and device.type not in PINS_RAISE
+    traced &= not torch.autograd._profiler_enabled()
+    if traced:  # libkineto's "USDT: profiler_start" lines; read at the first profile
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            with torch.set_grad_enabled(backward):
-                out = variant.fn(q, k, v, mask, dropout_p)
-            if backward:
-                out.sum().backward()
+            with (
+                torch.profiler.profile(activities=[ProfilerActivity.CPU])
+                if traced
+                else contextlib.nullcontext()
+            ) as trace:
+                with torch.set_grad_enabled(backward):
+                    out = variant.fn(q, k, v, mask, dropout_p)
+                if backward:
+                    out.sum().backward()
         except (RuntimeError, NotImplementedError, ValueError) as e:
             # torch explains why a pinned kernel refused the inputs in warnings; keep them,
             # without the C++ source line each ends with.
@@ -319,6 +352,14 @@ def unavailable_reason(
             ]
             first = " ".join(first_line(e).split())
             return "; ".join(part.rstrip(".") for part in [first, *why]).replace(":; ", ": ")
+    if traced and variant.backend is not None:
+        ran = {event.name for event in trace.events()}
+        if not ran.intersection(BACKEND_OPS[variant.backend.name]):
+            sdpa = sorted(op for op in ran if "scaled_dot_product" in op)
+            return (
+                f"PyTorch does not honour a pin to SDPBackend.{variant.backend.name} here: "
+                f"it ran {', '.join(sdpa) or 'no SDPA op'} instead"
+            )
     return None
 
 

@@ -37,21 +37,13 @@ from profiling.names import (
     shares,
     time_category,
 )
+from runtime import BACKEND_OPS
 
 TRACE_WARN_BYTES = 50 * 2**20
 TOP_TIMES = 12  # ops or kernels listed by name in "where the time goes"
 
-# The ATen op each pinned SDPA backend dispatches to (device-independent names first, then
-# CPU's own), and a pattern its CUDA kernels' names match.
-BACKEND_OPS = {
-    "MATH": ("aten::_scaled_dot_product_attention_math",),
-    "FLASH_ATTENTION": (
-        "aten::_scaled_dot_product_flash_attention",
-        "aten::_scaled_dot_product_flash_attention_for_cpu",
-    ),
-    "EFFICIENT_ATTENTION": ("aten::_scaled_dot_product_efficient_attention",),
-    "CUDNN_ATTENTION": ("aten::_scaled_dot_product_cudnn_attention",),
-}
+# A pattern the CUDA kernels of each pinned SDPA backend match, beside its ATen op
+# (runtime.BACKEND_OPS).
 BACKEND_KERNELS = {  # PyTorch's FA2 kernels; its cutlass "mem-efficient" kernels; cuDNN's
     "FLASH_ATTENTION": re.compile(r"flash_(fwd|bwd)"),
     "EFFICIENT_ATTENTION": re.compile(r"fmha_cutlass[FB]|AttentionKernel|AttentionBackwardKernel"),

@@ -191,6 +191,27 @@ def test_a_refusal_without_a_message_is_named_by_its_type(monkeypatch: pytest.Mo
     assert unavailable_reason("naive", "cpu", torch.float32, 16) == "RuntimeError"
 
 
+def test_a_pin_the_device_does_not_honour_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where SDPA may run its own kernel whatever the pin (MPS), the probe's trace must show
+    the pinned backend's op. Here the CPU stands in for such a device, and a variant pinned
+    to flash runs math: refused, naming both; the honest pins pass."""
+    import runtime
+
+    monkeypatch.setattr(runtime, "PINS_RAISE", frozenset())
+    for name in ("sdpa-math", "sdpa-flash"):
+        assert unavailable_reason(name, "cpu", torch.float32, 16) is None, name
+    runs_math = VARIANTS["sdpa-math"].fn
+    monkeypatch.setitem(
+        VARIANTS, "sdpa-flash", dataclasses.replace(VARIANTS["sdpa-flash"], fn=runs_math)
+    )
+    reason = unavailable_reason("sdpa-flash", "cpu", torch.float32, 16)
+    assert reason is not None and "SDPBackend.FLASH_ATTENTION" in reason, reason
+    assert "aten::_scaled_dot_product_attention_math" in reason, reason
+    # Under a profiler already running (a sweep's), the probe does not start its own
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        unavailable_reason("sdpa-math", "cpu", torch.float32, 16)
+
+
 def test_forward_only_check_passes_flex_on_cpu_and_nothing_else_new() -> None:
     """Inference needs only the forward: flex's runs on a CPU; the CUDA-only kernels do not."""
     assert unavailable_reason("flex", "cpu", torch.float32, 16, backward=False) is None
@@ -260,7 +281,7 @@ def test_pinned_backend_holds_inside_compiled_blocks(name: str) -> None:
     """torch.compile picks its own SDPA backend; a pinned variant must still run its own."""
     from torch.profiler import profile
 
-    from profiling.measure import BACKEND_OPS
+    from runtime import BACKEND_OPS
 
     model = GPT(tiny_config(name))
     for block in model.blocks:

@@ -45,9 +45,10 @@ from profiling.analysis import (
     savings,
 )
 from profiling.cells import Cell
-from profiling.measure import BACKEND_OPS, count_flops, parse_events, verify_backend
+from profiling.measure import count_flops, parse_events, verify_backend
 from profiling.sweep import Sweep
 from profiling.tables import headline_table, paired_table
+from runtime import BACKEND_OPS
 
 TINY = [
     "--model.vocab_size=128",
