@@ -1,6 +1,6 @@
 # Two commands set everything up on a fresh machine: `make test` and `make train`/`make profile`.
 PYTHON_SYS ?= python3
-# Extra pip options. PyPI's torch wheel is the CUDA build (several GB); for the CPU-only one:
+# Extra pip options. On Linux PyPI's torch wheel is the CUDA build (several GB); for the CPU-only one:
 # make test PIP_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu"
 PIP_ARGS ?=
 VENV := .venv

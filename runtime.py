@@ -121,6 +121,12 @@ def init_distributed(train_cfg: TrainConfig) -> tuple[int, int, torch.device]:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device)
+    elif wanted.type == "mps":
+        raise ConfigError(
+            f"train.device={train_cfg.device!r} is MPS here, which torch.distributed cannot "
+            "all-reduce (gloo takes CPU and CUDA tensors); under torchrun give "
+            "--train.device=cpu, or run one process"
+        )
     else:
         device = wanted
         dist.init_process_group("gloo")

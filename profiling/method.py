@@ -371,6 +371,8 @@ def host_memory_lines(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[
         "`train.py` does on CPU)"
         if meta["host_memory"] == "keep"
         else "returned to the OS as glibc's malloc does by default (`--host-memory release`)"
+        if "glibc" in meta.get("platform", "glibc")
+        else "left to this C library's malloc (`--host-memory keep` tunes glibc's only)"
     )
     return [
         f"- **Host memory**: memory that tensors free was {how}; minor page faults per timed "

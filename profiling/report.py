@@ -445,7 +445,8 @@ def _method(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
         f"- **Peak memory**: {meta.get('resident', 'parameters and optimizer state')} resident "
         "before the step, plus the step's own peak above that: on CUDA from the caching "
         "allocator (`max_memory_allocated`) over one more step, on CPU from the profiler's "
-        "allocation events in the profiled step.",
+        "allocation events in the profiled step"
+        + ("; on MPS not measured (no allocator peak)." if meta["device"] == "mps" else "."),
         "- **FLOPs and MFU**: `torch.utils.flop_counter` over one eager `naive` step at each depth"
         + flop_count_text(meta)
         + " (matmul-class ops; attention counted over the full T×T, not halved for causality). "

@@ -202,11 +202,12 @@ class Sweep:
         return [[source.next() for _ in range(tc.grad_accum)] for _ in range(BATCH_POOL)]
 
     def _meta(self) -> dict[str, Any]:
-        device_name = (
-            torch.cuda.get_device_name(self.device)
-            if self.device.type == "cuda"
-            else f"{cpu_field('model name') or platform.processor()}, {platform.machine()}"
-        )
+        if self.device.type == "cuda":
+            device_name = torch.cuda.get_device_name(self.device)
+        elif self.device.type == "mps":
+            device_name = torch.backends.mps.get_name()  # the Apple GPU, e.g. "Apple M2"
+        else:
+            device_name = f"{cpu_field('model name') or platform.processor()}, {platform.machine()}"
         meta = {
             "device": str(self.device),
             "device_name": device_name,
@@ -726,15 +727,18 @@ class Sweep:
             else f"backend check: asked for {backend.name}, but the {problem}"
         )
 
-    def _peak_memory(self, cell: Cell, cpu_transient: int) -> int:
+    def _peak_memory(self, cell: Cell, cpu_transient: int) -> int | None:
         """Resident state (parameters, optimizer state) plus the step's own peak above it.
 
         CUDA: the caching allocator's peak during one more unprofiled step. CPU: the peak of
-        live bytes from the profiler's allocation events during the profiled step.
+        live bytes from the profiler's allocation events during the profiled step. MPS: None,
+        not measured (its allocator keeps no peak, and the profiler records CPU allocations).
         """
         resident = resident_bytes(cell.model, cell.optimizer)
-        if self.device.type != "cuda":
+        if self.device.type == "cpu":
             return resident + cpu_transient
+        if self.device.type != "cuda":
+            return None
         synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)

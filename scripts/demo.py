@@ -1,6 +1,6 @@
 """Build every attention variant that runs here and take one training step with each.
 
-    python scripts/demo.py [--device auto|cpu|cuda]
+    python scripts/demo.py [--device auto|cpu|cuda|mps]
 
 A smoke test a newcomer can read in a minute: the variants share one model and one step.
 """
@@ -39,7 +39,7 @@ def _demo() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--device", default="auto")
+    parser.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, mps")
     try:
         device = pick_device(parser.parse_args().device, "--device")
     except USER_ERRORS as e:

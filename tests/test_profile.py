@@ -2810,7 +2810,11 @@ def test_host_memory_line_names_the_cell_with_most_page_faults() -> None:
     [line] = host_memory_lines({"device": "cpu", "host_memory": "keep"}, rows)
     assert "median 0.4, at most 871 over the cells (naive L4)" in line and "bursts" in line
     [line] = host_memory_lines({"device": "cpu", "host_memory": "release"}, rows)
-    assert "bursts" not in line
+    assert "bursts" not in line and "as glibc's malloc does by default" in line
+    # A Mac's malloc cannot be tuned: not said to be glibc's, nor released by a flag
+    mac = {"device": "cpu", "host_memory": "release", "platform": "macOS-14.5-arm64-arm-64bit"}
+    [line] = host_memory_lines(mac, rows)
+    assert "glibc's malloc does" not in line and "tunes glibc's only" in line, line
     none = [{**r, "page_faults_per_step": 0.0} for r in rows]
     [line] = host_memory_lines({"device": "cpu", "host_memory": "keep"}, none)
     assert "at most 0 over the cells." in line  # no cell named for a maximum of zero
@@ -3313,3 +3317,18 @@ def test_the_one_page_op_diff_shows_the_hidden_copy() -> None:
         timeout=120,
     )
     assert bad.returncode == 2 and "'sdpa-cudnn' cannot run on cpu" in bad.stderr
+
+
+def test_peak_memory_off_cpu_and_cuda_is_not_measured() -> None:
+    """MPS keeps no allocator peak, and the profiler's allocation events are the CPU's: its
+    cells record no peak rather than the parameters alone, which read alike for every variant."""
+    from types import SimpleNamespace
+
+    from profiling.sweep import Sweep
+
+    model = torch.nn.Linear(4, 4)
+    cell = SimpleNamespace(model=model, optimizer=torch.optim.AdamW(model.parameters()))
+    on = SimpleNamespace(device=torch.device("mps"))
+    assert Sweep._peak_memory(on, cell, cpu_transient=123) is None  # type: ignore[arg-type]
+    on.device = torch.device("cpu")
+    assert Sweep._peak_memory(on, cell, cpu_transient=123) > 123  # type: ignore[arg-type]

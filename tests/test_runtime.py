@@ -247,3 +247,19 @@ def test_torchrun_refuses_a_numbered_gpu(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(ConfigError, match=r"train\.device='cuda:1': under torchrun"):
         init_distributed(TrainConfig(device="cuda:1"))
+
+
+def test_torchrun_on_mps_is_refused_before_joining(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gloo all-reduces CPU and CUDA tensors only: a torchrun run that would train on MPS is
+    told to use the CPU, before any process group is joined."""
+    import runtime
+    from config import TrainConfig
+
+    for name, value in (("WORLD_SIZE", "2"), ("RANK", "0"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(runtime, "pick_device", lambda name, setting="": torch.device("mps"))
+    joined: list[object] = []
+    monkeypatch.setattr(runtime.dist, "init_process_group", lambda *a, **k: joined.append(a))
+    with pytest.raises(ConfigError, match=r"is MPS here.*--train\.device=cpu"):
+        runtime.init_distributed(TrainConfig(device="auto"))
+    assert joined == []
