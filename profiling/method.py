@@ -130,6 +130,16 @@ def where_time_goes_intro(meta: dict[str, Any]) -> list[str]:
         "for SDPA), against the rate of one large square matmul. It stays below that peak because "
         "these matmuls run slower than it at their shapes, and because everything else and the "
         "time outside the operators take time without counted FLOPs.",
+        *(
+            [
+                "",
+                "> On MPS the profiler sees the host only: an operator's time here is how long "
+                "the CPU took to queue its GPU work, not the GPU's time, so this split and the "
+                "remainder say little about where the GPU spends the step; the step times do.",
+            ]
+            if meta.get("device") == "mps"
+            else []
+        ),
     ]
 
 

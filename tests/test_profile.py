@@ -3332,3 +3332,12 @@ def test_peak_memory_off_cpu_and_cuda_is_not_measured() -> None:
     assert Sweep._peak_memory(on, cell, cpu_transient=123) is None  # type: ignore[arg-type]
     on.device = torch.device("cpu")
     assert Sweep._peak_memory(on, cell, cpu_transient=123) > 123  # type: ignore[arg-type]
+
+
+def test_where_the_time_goes_on_mps_says_it_is_host_time() -> None:
+    """On MPS the profiler records the CPU side only: the split is the host's queueing time."""
+    from profiling.method import METHOD, where_time_goes_intro
+
+    meta = {"time_categories": METHOD["time_categories"], "profile_steps": 1}
+    assert not any("MPS" in line for line in where_time_goes_intro({**meta, "device": "cpu"}))
+    assert "not the GPU's time" in where_time_goes_intro({**meta, "device": "mps"})[-1]
