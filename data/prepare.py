@@ -220,9 +220,9 @@ def _say(text: str) -> None:
     try:
         say(text)
     except StdoutClosed as e:
-        with contextlib.suppress(OSError):  # stderr may be the same full disk or gone reader
+        _stdout_status = 2  # where even stderr (the same full disk, or gone) cannot say why
+        with contextlib.suppress(OSError):
             _stdout_status = stdout_closed(e)
-        _stdout_status = _stdout_status or 2
 
 
 def _build(
