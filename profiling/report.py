@@ -420,8 +420,8 @@ def _method(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
     return [
         "## How this was measured",
         "",
-        f"- **Step**: `train.train_step`, imported from train.py: {_step_parts(meta)} over one "
-        "global batch. Batches are drawn before timing and cycled.",
+        "- **Step**: `step.train_step`, the step train.py runs, imported: "
+        f"{_step_parts(meta)} over one global batch. Batches are drawn before timing and cycled.",
         "- **Step time**: no profiler attached; warm-up steps excluded; the device synchronised "
         "before and after each step"
         + serialised_text(meta)

@@ -1,8 +1,8 @@
 """One sweep of training steps over variants x n_layer x compile: time, profile, count, record.
 
-Each cell is built the way train.py builds a run (train.build_model) and stepped with
-train.train_step, imported: the sweep measures what training runs. profile_train.py is the
-command line around it.
+Each cell is built the way train.py builds a run (step.build_model) and stepped with
+step.train_step, the step train.py's loop runs, imported: the sweep measures what training
+runs. profile_train.py is the command line around it.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ from runtime import (
     set_fp32_matmul_precision,
     unavailable_reason,
 )
-from train import build_model, train_step
+from step import build_model, train_step
 
 BATCH_POOL = 4  # distinct batches cycled through, drawn before timing so no I/O is timed
 HEAP_RESERVE = 256 << 20  # CPU, memory kept: heap faulted in before each depth's timed steps

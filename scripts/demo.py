@@ -21,7 +21,8 @@ from console import StdoutClosed, say, stdout_closed
 from cpu_linear import wants_onednn
 from model import VARIANTS, GPTConfig
 from runtime import autocast_dtype, pick_device, unavailable_reason
-from train import USER_ERRORS, build_model, train_step
+from step import build_model, train_step
+from train import USER_ERRORS
 
 
 def main() -> int:

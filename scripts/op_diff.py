@@ -5,10 +5,10 @@
 The idea of what profile_train.py measures, in one page, apart from its code: the model and
 step train.py runs (nn.Linear on PyTorch's own path, not oneDNN's), torch.profiler over one step
 after a warm-up one, ATen ops counted by the region (forward, backward, optimizer) that
-train_step names, found through the op tree. Its
-default shows the hidden copy that out-of-place masked_fill makes in each layer. CPU only (on a
-GPU the backward's ops run on autograd's own thread, outside the range: profile_train.py places
-them by time, and counts kernels too); no timing here: see make profile.
+train_step names, found through the op tree. Its default shows the hidden copy that
+out-of-place masked_fill makes in each layer. CPU only (on a GPU the backward's ops run on
+autograd's own thread, outside the range: profile_train.py places them by time, and counts
+kernels too); no timing here: see make profile.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from config import TrainConfig
 from model import GPTConfig
 from runtime import VariantUnavailable, check_variant
-from train import USER_ERRORS, build_model, train_step
+from step import build_model, train_step
+from train import USER_ERRORS
 
 REGIONS = ("forward", "backward", "optimizer")
 

@@ -5,12 +5,12 @@ step's loss is read only after the next step is queued (as train.py does) agains
     python scripts/readout_gain.py --config configs/gpt2-small.toml [--steps 60] [--skip 10]
         [--rounds 2] [--train.compile=false ...]
 
-Runs train.py's own loop (imported, unchanged) on its config and prepared corpus, the two modes
-interleaved round by round, with no evaluation, checkpoints between or sample. A step's wall time
-is host time from one step's start to the next's, over the steps after the first --skip (those
-compile and warm up). On the CPU the two modes do the same thing: work runs as it is queued.
-Extra arguments are train.py's config overrides. Prints one line per mode: the median over
-rounds of each run's mean ms per step, and every run's.
+Runs train.py's own loop (loop.py, imported, unchanged) on its config and prepared corpus, the
+two modes interleaved round by round, with no evaluation, checkpoints between or sample. A step's
+wall time is host time from one step's start to the next's, over the steps after the first
+--skip (those compile and warm up). On the CPU the two modes do the same thing: work runs as
+it is queued. Extra arguments are train.py's config overrides. Prints one line per mode: the
+median over rounds of each run's mean ms per step, and every run's.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
+import loop
 import runtime
 import train
 
@@ -49,7 +50,7 @@ class _ReadAtOnce(_Timed):
 def run(mode: type[_Timed], args: argparse.Namespace, overrides: list[str]) -> float:
     """One training run in this mode; its mean wall ms per step after the skipped ones."""
     STARTS.clear()
-    train.StepReadout = mode
+    loop.StepReadout = mode  # the loop's, read at each step
     with tempfile.TemporaryDirectory() as out:
         argv = ["--config", str(args.config), "--out", out, f"--train.max_steps={args.steps}"]
         argv += ["--train.eval_interval=0", "--train.sample_tokens=0", *overrides]

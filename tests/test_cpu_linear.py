@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import cpu_linear
-import train
+import step
 from config import ConfigError, load_config
 from cpu_linear import OneDNNLinear, use_onednn_linears, wants_onednn
 from model import GPT, GPTConfig
@@ -118,7 +118,7 @@ def test_onednn_linears_compile() -> None:
     fast = GPT(cfg)
     fast.load_state_dict(plain.state_dict())
     use_onednn_linears(fast)
-    train.compile_blocks(fast)
+    step.compile_blocks(fast)
     x, y = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
     torch._dynamo.utils.counters.clear()
     lp = plain(x, y)[1]

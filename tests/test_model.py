@@ -105,12 +105,12 @@ def test_inplace_gradcheck() -> None:
 
 
 def clones_in_one_training_step(variant: str, n_layer: int, device: str = "cpu") -> int:
-    """aten::clone calls in one forward + backward + AdamW step of train.train_step."""
+    """aten::clone calls in one forward + backward + AdamW step of step.train_step."""
     from torch.profiler import ProfilerActivity, profile
 
     from config import TrainConfig
     from optim import build_optimizer
-    from train import train_step
+    from step import train_step
 
     torch.manual_seed(0)
     model = GPT(tiny_config(variant, n_layer=n_layer)).to(device)

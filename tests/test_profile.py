@@ -1616,7 +1616,9 @@ def test_report_rerender_and_diff(
 def test_report_says_what_the_timed_step_does(naive_vs_inplace: dict, tmp_path: Path) -> None:
     """The report's method names clipping and weight decay as the sweep's config had them."""
     results = copy.deepcopy(naive_vs_inplace)
-    step_line = "- **Step**: `train.train_step`, imported from train.py: forward, backward, "
+    step_line = (
+        "- **Step**: `step.train_step`, the step train.py runs, imported: forward, backward, "
+    )
     for clip, decay, said in [
         (1.0, 0.1, "gradient clipping (norm 1) and a fused AdamW step over"),
         (0.0, 0.1, "backward, a fused AdamW step over"),
@@ -1982,7 +1984,7 @@ def test_every_op_of_a_training_step_is_in_a_region(grad_accum: int) -> None:
     from model import GPT, GPTConfig
     from optim import build_optimizer
     from profiling.analysis import REGIONS
-    from train import train_step
+    from step import train_step
 
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16))
     optimizer = build_optimizer(model, TrainConfig(), torch.device("cpu"))
@@ -2009,7 +2011,7 @@ def test_ops_autocast_wraps_count_once_per_call() -> None:
     from model import GPT, GPTConfig
     from optim import build_optimizer
     from profiling.measure import parse_events
-    from train import train_step
+    from step import train_step
 
     def forward_ops(amp_dtype: torch.dtype | None) -> Counter:
         torch.manual_seed(0)
@@ -2268,7 +2270,7 @@ def test_marking_attention_calls_changes_no_count_and_is_undone() -> None:
     from model import GPT, GPTConfig
     from optim import build_optimizer
     from profiling.measure import _categorised, attention_calls_marked
-    from train import train_step
+    from step import train_step
 
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16))
     optimizer = build_optimizer(model, TrainConfig(), torch.device("cpu"))
@@ -2334,7 +2336,7 @@ def test_self_times_match_the_profilers_own() -> None:
     from model import GPT, GPTConfig
     from optim import build_optimizer
     from profiling.names import OP_NAMESPACES
-    from train import train_step
+    from step import train_step
 
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16))
     optimizer = build_optimizer(model, TrainConfig(), torch.device("cpu"))

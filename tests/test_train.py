@@ -37,12 +37,14 @@ import torch.nn.utils.clip_grad as clip_grad
 from tokenizers import Tokenizer
 
 import checkpoint
+import loop
 import metrics
 import optim
 import resume
 import rundir
 import runtime
 import sample
+import step
 import train
 from config import TrainConfig, dump_toml, load_config
 from cpu_linear import onednn_unavailable_reason, wants_onednn
@@ -141,14 +143,14 @@ def misbehave_at(
     grad_norm: float | None = None,
     spoil_weights: bool = False,
 ) -> list[int]:
-    """Replace train.train_step with the real step that, at its `call`-th call, first runs
+    """Replace the loop's train_step with the real step that, at its `call`-th call, first runs
     `before` (raise, send a signal), then the step, and returns `loss` and/or `grad_norm`
     instead of its own, or makes a weight NaN after it (as non-finite gradients would, the
     loss, computed before the update, still finite). Returns the list of calls."""
-    real_step = train.train_step
+    real_step = loop.train_step
     calls: list[int] = []
 
-    def step(model: torch.nn.Module, *args: Any, **kwargs: Any) -> train.StepResult:
+    def patched(model: torch.nn.Module, *args: Any, **kwargs: Any) -> step.StepResult:
         calls.append(1)
         if len(calls) != call:
             return real_step(model, *args, **kwargs)
@@ -164,7 +166,7 @@ def misbehave_at(
             real = real._replace(grad_norm=torch.tensor(grad_norm))
         return real
 
-    monkeypatch.setattr(train, "train_step", step)
+    monkeypatch.setattr(loop, "train_step", patched)
     return calls
 
 
@@ -757,15 +759,15 @@ def test_a_cpu_run_says_when_other_processes_took_the_cpus(
 ) -> None:
     """A run that took four times as long as the README says because another job shared
     the CPUs says so, as the profiler does."""
-    monkeypatch.setattr(train.OtherLoad, "share", lambda self: share)
+    monkeypatch.setattr(loop.OtherLoad, "share", lambda self: share)
     one_step = ["--train.max_steps=1", "--train.eval_interval=0", "--train.eval_batches=1"]
     assert run(data_root, tmp_path / "run", *one_step) == 0
     err = capsys.readouterr().err
     assert ("note: other processes used 50% of the CPUs" in err) == (share > 0), err
     if share:  # compiled, the run's own compile workers count among them, and it says so
         compiled: list[GPT] = []
-        real = train.compile_blocks
-        monkeypatch.setattr(train, "compile_blocks", lambda m: compiled.append(m) or real(m))
+        real = step.compile_blocks
+        monkeypatch.setattr(step, "compile_blocks", lambda m: compiled.append(m) or real(m))
         frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         assert run(data_root, tmp_path / "compiled", *one_step, "--train.compile=true") == 0
         assert "other processes (Inductor's compile workers among them) used 50%" in (
@@ -795,7 +797,7 @@ def test_a_compile_that_fails_is_an_error_naming_the_setting(
         for block in model.blocks:
             block.compile(backend=backend)
 
-    monkeypatch.setattr(train, "compile_blocks", compile_blocks)
+    monkeypatch.setattr(step, "compile_blocks", compile_blocks)
     one_step = ["--train.max_steps=1", "--train.eval_interval=0", "--train.compile=true"]
     raises.append(RuntimeError("No working C++ compiler found"))
     assert run(data_root, tmp_path / "run", *one_step) == 2
@@ -1226,7 +1228,7 @@ def test_a_resume_that_fails_before_saving_leaves_config_toml_as_it_was(
     assert load_ckpt(out)["step"] == STEPS
     monkeypatch.undo()
     # A save that fails (a full disk) leaves both as they were too.
-    monkeypatch.setattr(train, "save_checkpoint", Mock(side_effect=OSError(28, "No space")))
+    monkeypatch.setattr(loop, "save_checkpoint", Mock(side_effect=OSError(28, "No space")))
     config = load_config(out / "config.toml", argv[:2])
     with pytest.raises(OSError, match="No space"):
         train.train(config, out, resume=True)
@@ -1355,7 +1357,7 @@ def test_resume_refuses_settings_read_before_another_resume_rewrote_them(
     read = (out / "config.toml").read_bytes()
     config = load_config(out / "config.toml", [f"--train.max_steps={STEPS + 1}"])
     (out / "config.toml").write_bytes(read.replace(b"lr = ", b"lr =  "))  # the other's write
-    with pytest.raises(train.TrainError, match=r"config\.toml changed while this process waited"):
+    with pytest.raises(loop.TrainError, match=r"config\.toml changed while this process waited"):
         train.train(config, out, resume=True, config_read=read)
     assert load_ckpt(out)["step"] == STEPS, "nothing resumed"
     assert train.train(config, out, resume=True, config_read=None).step == STEPS + 1
@@ -1732,7 +1734,7 @@ def test_step_time_excludes_evaluation(
     data_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Neither an evaluating step nor the step after it logs the evaluation's time."""
-    real = train.evaluate
+    real = step.evaluate
     calls = []
 
     def slow_evaluate(*args: Any, **kwargs: Any) -> float:
@@ -1741,7 +1743,7 @@ def test_step_time_excludes_evaluation(
             time.sleep(1.5)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(train, "evaluate", slow_evaluate)
+    monkeypatch.setattr(loop, "evaluate", slow_evaluate)
     out = tmp_path / "run"
     evals = ["--train.eval_interval=3", "--train.eval_batches=1", "--train.max_steps=5"]
     assert run(data_root, out, *evals) == 0
@@ -2127,8 +2129,8 @@ def test_a_signal_saves_at_once_without_evaluating_but_never_non_finite_weights(
     evaluation could outlast that (eval_batches is large here). The weights are checked instead,
     so a step that made them NaN still leaves the last good checkpoint as it was."""
     evaluated: list[int] = []
-    real_evaluate = train.evaluate
-    monkeypatch.setattr(train, "evaluate", lambda *a: evaluated.append(1) or real_evaluate(*a))
+    real_evaluate = step.evaluate
+    monkeypatch.setattr(loop, "evaluate", lambda *a: evaluated.append(1) or real_evaluate(*a))
     misbehave_at(
         monkeypatch,
         3,
@@ -2169,7 +2171,7 @@ def test_a_signal_during_an_evaluation_stops_the_run_once_it_is_saved(
     """The evaluation under way finishes and its checkpoint is saved (the ranks evaluate
     together); one process then stops, with no step more (torchrun's ranks take one more, to
     learn of the signal through its flags)."""
-    real_evaluate = train.evaluate
+    real_evaluate = step.evaluate
     calls = itertools.count()
 
     def evaluate(*args: Any) -> float:
@@ -2177,7 +2179,7 @@ def test_a_signal_during_an_evaluation_stops_the_run_once_it_is_saved(
             os.kill(os.getpid(), signal.SIGINT)
         return real_evaluate(*args)
 
-    monkeypatch.setattr(train, "evaluate", evaluate)
+    monkeypatch.setattr(loop, "evaluate", evaluate)
     out = tmp_path / "run"
     assert run(data_root, out, "--train.max_steps=6", "--train.eval_interval=2") == 130
     assert [r["step"] for r in eval_lines(out)] == [0, 2]  # step 2's evaluation finished
@@ -2836,7 +2838,7 @@ def test_sigterm_to_one_rank_stops_both_after_rank_0_saved(
 
 def test_lr_warms_up_to_the_peak_once_then_decays_to_min_lr() -> None:
     tc = TrainConfig(lr=1e-3, min_lr=1e-4, warmup_steps=4, max_steps=20)
-    lrs = [optim.lr_at(step, tc) for step in range(tc.max_steps + 1)]
+    lrs = [optim.lr_at(i, tc) for i in range(tc.max_steps + 1)]
     assert lrs[:4] == pytest.approx([2e-4, 4e-4, 6e-4, 8e-4])  # linear, from above zero
     assert lrs[4] == pytest.approx(1e-3) and lrs.count(max(lrs)) == 1
     assert all(a > b for a, b in itertools.pairwise(lrs[4:]))  # cosine: falls every step
@@ -2886,7 +2888,7 @@ def test_the_last_evaluation_is_of_the_final_weights_on_each_split(
             seeds[sampler],
             cpu,
         )
-        expected = train.evaluate(model, windows, config.train.eval_batches, None)
+        expected = step.evaluate(model, windows, config.train.eval_batches, None)
         assert last[key] == pytest.approx(expected, rel=1e-5), key
 
 
@@ -2930,7 +2932,7 @@ def batch(seed: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
 def sgd_step(model: GPT, micro: list[Any], clip: float) -> tuple[train.StepResult, torch.Tensor]:
     """train_step with SGD at lr 1: the parameters move by exactly the (clipped) gradient."""
     before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
-    result = train.train_step(model, torch.optim.SGD(model.parameters(), lr=1.0), micro, clip)
+    result = step.train_step(model, torch.optim.SGD(model.parameters(), lr=1.0), micro, clip)
     after = torch.cat([p.detach().flatten() for p in model.parameters()])
     return result, before - after
 
@@ -2984,8 +2986,8 @@ def test_evaluate_is_the_mean_loss_over_its_fixed_windows(tmp_path: Path, dropou
         model.eval()
         expected = sum(model(*batches.next())[1].item() for _ in range(5)) / 5
     model.train()
-    assert train.evaluate(model, batches, 5, None) == pytest.approx(expected, rel=1e-6)
-    assert train.evaluate(model, batches, 5, None) == pytest.approx(expected, rel=1e-6)
+    assert step.evaluate(model, batches, 5, None) == pytest.approx(expected, rel=1e-6)
+    assert step.evaluate(model, batches, 5, None) == pytest.approx(expected, rel=1e-6)
     assert model.training
 
 
