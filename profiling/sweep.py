@@ -346,8 +346,8 @@ class Sweep:
                 for n_layer in layers:
                     cells = [Cell(v, n_layer, c) for v in variants for c in compile_modes]
                     flops = self._model_flops(n_layer)
+                    self.timed = (cells, flops)  # kept on a Ctrl-C from the first round on
                     self._time(cells)
-                    self.timed = (cells, flops)
                     for cell in cells:
                         self._profile_and_record(cell, flops)
                         self.progress.advance(cell)  # the rest: a failed cell's, all of it
@@ -585,17 +585,21 @@ class Sweep:
         self._write()
 
     def _record_timed_only(self) -> None:
-        """On a Ctrl-C (or SIGTERM) while a depth's cells are profiled one by one: a row for
-        each cell whose timed steps are done but whose profiled ones are not, with its step
-        times, so a stopped sweep keeps all it timed. Not "ok": no trace verified its backend."""
+        """On a Ctrl-C (or SIGTERM) during a depth's timed rounds or while its cells are
+        profiled one by one: a row for each cell with timed steps but no profiled ones, with
+        its step times, so a stopped sweep keeps all it timed. Not "ok": no trace verified its
+        backend, and rounds cut short may have timed it fewer times than the others."""
         cells, flops = self.timed or ([], (0, 0))
         for cell in cells:
             if cell.step is not None and cell.status == "ok" and cell.times:
                 row = self._row(cell, flops)
                 row["status"] = "interrupted"
+                timed = "its steps were timed"
+                if len(cell.times) < self.steps:
+                    timed = f"{len(cell.times)} of its {self.steps} steps were timed"
                 row["reason"] = (
-                    "the sweep was stopped before its profiled steps: its steps were timed, "
-                    "its ops, memory and backend not measured"
+                    f"the sweep was stopped before its profiled steps: {timed}, its ops, "
+                    "memory and backend not measured"
                 )
                 self.rows.append(row)
                 cell.step = None

@@ -847,6 +847,43 @@ def test_a_sweep_stopped_while_profiling_keeps_the_depths_timed_cells(
     assert shown == f"{median} (interrupted)", "its step time in the table, marked"
 
 
+def test_a_sweep_stopped_in_its_first_timed_rounds_keeps_the_times(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C in the middle of the first depth's rounds: the rounds timed so far are kept,
+    marked, in a results.json that stays (a sweep with nothing measured would remove its
+    folder)."""
+    from profiling.measure import timed as real_timed
+
+    calls: list[int] = []
+    real_rounds = Sweep._timed_rounds
+
+    def rounds(self, cells):
+        calls.append(0)  # the warm-up steps before the rounds are not counted
+        return real_rounds(self, cells)
+
+    def timed_then_interrupt(step, device):
+        if calls:
+            calls.append(1)
+            if len(calls) == 4:  # round 2's first step, 2 cells a round
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(5)  # the handler raises at once; this is never finished
+        return real_timed(step, device)
+
+    monkeypatch.setattr(Sweep, "_timed_rounds", rounds)
+    monkeypatch.setattr("profiling.sweep.timed", timed_then_interrupt)
+    rc, results = sweep(tmp_path, "--variants", "naive,inplace", "--layers", "1,2")
+    assert rc == 130
+    assert [(r["variant"], r["n_layer"], r["status"]) for r in results["rows"]] == [
+        ("naive", 1, "interrupted"),
+        ("inplace", 1, "interrupted"),
+    ]
+    for row in results["rows"]:
+        assert row["step_ms"]["n"] == 1 and len(row["times_ms"]) == 1
+        assert "stopped before its profiled steps: 1 of its 2 steps were timed" in row["reason"]
+    assert (tmp_path / "sweep" / "report.md").is_file()
+
+
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_whose_exception_python_drops_still_stops_the_sweep(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stop: signal.Signals
