@@ -83,6 +83,11 @@ def comparable(sweeps: list[tuple[Path, dict[str, Any]]]) -> str | None:
         return _differ("matmul peak", sweeps, shown, "machines of one name, not of one speed")
     whole = {tuple(_layers(results)) for _, results in sweeps if not _stopped(results)}
     depths = set(_depths(sweeps))
+    if not depths:
+        return (
+            "no depth to compare: every sweep stopped before it profiled one (its rows are "
+            "interrupted ones, timed only)"
+        )
     if len(whole) > 1 or any(not set(_layers(r)) <= depths for _, r in sweeps):
         return _differ("n_layer", sweeps, [_layers(r) for _, r in sweeps]) + _stopped_early(sweeps)
     return None

@@ -2611,6 +2611,23 @@ def test_kernel_findings_merge_launchers_of_one_operation() -> None:
     )
 
 
+def test_compare_of_sweeps_stopped_in_their_first_depth_says_so(
+    naive_vs_inplace: dict, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Sweeps stopped while their first depth was timed or profiled hold interrupted rows
+    only: no depth to compare, said in one line, not an IndexError."""
+    folders = []
+    for i in range(2):
+        results = copy.deepcopy(naive_vs_inplace)
+        results["meta"]["started_at"] = f"2026-12-0{i + 1}T10:00:00+00:00"
+        results["rows"] = [dict(r, status="interrupted") for r in results["rows"]]
+        folders.append(tmp_path / f"s{i}")
+        folders[-1].mkdir()
+        (folders[-1] / "results.json").write_text(json.dumps(results))
+    assert profile_train.main(["--compare", *map(str, folders)]) == 2
+    assert "--compare: no depth to compare: every sweep stopped" in capsys.readouterr().err
+
+
 def test_time_categories_compare_across_variants() -> None:
     """'Where the time goes' puts naive's batched matmuls and softmax in attention, as it does
     SDPA's fused kernel, and every linear-layer path (BLAS, the oneDNN custom op) in linear."""
