@@ -9,7 +9,8 @@ For every cell of variants x n_layer x compile it measures, each in its own step
   1. step time without the profiler: warm-up excluded, device synchronised, variants of one
      depth interleaved round by round so drift hits all alike; median and p10/p90; page faults;
   2. one profiled window (wait/warmup/active): ATen ops and CUDA kernels per step by region
-     (forward, backward, optimizer), peak memory, and a gzipped Chrome/Perfetto trace;
+     (forward, backward, optimizer) and a gzipped Chrome/Perfetto trace; peak memory, on CPUs
+     from the window's allocations, on CUDA from the allocator in one more step without it;
   3. FLOPs of the step (torch.utils.flop_counter, on the meta device: no memory or compute),
      against a matmul peak measured on the spot by every path PyTorch has here (torch.mm; on
      CPUs also oneDNN), the fastest taken.
