@@ -241,29 +241,35 @@ class Sweep:
             meta["cudnn"] = torch.backends.cudnn.version()
         return meta
 
-    def _build(self, cell: Cell) -> None:
-        mc, tc = self.config.model, self.config.train
-        if cell.variant not in self.unavailable:  # the probe runs the variant: once is enough
-            self.unavailable[cell.variant] = unavailable_reason(
-                cell.variant, self.device, self.dtype, mc.head_size, mc.dropout
+    def _left_out(self, variant: str, compiled: bool) -> str | None:
+        """Why a cell does not run here (it is then "unsupported"), or None if it runs."""
+        if variant not in self.unavailable:  # the probe runs the variant: once is enough
+            mc = self.config.model
+            self.unavailable[variant] = unavailable_reason(
+                variant, self.device, self.dtype, mc.head_size, mc.dropout
             )
-        reason = self.unavailable[cell.variant]
+        reason = self.unavailable[variant]
         if reason is not None:
-            cell.fail("unsupported", f"{cell.variant} cannot run on {self.device}: {reason}")
-            return
-        if cell.compiled and cell.variant in self.pinned_apart:
+            return f"{variant} cannot run on {self.device}: {reason}"
+        if compiled and variant in self.pinned_apart:
             # A pinned call is kept out of the graph (model/attention.py): Dynamo breaks the
             # block's graph there, and its cache entries for the break do not check which
             # function the block calls. sdpa's blocks, the same Block.forward with the same
             # None mask and no break of their own, would then run through them: more graphs,
             # and compiles while timed. (Pinned variants share those entries harmlessly: each
             # still calls its own function at the break.)
-            cell.fail(
-                "unsupported",
+            return (
                 "not compiled beside sdpa+compile, which would reuse its graph break at the "
                 "pinned call; the pinned variants' compiled cells in a sweep without sdpa: "
-                f"--variants naive,{','.join(self.pinned_apart)} --compile on",
+                f"--variants naive,{','.join(self.pinned_apart)} --compile on"
             )
+        return None
+
+    def _build(self, cell: Cell) -> None:
+        mc, tc = self.config.model, self.config.train
+        reason = self._left_out(cell.variant, cell.compiled)
+        if reason is not None:
+            cell.fail("unsupported", reason)
             return
         torch.manual_seed(tc.seed)
         model_cfg = dataclasses.replace(mc, attention=cell.variant, n_layer=cell.n_layer)
@@ -314,11 +320,7 @@ class Sweep:
             self.pinned_apart = [v for v in variants if VARIANTS[v].backend is not None]
         self.meta["cells_planned"] = total
         # The cells each round runs: those that can run here and are not left out
-        timed = sum(
-            not self.unavailable.get(v) and not (c and v in self.pinned_apart)
-            for v in variants
-            for c in compile_modes
-        )
+        timed = sum(self._left_out(v, c) is None for v in variants for c in compile_modes)
         orders = len(balanced_orders(timed))
         if self.options.steps is None:
             self.steps = orders * math.ceil(MIN_TIMED_STEPS / orders)
