@@ -74,22 +74,26 @@ BATCH_POOL = 4  # distinct batches cycled through, drawn before timing so no I/O
 HEAP_RESERVE = 256 << 20  # CPU, memory kept: heap faulted in before each depth's timed steps
 
 
-# A row's measured numbers, cleared where another backend than the variant's ran
-MEASURED = (
-    "step_ms",
-    "times_ms",
-    "tokens_per_s",
-    "peak_mem_bytes",
-    "compile_s",
-    "first_step_ms",
-    "eager_excess_s",
-    "page_faults_per_step",
-    "compiles_while_timed",
-    "allocator_calls_per_step",
-    "alloc_retries",
-    "cpu_ms_per_step",
-    "device_ms_per_step",
-    "time_split",
+# What a row keeps where another backend than the variant's ran: which cell it is, what ran
+# (the backend, ops, kernels, trace: they show why) and the step's counted FLOPs. Every other
+# field, the measured numbers, is cleared: they are not the variant's.
+KEPT_ON_WRONG_BACKEND = frozenset(
+    {
+        "variant",
+        "n_layer",
+        "compile",
+        "label",
+        "status",
+        "reason",
+        "flops_per_step",
+        "attention_flops_per_step",
+        "compile_cache",
+        "backend",
+        "ops_per_step",
+        "kernels_per_step",
+        "kernels_unattributed_per_step",
+        "trace",
+    }
 )
 
 # --compile: which of eager (False) and compiled (True) cells a sweep measures
@@ -579,7 +583,7 @@ class Sweep:
                     # backend, the ops and kernels, the trace) stays, to show why.
                     cell.fail("failed", problem)
                     self._log_failure(cell, None)
-                    row.update(dict.fromkeys(MEASURED))
+                    row.update(dict.fromkeys(row.keys() - KEPT_ON_WRONG_BACKEND))
         row["status"], row["reason"] = cell.status, cell.reason
         row["mfu"] = self._mfu(row)
         self.rows.append(row)

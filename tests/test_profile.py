@@ -46,7 +46,7 @@ from profiling.analysis import (
 )
 from profiling.cells import Cell
 from profiling.measure import count_flops, parse_events, verify_backend
-from profiling.sweep import Sweep
+from profiling.sweep import KEPT_ON_WRONG_BACKEND, Sweep
 from profiling.tables import headline_table, paired_table
 from runtime import BACKEND_OPS
 
@@ -288,8 +288,9 @@ def test_backend_mismatch_fails_the_cell(tmp_path: Path, monkeypatch: pytest.Mon
     )
     # It was timed before the trace caught it; what was measured is another backend's, so a
     # failed cell reports no time, rate, MFU, memory or first step; what ran stays, to show why.
-    for key in ("step_ms", "tokens_per_s", "mfu", "peak_mem_bytes", "first_step_ms"):
+    for key in ("step_ms", "times_ms", "tokens_per_s", "mfu", "peak_mem_bytes", "first_step_ms"):
         assert row[key] is None, key
+    assert {k for k, v in row.items() if v is not None} <= KEPT_ON_WRONG_BACKEND
     assert row["backend"] == "MATH" and row["ops_per_step"]["forward"]
     report = (tmp_path / "sweep" / "report.md").read_text()
     assert "| sdpa-flash | 1 | failed | – |" in report
