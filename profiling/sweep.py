@@ -34,7 +34,7 @@ from data.loader import TokenBatches
 from data.meta import check_vocab, load_meta
 from host import OtherLoad, keep_freed_host_memory, reserve_heap
 from model import VARIANTS
-from profiling.analysis import balanced_orders, label
+from profiling.analysis import REGIONS, balanced_orders, label
 from profiling.cells import (
     Cell,
     allocator_counts,
@@ -707,6 +707,14 @@ class Sweep:
                 file=sys.stderr,
             )
         counts = seen.per_step(active)
+        # Ops are placed by the regions step.train_step names: a region renamed there would
+        # otherwise count its ops as none.
+        empty = [region for region in REGIONS if not counts["ops"][region]]
+        if empty:
+            raise RuntimeError(
+                f"no ATen ops in the profiled steps' {' and '.join(empty)} region: the step "
+                f"names its regions otherwise than the profiler ({', '.join(REGIONS)})"
+            )
         fields: dict[str, Any] = {
             "ops_per_step": counts["ops"],
             "kernels_per_step": counts["kernels"] if self.device.type == "cuda" else None,

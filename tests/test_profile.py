@@ -300,6 +300,23 @@ def test_backend_mismatch_fails_the_cell(tmp_path: Path, monkeypatch: pytest.Mon
     assert log == f"--- sdpa-flash L1: {row['reason']}\n"
 
 
+def test_a_region_the_profiler_does_not_know_fails_the_cell(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ops are counted by the regions step.train_step names: one renamed there fails the cell,
+    named, rather than counting that region's ops as none."""
+    import step
+
+    real = step.record_function
+    renamed = lambda name: real("optim" if name == "optimizer" else name)
+    monkeypatch.setattr(step, "record_function", renamed)
+    rc, results = sweep(tmp_path, "--variants", "naive", "--layers", "1")
+    assert rc == 1
+    [row] = results["rows"]
+    assert row["status"] == "failed"
+    assert "no ATen ops in the profiled steps' optimizer region" in row["reason"]
+
+
 def test_a_failure_in_the_profiled_steps_keeps_the_timed_ones(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
