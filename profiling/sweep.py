@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from checkpoint import provenance
 from config import Config, ConfigError
+from console import first_line
 from cpu_linear import cpu_field, wants_onednn
 from data.loader import TokenBatches
 from data.meta import check_vocab, load_meta
@@ -61,7 +62,7 @@ from profiling.measure import (
 )
 from profiling.method import METHOD, MIN_TIMED_STEPS, PROFILE_LEAD_STEPS, STARTUP
 from profiling.progress import Progress
-from profiling.results import write_json, write_results
+from profiling.results import render_results, write_json
 from runtime import (
     autocast_dtype,
     pick_device,
@@ -170,6 +171,7 @@ class Sweep:
         # Timed steps per cell; without --steps, run rounds it up to whole sets of orders
         self.steps = MIN_TIMED_STEPS if options.steps is None else options.steps
         self.latest_pending = options.link_latest  # `latest` is pointed here at the first write
+        self.render_failed = False  # warned once, between cells
         self.rows: list[dict[str, Any]] = []
         # The depth being profiled: its cells, timed, and the FLOPs of its step (see run)
         self.timed: tuple[list[Cell], tuple[int, int]] | None = None
@@ -771,10 +773,24 @@ class Sweep:
         keeps what it measured; the plots at the end (or the interruption), as they are slow.
         `latest` moves to a default folder once it holds a result."""
         self.meta["other_cpu_share"] = self.other_load.share()
-        write_results(self.out, self.meta, self.rows, plots)
+        results = write_json(self.out, self.meta, self.rows)
         if self.latest_pending:
             _point_latest(self.out)
             self.latest_pending = False
+        try:
+            render_results(self.out, results, plots)
+        except Exception as e:  # a bug in the report's code: the disk's errors are raised
+            if plots or isinstance(e, OSError):  # at the end, the error itself
+                raise
+            # Between cells the measuring goes on: results.json has every row, and the end
+            # renders again (or `--report` once the bug is fixed).
+            if not self.render_failed:
+                tqdm.write(
+                    f"warning: the report could not be drawn ({type(e).__name__}: "
+                    f"{first_line(e)}); measuring goes on, results.json is written",
+                    file=sys.stderr,
+                )
+            self.render_failed = True
 
 
 def _point_latest(out: Path) -> None:
