@@ -110,6 +110,7 @@ def test_flop_count_does_not_depend_on_the_path() -> None:
 
 
 @needs_onednn
+@pytest.mark.cxx
 def test_onednn_linears_compile() -> None:
     """Inside torch.compile'd blocks the oneDNN linear stays one opaque call, with gradients."""
     cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32)

@@ -212,6 +212,7 @@ def test_a_pin_the_device_does_not_honour_is_refused(monkeypatch: pytest.MonkeyP
         unavailable_reason("sdpa-math", "cpu", torch.float32, 16)
 
 
+@pytest.mark.cxx
 def test_forward_only_check_passes_flex_on_cpu_and_nothing_else_new() -> None:
     """Inference needs only the forward: flex's runs on a CPU; the CUDA-only kernels do not."""
     assert unavailable_reason("flex", "cpu", torch.float32, 16, backward=False) is None
@@ -263,12 +264,14 @@ def flex_graphs(lengths: range, grad: bool) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.cxx
 def test_flex_compiles_once_for_every_length_without_gradients() -> None:
     """generate() calls attention at a new length each token."""
     assert flex_graphs(range(5, 11), grad=False) == 1, "flex recompiled for new lengths"
 
 
 @pytest.mark.slow
+@pytest.mark.cxx
 def test_flex_training_kernel_is_specialised_to_its_shape() -> None:
     """The variant check runs flex at a small shape before training runs it at the real
     one: that second shape must get a static kernel of its own, not a symbolic one."""
@@ -276,6 +279,7 @@ def test_flex_training_kernel_is_specialised_to_its_shape() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.cxx
 @pytest.mark.parametrize("name", ["sdpa-math", "sdpa-flash"])
 def test_pinned_backend_holds_inside_compiled_blocks(name: str) -> None:
     """torch.compile picks its own SDPA backend; a pinned variant must still run its own."""

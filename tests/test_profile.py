@@ -544,6 +544,7 @@ def record_step_times(monkeypatch: pytest.MonkeyPatch) -> dict[int, list[float]]
 
 
 @pytest.mark.slow
+@pytest.mark.cxx
 def test_compile_time_nets_out_what_any_first_step_pays(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -592,6 +593,7 @@ def test_compile_time_keeps_an_eager_first_steps_own_compile() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.cxx
 def test_every_depth_traces_its_own_graphs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Identical blocks would reuse the first depth's Dynamo graphs and compile nothing; each
     cell also says whether Inductor's on-disk cache supplied its compiled graphs."""
@@ -621,6 +623,7 @@ def test_every_depth_traces_its_own_graphs(tmp_path: Path, monkeypatch: pytest.M
 
 
 @pytest.mark.slow
+@pytest.mark.cxx
 def test_compiled_sdpa_measures_the_same_steps_beside_pinned_variants(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

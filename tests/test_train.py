@@ -749,7 +749,7 @@ def test_a_new_run_goes_only_where_nothing_else_is(
     assert f"continue it with make train ARGS='--resume --out {unsaved}', or" in err
 
 
-@pytest.mark.parametrize("share", [0.5, 0.0])
+@pytest.mark.parametrize("share", [pytest.param(0.5, marks=pytest.mark.cxx), 0.0])
 def test_a_cpu_run_says_when_other_processes_took_the_cpus(
     data_root: Path,
     tmp_path: Path,
@@ -2420,6 +2420,7 @@ def test_sample_with_another_attention_variant_gives_the_same_text(
 
 
 @pytest.mark.slow
+@pytest.mark.cxx
 def test_flex_samples_on_a_cpu_with_naives_logits(base_run: Path) -> None:
     """flex cannot train on a CPU, but its forward runs there (compiled, so slow the first time):
     the run's logits through it match naive's, at a prompt's length and at the full context."""
@@ -2520,6 +2521,7 @@ def test_sample_bad_arguments_name_the_flag(
     assert named in error_of(capsys.readouterr().err)
 
 
+@pytest.mark.cxx
 def test_sampling_with_another_variant_is_not_refused_for_training_dropout(
     data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
