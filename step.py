@@ -37,8 +37,9 @@ def train_step(
     """Forward, backward and optimizer update over this process's micro-batches of one step
     (under DDP, with the gradients averaged over all processes).
 
-    The regions are named for the profiler. Loss and norm come back as device tensors, so the
-    caller decides when to synchronise.
+    The regions are named for the profiler, which counts ops by them (REGIONS in
+    profiling/analysis.py). Loss and norm come back as device tensors, so the caller decides
+    when to synchronise.
     """
     device = next(model.parameters()).device
     n = len(micro_batches)
