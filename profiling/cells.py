@@ -1,5 +1,6 @@
 """A sweep's cells (variant x n_layer x compile) and what is worked out from each one's steps:
-the order the cells run in, compile time, page faults, allocator calls and failures.
+the order the cells run in, compile time, page faults, allocator calls and failures, and the
+row each one gets in results.json.
 """
 
 from __future__ import annotations
@@ -8,10 +9,12 @@ import dataclasses
 import resource
 import statistics
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from profiling.analysis import label
+from profiling.measure import summarize_ms
 
 
 def out_of_memory(e: BaseException) -> bool:
@@ -19,6 +22,29 @@ def out_of_memory(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError | MemoryError) or (
         isinstance(e, RuntimeError) and "can't allocate memory" in str(e)
     )
+
+
+# What a row keeps where another backend than the variant's ran: which cell it is, what ran
+# (the backend, ops, kernels, trace: they show why) and the step's counted FLOPs. Every other
+# field, the measured numbers, is cleared: they are not the variant's.
+KEPT_ON_WRONG_BACKEND = frozenset(
+    {
+        "variant",
+        "n_layer",
+        "compile",
+        "label",
+        "status",
+        "reason",
+        "flops_per_step",
+        "attention_flops_per_step",
+        "compile_cache",
+        "backend",
+        "ops_per_step",
+        "kernels_per_step",
+        "kernels_unattributed_per_step",
+        "trace",
+    }
+)
 
 
 @dataclasses.dataclass
@@ -55,6 +81,68 @@ class Cell:
         self.status = status
         self.reason = error if isinstance(error, str) else one_line(error)
         self.step = self.model = self.optimizer = None
+
+    def row(self, flops: tuple[int, int], tokens_per_step: int) -> dict[str, Any]:
+        """The cell's row, with the timed steps' numbers where it has them: a failure in the
+        profiled steps after them (the trace's write, memory) marks the cell failed and
+        leaves them in its row."""
+        row: dict[str, Any] = {
+            "variant": self.variant,
+            "n_layer": self.n_layer,
+            "compile": self.compiled,
+            "label": label(self.variant, self.compiled),
+            "status": self.status,
+            "reason": self.reason,
+            "step_ms": None,
+            "times_ms": None,
+            "tokens_per_s": None,
+            "flops_per_step": flops[0] or None,
+            "attention_flops_per_step": flops[1] or None,
+            "mfu": None,
+            "peak_mem_bytes": None,
+            "compile_s": None,
+            "compile_cache": self.compile_cache,
+            "first_step_ms": None,
+            "eager_excess_s": None,
+            "backend": None,
+            "ops_per_step": None,
+            "kernels_per_step": None,
+            "kernels_unattributed_per_step": None,
+            "page_faults_per_step": None,
+            "compiles_while_timed": None,
+            "allocator_calls_per_step": None,
+            "alloc_retries": None,
+            "cpu_ms_per_step": None,
+            "device_ms_per_step": None,
+            "time_split": None,
+            "trace": None,
+        }
+        if self.step is not None:
+            row.update(self._timing_fields(tokens_per_step))
+        return row
+
+    def _timing_fields(self, tokens_per_step: int) -> dict[str, Any]:
+        stats = summarize_ms(self.times)
+        fields: dict[str, Any] = {
+            "step_ms": stats,
+            # Each timed step, in round order: round i's steps of a depth's cells pair up
+            "times_ms": [t * 1e3 for t in self.times],
+            "tokens_per_s": tokens_per_step / (stats["median"] / 1e3),
+            "page_faults_per_step": self.page_faults / len(self.times),
+            "compiles_while_timed": self.compiles_while_timed,
+        }
+        if self.device_allocs is not None:
+            fields["allocator_calls_per_step"] = self.device_allocs / len(self.times)
+            fields["alloc_retries"] = self.alloc_retries  # over all the timed steps
+        if self.first_step_s is not None:
+            fields["first_step_ms"] = self.first_step_s * 1e3
+        if self.compiled and self.first_step_s is not None:
+            fields["eager_excess_s"] = self.eager_excess_s
+            if self.compile_cache not in ("none", "shared"):  # else it compiled nothing
+                fields["compile_s"] = compile_seconds(
+                    self.first_step_s, stats["median"] / 1e3, self.eager_excess_s
+                )
+        return fields
 
 
 def eager_first_step_excess(cells: list[Cell]) -> dict[str, float]:

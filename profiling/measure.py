@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile, record_function, schedule
 from torch.utils.flop_counter import FlopCounterMode
 
 from cpu_linear import onednn_unavailable_reason
-from model.attention import AttentionFn
+from model.attention import VARIANTS, AttentionFn
 from model.gpt import CausalSelfAttention
 from profiling.analysis import REGIONS
 from profiling.method import PROFILE_WAIT, PROFILE_WARMUP
@@ -130,6 +130,32 @@ def resident_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
     for state in optimizer.state.values():
         total += sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t))
     return total
+
+
+def peak_memory(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step: Callable[[], object],
+    device: torch.device,
+    cpu_transient: int,
+) -> int | None:
+    """Resident state (parameters, optimizer state) plus the step's own peak above it.
+
+    CUDA: the caching allocator's peak during one more unprofiled step. CPU: the peak of
+    live bytes from the profiler's allocation events during the profiled step. MPS: None,
+    not measured (its allocator keeps no peak, and the profiler records CPU allocations).
+    """
+    resident = resident_bytes(model, optimizer)
+    if device.type == "cpu":
+        return resident + cpu_transient
+    if device.type != "cuda":
+        return None
+    synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    step()
+    synchronize(device)
+    return resident + torch.cuda.max_memory_allocated(device) - before
 
 
 @dataclass
@@ -402,3 +428,17 @@ def backend_that_ran(ops: dict[str, dict[str, float]]) -> str | None:
         if seen.intersection(names):
             return backend
     return None
+
+
+def backend_problem(variant: str, row: dict[str, Any], device: torch.device) -> str | None:
+    """For a pinned variant, why its profiled steps do not show its backend ran, if not."""
+    backend = VARIANTS[variant].backend
+    if backend is None:
+        return None
+    every_kernel = (row["kernels_per_step"] or {}) | {
+        "unattributed": row["kernels_unattributed_per_step"] or {}
+    }
+    problem = verify_backend(backend.name, row["ops_per_step"], every_kernel, device)
+    return (
+        None if problem is None else f"backend check: asked for {backend.name}, but the {problem}"
+    )

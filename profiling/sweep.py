@@ -37,11 +37,11 @@ from host import OtherLoad, keep_freed_host_memory, reserve_heap
 from model import VARIANTS
 from profiling.analysis import REGIONS, balanced_orders, label
 from profiling.cells import (
+    KEPT_ON_WRONG_BACKEND,
     Cell,
     allocator_counts,
     compile_cache,
     compile_counters,
-    compile_seconds,
     eager_first_step_excess,
     minor_faults,
     one_line,
@@ -50,15 +50,14 @@ from profiling.cells import (
 from profiling.measure import (
     TRACE_WARN_BYTES,
     attention_calls_marked,
+    backend_problem,
     backend_that_ran,
     count_flops,
     matmul_peaks,
+    peak_memory,
     profiled_steps,
-    resident_bytes,
-    summarize_ms,
     synchronize,
     timed,
-    verify_backend,
 )
 from profiling.method import METHOD, MIN_TIMED_STEPS, PROFILE_LEAD_STEPS, STARTUP
 from profiling.progress import Progress
@@ -74,28 +73,6 @@ from step import build_model, train_step
 BATCH_POOL = 4  # distinct batches cycled through, drawn before timing so no I/O is timed
 HEAP_RESERVE = 256 << 20  # CPU, memory kept: heap faulted in before each depth's timed steps
 
-
-# What a row keeps where another backend than the variant's ran: which cell it is, what ran
-# (the backend, ops, kernels, trace: they show why) and the step's counted FLOPs. Every other
-# field, the measured numbers, is cleared: they are not the variant's.
-KEPT_ON_WRONG_BACKEND = frozenset(
-    {
-        "variant",
-        "n_layer",
-        "compile",
-        "label",
-        "status",
-        "reason",
-        "flops_per_step",
-        "attention_flops_per_step",
-        "compile_cache",
-        "backend",
-        "ops_per_step",
-        "kernels_per_step",
-        "kernels_unattributed_per_step",
-        "trace",
-    }
-)
 
 # --compile: which of eager (False) and compiled (True) cells a sweep measures
 COMPILE_MODES = {"off": [False], "on": [True], "both": [False, True]}
@@ -170,6 +147,8 @@ class Sweep:
         self.raise_if_interrupted = raise_if_interrupted
         # Timed steps per cell; without --steps, run rounds it up to whole sets of orders
         self.steps = MIN_TIMED_STEPS if options.steps is None else options.steps
+        tc = config.train
+        self.tokens_per_step = tc.batch_size * tc.grad_accum * config.model.block_size  # a step's
         self.latest_pending = options.link_latest  # `latest` is pointed here at the first write
         self.render_failed = False  # warned once, between cells
         self.rows: list[dict[str, Any]] = []
@@ -575,11 +554,11 @@ class Sweep:
             log.writelines(traceback.format_exception(error) if error else [])
 
     def _profile_and_record(self, cell: Cell, flops: tuple[int, int]) -> None:
-        row = self._row(cell, flops)
+        row = cell.row(flops, self.tokens_per_step)
         if cell.step is not None:
             with self._guard(cell, "in the profiled steps, after the timed ones"):
                 row.update(self._profile(cell))
-                problem = self._backend_problem(cell, row)
+                problem = backend_problem(cell.variant, row, self.device)
                 if problem is not None:
                     # Another backend ran: its numbers are not the variant's. What ran (the
                     # backend, the ops and kernels, the trace) stays, to show why.
@@ -600,7 +579,7 @@ class Sweep:
         cells, flops = self.timed or ([], (0, 0))
         for cell in cells:
             if cell.step is not None and cell.status == "ok" and cell.times:
-                row = self._row(cell, flops)
+                row = cell.row(flops, self.tokens_per_step)
                 row["status"] = "interrupted"
                 timed = "its steps were timed"
                 if len(cell.times) < self.steps:
@@ -612,75 +591,11 @@ class Sweep:
                 self.rows.append(row)
                 cell.step = None
 
-    def _row(self, cell: Cell, flops: tuple[int, int]) -> dict[str, Any]:
-        """A cell's row, with the timed steps' numbers where it has them: a failure in the
-        profiled steps after them (the trace's write, memory) marks the cell failed and
-        leaves them in its row."""
-        row: dict[str, Any] = {
-            "variant": cell.variant,
-            "n_layer": cell.n_layer,
-            "compile": cell.compiled,
-            "label": label(cell.variant, cell.compiled),
-            "status": cell.status,
-            "reason": cell.reason,
-            "step_ms": None,
-            "times_ms": None,
-            "tokens_per_s": None,
-            "flops_per_step": flops[0] or None,
-            "attention_flops_per_step": flops[1] or None,
-            "mfu": None,
-            "peak_mem_bytes": None,
-            "compile_s": None,
-            "compile_cache": cell.compile_cache,
-            "first_step_ms": None,
-            "eager_excess_s": None,
-            "backend": None,
-            "ops_per_step": None,
-            "kernels_per_step": None,
-            "kernels_unattributed_per_step": None,
-            "page_faults_per_step": None,
-            "compiles_while_timed": None,
-            "allocator_calls_per_step": None,
-            "alloc_retries": None,
-            "cpu_ms_per_step": None,
-            "device_ms_per_step": None,
-            "time_split": None,
-            "trace": None,
-        }
-        if cell.step is not None:
-            row.update(self._timing_fields(cell))
-        return row
-
     def _mfu(self, row: dict[str, Any]) -> float | None:
         """Counted FLOPs / median step time / the highest matmul peak measured so far."""
         if row["status"] != "ok" or not row["flops_per_step"] or not row["step_ms"]:
             return None
         return row["flops_per_step"] / (row["step_ms"]["median"] / 1e3) / self.meta["peak_flops"]
-
-    def _timing_fields(self, cell: Cell) -> dict[str, Any]:
-        tc, mc = self.config.train, self.config.model
-        stats = summarize_ms(cell.times)
-        tokens = tc.batch_size * tc.grad_accum * mc.block_size
-        fields: dict[str, Any] = {
-            "step_ms": stats,
-            # Each timed step, in round order: round i's steps of a depth's cells pair up
-            "times_ms": [t * 1e3 for t in cell.times],
-            "tokens_per_s": tokens / (stats["median"] / 1e3),
-            "page_faults_per_step": cell.page_faults / len(cell.times),
-            "compiles_while_timed": cell.compiles_while_timed,
-        }
-        if cell.device_allocs is not None:
-            fields["allocator_calls_per_step"] = cell.device_allocs / len(cell.times)
-            fields["alloc_retries"] = cell.alloc_retries  # over all the timed steps
-        if cell.first_step_s is not None:
-            fields["first_step_ms"] = cell.first_step_s * 1e3
-        if cell.compiled and cell.first_step_s is not None:
-            fields["eager_excess_s"] = cell.eager_excess_s
-            if cell.compile_cache not in ("none", "shared"):  # else it compiled nothing
-                fields["compile_s"] = compile_seconds(
-                    cell.first_step_s, stats["median"] / 1e3, cell.eager_excess_s
-                )
-        return fields
 
     def _profile(self, cell: Cell) -> dict[str, Any]:
         active = self.options.profile_steps
@@ -728,43 +643,11 @@ class Sweep:
             "device_ms_per_step": counts["device_ms"] if self.device.type == "cuda" else None,
             "backend": backend_that_ran(counts["ops"]),
             "trace": str(seen.trace.relative_to(self.out)) if seen.trace else None,
-            "peak_mem_bytes": self._peak_memory(cell, seen.peak_transient_bytes),
+            "peak_mem_bytes": peak_memory(
+                cell.model, cell.optimizer, cell.step, self.device, seen.peak_transient_bytes
+            ),
         }
         return fields
-
-    def _backend_problem(self, cell: Cell, row: dict[str, Any]) -> str | None:
-        """For a pinned variant, why its profiled steps do not show its backend ran, if not."""
-        backend = VARIANTS[cell.variant].backend
-        if backend is None:
-            return None
-        every_kernel = (row["kernels_per_step"] or {}) | {
-            "unattributed": row["kernels_unattributed_per_step"] or {}
-        }
-        problem = verify_backend(backend.name, row["ops_per_step"], every_kernel, self.device)
-        return (
-            None
-            if problem is None
-            else f"backend check: asked for {backend.name}, but the {problem}"
-        )
-
-    def _peak_memory(self, cell: Cell, cpu_transient: int) -> int | None:
-        """Resident state (parameters, optimizer state) plus the step's own peak above it.
-
-        CUDA: the caching allocator's peak during one more unprofiled step. CPU: the peak of
-        live bytes from the profiler's allocation events during the profiled step. MPS: None,
-        not measured (its allocator keeps no peak, and the profiler records CPU allocations).
-        """
-        resident = resident_bytes(cell.model, cell.optimizer)
-        if self.device.type == "cpu":
-            return resident + cpu_transient
-        if self.device.type != "cuda":
-            return None
-        synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        cell.step()
-        synchronize(self.device)
-        return resident + torch.cuda.max_memory_allocated(self.device) - before
 
     # --- output ---------------------------------------------------------------------------------
 

@@ -3420,16 +3420,13 @@ def test_the_one_page_op_diff_shows_the_hidden_copy() -> None:
 def test_peak_memory_off_cpu_and_cuda_is_not_measured() -> None:
     """MPS keeps no allocator peak, and the profiler's allocation events are the CPU's: its
     cells record no peak rather than the parameters alone, which read alike for every variant."""
-    from types import SimpleNamespace
-
-    from profiling.sweep import Sweep
+    from profiling.measure import peak_memory
 
     model = torch.nn.Linear(4, 4)
-    cell = SimpleNamespace(model=model, optimizer=torch.optim.AdamW(model.parameters()))
-    on = SimpleNamespace(device=torch.device("mps"))
-    assert Sweep._peak_memory(on, cell, cpu_transient=123) is None  # type: ignore[arg-type]
-    on.device = torch.device("cpu")
-    assert Sweep._peak_memory(on, cell, cpu_transient=123) > 123  # type: ignore[arg-type]
+    optimizer = torch.optim.AdamW(model.parameters())
+    step = lambda: None
+    assert peak_memory(model, optimizer, step, torch.device("mps"), cpu_transient=123) is None
+    assert peak_memory(model, optimizer, step, torch.device("cpu"), cpu_transient=123) > 123
 
 
 def test_where_the_time_goes_on_mps_says_it_is_host_time() -> None:
