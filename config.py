@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import shlex
 import textwrap
 import tomllib
@@ -41,6 +42,11 @@ def parse_device(name: str) -> torch.device | None:
 class DataConfig:
     name: str = "stdlib"  # a corpus prepared by data/prepare.py into <root>/<name>/
     root: str = "data"  # folder holding prepared corpora, relative to the working directory
+
+    def __post_init__(self) -> None:
+        # ~ expanded, as prepare.py's --out-root is: no shell does it in a TOML file or after
+        # '=' (--data.root=~/corpora); ~nosuchuser is left as typed
+        self.root = os.path.expanduser(self.root)
 
 
 @dataclass

@@ -832,6 +832,13 @@ def test_path_flags_expand_a_tilde_no_shell_expanded(
     # A ~user with no home here is left as typed, as a shell leaves it
     assert train.main(["--out=~nosuchuser/run", "--resume"]) == 2
     assert "no checkpoint at ~nosuchuser/run/" in capsys.readouterr().err
+    # data.root too, on the command line or in a file: the prepare command it suggests makes
+    # the corpus where the run then looks (it looked in ./~ before)
+    (tmp_path / "roots.toml").write_text('[data]\nroot = "~/corpora"\n')
+    for argv in (["--data.root=~/corpora"], ["--config", str(tmp_path / "roots.toml")]):
+        assert train.main([*argv, "--out", str(tmp_path / "new")]) == 2
+        err = capsys.readouterr().err
+        assert f"no prepared corpus at {tmp_path / 'home' / 'corpora' / 'stdlib'}" in err, err
 
 
 def test_a_folder_named_like_the_checkpoint_is_named_as_such(
