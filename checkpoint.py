@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from config import Config
+from data.meta import rebuild_command
 
 CHECKPOINT = "ckpt.pt"
 # What train.py writes and resuming reads (it also writes "val_loss").
@@ -292,15 +293,23 @@ def check_compatible(
         )
     if ckpt["tokenizer_sha256"] != tokenizer_sha256:
         trained = ckpt.get("config", {}).get("data", {}).get("name")
+        if isinstance(trained, str) and trained != config.data.name:
+            hint = f"; it trained on corpus '{trained}' (--data.name={trained})"
+        else:  # the corpus was prepared again since, with other settings or text
+            data_dir = Path(config.data.root) / config.data.name
+            try:
+                corpus = ckpt["corpus"]
+                again = f": {rebuild_command(data_dir, corpus['source'], corpus['settings'])}"
+            except (KeyError, TypeError, AttributeError):  # not recorded (older checkpoints)
+                again = ", from the source and with the settings the run trained on"
+            hint = (
+                f"; {data_dir} was prepared again since the run trained on it: to resume, "
+                f"prepare it as the run's was made{again}"
+            )
         raise CheckpointError(
             f"checkpoint {path} was made with another tokenizer (sha256 "
             f"{ckpt['tokenizer_sha256'][:12]}, corpus '{config.data.name}' has "
-            f"{tokenizer_sha256[:12]})"
-            + (
-                f"; it trained on corpus '{trained}' (--data.name={trained})"
-                if isinstance(trained, str) and trained != config.data.name
-                else ""
-            )
+            f"{tokenizer_sha256[:12]}){hint}"
         )
 
 

@@ -213,12 +213,14 @@ def _train(
     grad_accum = tc.micro_batches(world_size)
     amp_dtype = autocast_dtype(tc.dtype, device)
     meta = corpus_meta(config, out_dir, resume)
-    check_vocab(meta, config.model.vocab_size, config.data.name)
     data_dir = Path(config.data.root) / config.data.name
     check_attention(config, device, amp_dtype, resume)
     onednn = linear_path(config, device, amp_dtype)
 
+    # A resume's corpus prepared again since, with another vocabulary, is told as such here,
+    # before the model's vocab_size is checked against it: that advice is for new runs.
     ckpt_path, ckpt = open_run(out_dir, config, meta["tokenizer_sha256"], resume)
+    check_vocab(meta, config.model.vocab_size, config.data.name)
     if ckpt is not None:
         check_seed(ckpt, tc.seed, out_dir)
     # On CPU, which nn.Linear ran: train.cpu_linear=auto picks by CPU, so a run resumed on

@@ -1280,6 +1280,21 @@ def test_resume_with_another_tokenizer_is_an_error(
     assert "tokenizer" in err
 
 
+def test_resume_on_its_corpus_prepared_again_says_how_to_make_the_runs(
+    base_run: Path, data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The run's corpus prepared again under its name, with a larger vocabulary: the advice is
+    the command that makes the run's corpus again, not to grow model.vocab_size (the advice
+    for a new run), which the checkpoint's weights refuse."""
+    root = tmp_path / "root"
+    prepare("tiny", files=stdlib_documents(tmp_path / "docs"), vocab_size=640, out_root=root)
+    out = copy_run(base_run, tmp_path / "run")
+    assert run(root, out, *SHARED_OVERRIDES, "--resume") == 2
+    err = error_of(capsys.readouterr().err)
+    assert f"{root / 'tiny'} was prepared again since the run trained on it" in err, err
+    assert "--vocab-size 512" in err and "model.vocab_size" not in err, err
+
+
 # --- failures while training ------------------------------------------------------------------------
 
 
