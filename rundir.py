@@ -38,6 +38,7 @@ from config import (
     read_toml,
 )
 from metrics import start_metrics
+from runtime import launched_ranks
 
 
 class RunDirError(RuntimeError):
@@ -216,7 +217,7 @@ def run_config(out: Path, config_file: Path | None, overrides: list[str], resume
     if not resume:
         return load_config(config_file, overrides)
     # Read before torchrun's process group exists: rank 0 alone says what it resumes with
-    master = int(os.environ.get("RANK", 0)) == 0
+    master = launched_ranks()[0] == 0
     recorded = _recorded_config(out / CHECKPOINT)  # None: no readable run here; open_run says
     if not saved.is_file():
         if not (out / CHECKPOINT).is_file():  # no run here (a mistyped --out): say so first

@@ -107,9 +107,37 @@ def autocast(
     return torch.autocast(device.type, dtype=amp_dtype)
 
 
+# What torchrun sets in each process it launches, and env:// rendezvous reads
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launched_ranks() -> tuple[int, int]:
+    """This process's rank and the world size, as torchrun's environment gives them; (0, 1)
+    in a process it did not launch. An environment torchrun would not make (left over from
+    another job, say: WORLD_SIZE without RANK, or not a number) is an error naming it."""
+    world = os.environ.get("WORLD_SIZE")
+    if world is None:
+        return 0, 1
+    fix = "launch with torchrun (torchrun --nproc_per_node=N train.py ...), or unset it"
+    if not world.strip().isdigit() or int(world) < 1:
+        raise ConfigError(f"WORLD_SIZE={world!r} in the environment is not a process count: {fix}")
+    if int(world) == 1:
+        return 0, 1
+    missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]
+    if missing:
+        raise ConfigError(
+            f"WORLD_SIZE={world} in the environment, but not {', '.join(missing)}, which "
+            f"torchrun sets too: {fix}"
+        )
+    rank = os.environ["RANK"]
+    if not rank.strip().isdigit() or int(rank) >= int(world):
+        raise ConfigError(f"RANK={rank!r} in the environment is not a rank of WORLD_SIZE={world}")
+    return int(rank), int(world)
+
+
 def init_distributed(train_cfg: TrainConfig) -> tuple[int, int, torch.device]:
     """Rank, world size and device; under torchrun, joins the process group (NCCL or gloo)."""
-    if "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) == 1:
+    if launched_ranks()[1] == 1:
         return 0, 1, pick_device(train_cfg.device)
     wanted = pick_device(train_cfg.device)
     if wanted.type == "cuda":

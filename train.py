@@ -62,6 +62,7 @@ from runtime import (
     available_variants,
     check_variant,
     init_distributed,
+    launched_ranks,
     set_fp32_matmul_precision,
     wrap_ddp,
 )
@@ -402,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     tc = config.train
     # A sample only when the run has just reached its end: not after a split.
     finished = end.steps_taken > 0 and end.step == tc.max_steps
-    if finished and tc.sample_tokens > 0 and int(os.environ.get("RANK", 0)) == 0:
+    if finished and tc.sample_tokens > 0 and launched_ranks()[0] == 0:
         print(f"\n--- sample from {end.run_dir} (prompt {tc.sample_prompt!r}) ---")
         try:
             import sample  # here: it needs `tokenizers`, training does not
@@ -425,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     code = main()
-    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+    if dist.is_torchelastic_launched() and launched_ranks()[1] > 1:
         # Under torchrun, leave without interpreter teardown: gloo's worker threads outlive
         # destroy_process_group once DDP has run (torch 2.13), and one freeing its last job
         # during teardown can abort the process (SIGABRT), failing a finished run.

@@ -235,14 +235,66 @@ def test_a_gpu_index_past_the_last_is_refused(monkeypatch: pytest.MonkeyPatch) -
         pick_device("cuda:1")
 
 
+def as_torchrun_rank(monkeypatch: pytest.MonkeyPatch, world: str = "2", rank: str = "0") -> None:
+    """The environment torchrun gives a process it launches."""
+    for name, value in (
+        ("WORLD_SIZE", world),
+        ("RANK", rank),
+        ("LOCAL_RANK", rank),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", "29500"),
+    ):
+        monkeypatch.setenv(name, value)
+
+
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 in the environment, but not RANK, LOCAL_RANK"),
+        ({"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' in the environment is not a process count"),
+        ({"WORLD_SIZE": ""}, "WORLD_SIZE='' in the environment is not a process count"),
+    ],
+)
+def test_an_environment_torchrun_did_not_make_is_named(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    env: dict[str, str],
+    says: str,
+) -> None:
+    """WORLD_SIZE left over from another job, without torchrun: one line naming it and the
+    way out, before anything is read or written (it was a traceback from the rendezvous)."""
+    import train
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert train.main(["--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {says}" in err and "launch with torchrun" in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_rank_without_a_world_is_one_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """RANK=1 alone (no WORLD_SIZE): one process, rank 0, which prints the resume notices and
+    the end-of-run sample; a rank past the world is refused."""
+    from runtime import launched_ranks
+
+    monkeypatch.setenv("RANK", "1")
+    assert launched_ranks() == (0, 1)
+    as_torchrun_rank(monkeypatch, world="2", rank="1")
+    assert launched_ranks() == (1, 2)
+    monkeypatch.setenv("RANK", "2")
+    with pytest.raises(ConfigError, match=r"RANK='2' in the environment is not a rank"):
+        launched_ranks()
+
+
 def test_torchrun_refuses_a_numbered_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """Under torchrun each rank takes GPU LOCAL_RANK: a train.device=cuda:1 that would be
     dropped without a word is an error instead (checked before any process group is joined)."""
     from config import TrainConfig
     from runtime import init_distributed
 
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("LOCAL_RANK", "0")
+    as_torchrun_rank(monkeypatch)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(ConfigError, match=r"train\.device='cuda:1': under torchrun"):
@@ -255,8 +307,7 @@ def test_torchrun_on_mps_is_refused_before_joining(monkeypatch: pytest.MonkeyPat
     import runtime
     from config import TrainConfig
 
-    for name, value in (("WORLD_SIZE", "2"), ("RANK", "0"), ("LOCAL_RANK", "0")):
-        monkeypatch.setenv(name, value)
+    as_torchrun_rank(monkeypatch)
     monkeypatch.setattr(runtime, "pick_device", lambda name, setting="": torch.device("mps"))
     joined: list[object] = []
     monkeypatch.setattr(runtime.dist, "init_process_group", lambda *a, **k: joined.append(a))
