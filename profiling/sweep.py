@@ -677,8 +677,16 @@ class Sweep:
 
 
 def _point_latest(out: Path) -> None:
-    """Point profiles/<config>/latest at out (best effort: where there are no symlinks, none)."""
+    """Point profiles/<config>/latest at out (best effort: where there are no symlinks, none).
+    A `latest` that is not a link, a file or folder someone put there, is left as it is."""
     latest = out.parent / "latest"
+    if latest.exists() and not latest.is_symlink():
+        tqdm.write(
+            f"warning: {latest} is not a link (a file or folder put there?): left as it is, "
+            f"so it does not point at this sweep, {out.name}",
+            file=sys.stderr,
+        )
+        return
     with contextlib.suppress(OSError):
         latest.unlink(missing_ok=True)
         latest.symlink_to(out.name)

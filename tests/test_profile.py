@@ -1567,6 +1567,14 @@ def test_bad_arguments_leave_no_default_output_folder(
     quick = ["--variants", "naive", "--layers", "1", "--steps", "1", "--warmup", "1", *TINY]
     assert profile_train.main(["--config", config, *quick, "--peak-seconds", "0.02"]) == 0
     assert (tmp_path / "profiles" / "profile" / "latest" / "results.json").is_file()
+    # A `latest` that is not the tool's link (a file put there) is kept, and said so
+    latest = tmp_path / "profiles" / "profile" / "latest"
+    latest.unlink()
+    latest.write_text("mine")
+    capsys.readouterr()
+    assert profile_train.main(["--config", config, *quick, "--peak-seconds", "0.02"]) == 0
+    assert latest.read_text() == "mine"
+    assert "warning: profiles/profile/latest is not a link" in capsys.readouterr().err
 
 
 def test_sweeps_started_in_the_same_second_get_folders_of_their_own(
