@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from console import is_utf8
 from model import GPTConfig
 
 CPU_LINEAR = ("auto", "onednn", "torch")  # see cpu_linear.py
@@ -373,7 +374,7 @@ def build_config(
         if field_types.get(key) is str and not isinstance(value, str):
             # --data.name=2024 or --train.sample_prompt=true: the text as typed, not a number
             value = arg.split("=", 1)[1]
-        if isinstance(value, str) and not _is_utf8(value):
+        if isinstance(value, str) and not is_utf8(value):
             raise ConfigError(f"--{section}.{key}: not valid UTF-8 text")
         raw.setdefault(section, {})[key] = value
         overridden.setdefault(section, set()).add(key)
@@ -383,15 +384,6 @@ def build_config(
         ours, theirs = overridden.get(section, set()), file_raw.get(section, {})
         built[section] = _build(hints[section], values, section, in_file, ours, theirs)
     return Config(**built)
-
-
-def _is_utf8(text: str) -> bool:
-    """False for the lone surrogates Python decodes invalid UTF-8 in argv into."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def config_diff(a: Config, b: Config) -> list[tuple[str, Any, Any]]:

@@ -24,6 +24,15 @@ def cli_path(text: str) -> Path:
     return Path(os.path.expanduser(text))
 
 
+def is_utf8(text: str) -> bool:
+    """False for the lone surrogates Python decodes invalid UTF-8 in argv into."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 class StdoutClosed(Exception):
     """stdout cannot be written to: its reader has gone (`| head`: it took what it wanted; no
     error to report), or the write failed (`> file` on a full disk: `error` says why)."""

@@ -39,7 +39,7 @@ import torch
 
 from checkpoint import describe_os_error
 from config import ConfigError, fields_help, load_config
-from console import StdoutClosed, cli_path, say, stdout_closed
+from console import StdoutClosed, cli_path, is_utf8, say, stdout_closed
 from data.meta import CORPUS_NAME, CORPUS_NAME_RULE
 from model import VARIANTS, GPTConfig, unknown_variant
 from profiling.analysis import fits_by_label
@@ -260,8 +260,12 @@ def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
         args.out = args.out or _default_out(args.config)
         if (args.out / "results.json").exists():
             raise ConfigError(f"--out {args.out} holds an earlier sweep; choose another folder")
+        if args.out.is_file():
+            raise ConfigError(f"--out {args.out} is a file; give a folder")
         if args.out.exists() and not (args.out.is_dir() and not any(args.out.iterdir())):
             raise ConfigError(f"--out {args.out} exists and is not an empty folder; choose another")
+        if not is_utf8(str(args.out)):  # the report and results.json name it
+            raise ConfigError(f"--out {str(args.out)!r}: not valid UTF-8; give another folder")
         ours, out_existed = args.out, args.out.exists()
         # The folders the sweep will make above --out: an interruption before the first cell
         # removes them too, where still empty

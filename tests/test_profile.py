@@ -767,6 +767,19 @@ def test_an_out_folder_that_cannot_be_written_is_refused_before_measuring(
     assert profile_train.main(["--variants", "naive", "--layers", "1", "--out", str(dangling)]) == 2
     err = capsys.readouterr().err
     assert f"--out {dangling} is a link to {tmp_path / 'gone'}, which does not exist" in err
+    # A file is named as one; a name that is not UTF-8 (the report names the folder) refused
+    (tmp_path / "afile").write_text("")
+    assert (
+        profile_train.main(
+            ["--variants", "naive", "--layers", "1", "--out", str(tmp_path / "afile")]
+        )
+        == 2
+    )
+    assert f"--out {tmp_path / 'afile'} is a file; give a folder" in capsys.readouterr().err
+    undecodable = os.fsdecode(bytes(tmp_path / "out") + b"\xff")
+    assert profile_train.main(["--variants", "naive", "--layers", "1", "--out", undecodable]) == 2
+    assert "not valid UTF-8; give another folder" in capsys.readouterr().err
+    assert not Path(undecodable).exists()
 
 
 def test_failing_cells_do_not_stop_the_sweep(
