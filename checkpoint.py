@@ -78,8 +78,10 @@ def write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
             os.fsync(directory)
         finally:
             os.close(directory)
-    except OSError as e:  # a failed write (a full disk) names no file: this one does
-        if e.filename is not None:
+    except OSError as e:
+        # A failed write (a full disk) names no file, and a failed rename (onto a folder of
+        # that name) names the temporary file first: the error names `path`.
+        if e.filename is not None and e.filename2 is None:
             raise
         raise OSError(e.errno, e.strerror or str(e), str(path)) from e
     finally:

@@ -1342,6 +1342,12 @@ def test_a_rewritten_file_keeps_its_mode(tmp_path: Path) -> None:
         checkpoint.write_atomically(path, full_disk)
     assert raised.value.filename == str(path), "the error names the file it was writing"
     assert path.read_bytes() == b"two" and not list(tmp_path.glob("*.tmp"))
+    # A folder where the file goes: named, not the temporary file renamed onto it
+    folder = tmp_path / "config.toml"
+    folder.mkdir()
+    with pytest.raises(IsADirectoryError) as raised:
+        checkpoint.write_atomically(folder, lambda f: f.write(b"x"))
+    assert raised.value.filename == str(folder) and not list(tmp_path.glob("*.tmp"))
 
 
 def test_a_second_process_on_a_run_in_progress_is_refused(
