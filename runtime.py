@@ -39,7 +39,7 @@ def pick_device(name: str, setting: str = "train.device") -> torch.device:
     if device is None:
         raise ConfigError(f"{setting}={name!r}: {NOT_A_DEVICE}")
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"{setting}={name!r}: CUDA is not available on this machine")
+        raise ConfigError(f"{setting}={name!r}: CUDA is not available here: {_why_no_cuda()}")
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
         raise ConfigError(
             f"{setting}={name!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
@@ -54,6 +54,19 @@ def pick_device(name: str, setting: str = "train.device") -> torch.device:
     if device.type not in ("cpu", "cuda", "mps"):
         raise ConfigError(f"{setting}={name!r}: use auto, cpu, cuda, cuda:N or mps")
     return device
+
+
+def _why_no_cuda() -> str:
+    """Why torch.cuda.is_available() is False, as far as this process can tell."""
+    if torch.version.cuda is None:
+        return (
+            f"this torch ({torch.__version__}) is a build without CUDA; on a GPU machine "
+            "install a CUDA wheel (make clean, then make without PIP_ARGS' CPU index)"
+        )
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if hidden is not None and hidden.strip() in ("", "-1"):
+        return f"CUDA_VISIBLE_DEVICES={hidden!r} hides every GPU"
+    return f"no GPU or driver found (this torch is built for CUDA {torch.version.cuda})"
 
 
 def missing_tensor_cores(dtype: str, device: torch.device) -> str | None:

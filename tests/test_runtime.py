@@ -225,6 +225,24 @@ def test_a_device_this_machine_lacks_is_a_config_error(name: str, says: str) -> 
     assert str(refused.value).startswith(f"--device={name!r}")
 
 
+def test_no_cuda_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    """train.device=cuda where CUDA is not there says why it is not, as far as torch can
+    tell: a build without CUDA (the CPU wheel on a GPU machine), GPUs hidden, or none found."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    with pytest.raises(ConfigError, match=r"cuda'.*is a build without CUDA; on a GPU machine"):
+        pick_device("cuda")
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(ConfigError, match=r"CUDA_VISIBLE_DEVICES='' hides every GPU"):
+        pick_device("cuda")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    with pytest.raises(
+        ConfigError, match=r"no GPU or driver found \(this torch is built for CUDA 12\.8\)"
+    ):
+        pick_device("cuda:1")
+
+
 def test_a_gpu_index_past_the_last_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """As on a machine with one GPU (the count is all that is read)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
