@@ -12,14 +12,6 @@ from profiling.analysis import fits_by_label
 from profiling.report import replace_file, write_report
 
 
-def write_results(
-    out: Path, meta: dict[str, Any], rows: list[dict[str, Any]], plots: bool = True
-) -> None:
-    """results.json (atomically), results.csv, summary.txt, report.md and, with `plots`, the
-    PNGs, which take most of the time (a sweep draws them once, at its end)."""
-    render_results(out, write_json(out, meta, rows), plots)
-
-
 def render_results(out: Path, results: dict[str, Any], plots: bool = True) -> None:
     """What results.json's data makes: results.csv, summary.txt, report.md and the PNGs, each
     made before any is written (see write_report)."""

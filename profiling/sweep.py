@@ -478,10 +478,7 @@ class Sweep:
         gc.collect()
         with self.other_load.counting():
             self._timed_rounds(cells)
-        excess = eager_first_step_excess(cells)
-        for cell in cells:
-            if cell.compiled:
-                cell.eager_excess_s = excess.get(cell.variant)
+        _take_eager_excess(cells)
         # Interleaving keeps every cell of a depth built at once, so one may run out of memory
         # that alone would fit: say so, rather than charge the variant with all of it.
         resident = sum(cell.status in ("ok", "oom") for cell in cells) - 1
@@ -577,6 +574,7 @@ class Sweep:
         its step times, so a stopped sweep keeps all it timed. Not "ok": no trace verified its
         backend, and rounds cut short may have timed it fewer times than the others."""
         cells, flops = self.timed or ([], (0, 0))
+        _take_eager_excess(cells)  # stopped in the rounds, before _time took it
         for cell in cells:
             if cell.step is not None and cell.status == "ok" and cell.times:
                 row = cell.row(flops, self.tokens_per_step)
@@ -674,6 +672,15 @@ class Sweep:
                     file=sys.stderr,
                 )
             self.render_failed = True
+
+
+def _take_eager_excess(cells: list[Cell]) -> None:
+    """Give each compiled cell its eager twin's first-step excess, which its compile time nets
+    out (see eager_first_step_excess)."""
+    excess = eager_first_step_excess(cells)
+    for cell in cells:
+        if cell.compiled:
+            cell.eager_excess_s = excess.get(cell.variant)
 
 
 def _point_latest(out: Path) -> None:
