@@ -294,16 +294,22 @@ def check_compatible(
             "may change on resume; to train these settings, start another run (--out)"
         )
     if ckpt["tokenizer_sha256"] != tokenizer_sha256:
-        trained = ckpt.get("config", {}).get("data", {}).get("name")
+        data = ckpt.get("config", {}).get("data", {})
+        trained, root = data.get("name"), data.get("root")
+        data_dir = Path(config.data.root) / config.data.name
+        try:
+            corpus = ckpt["corpus"]
+            again = f": {rebuild_command(data_dir, corpus['source'], corpus['settings'])}"
+        except (KeyError, TypeError, AttributeError):  # not recorded (older checkpoints)
+            again = ", from the source and with the settings the run trained on"
         if isinstance(trained, str) and trained != config.data.name:
             hint = f"; it trained on corpus '{trained}' (--data.name={trained})"
+        elif isinstance(root, str) and os.path.expanduser(root) != config.data.root:
+            hint = (
+                f"; it trained on the corpus in {Path(root) / config.data.name} (--data.root="
+                f"{root}), or make the run's in {data_dir}{again}"
+            )
         else:  # the corpus was prepared again since, with other settings or text
-            data_dir = Path(config.data.root) / config.data.name
-            try:
-                corpus = ckpt["corpus"]
-                again = f": {rebuild_command(data_dir, corpus['source'], corpus['settings'])}"
-            except (KeyError, TypeError, AttributeError):  # not recorded (older checkpoints)
-                again = ", from the source and with the settings the run trained on"
             hint = (
                 f"; {data_dir} was prepared again since the run trained on it: to resume, "
                 f"prepare it as the run's was made{again}"

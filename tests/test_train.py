@@ -1288,11 +1288,17 @@ def test_resume_on_its_corpus_prepared_again_says_how_to_make_the_runs(
     for a new run), which the checkpoint's weights refuse."""
     root = tmp_path / "root"
     prepare("tiny", files=stdlib_documents(tmp_path / "docs"), vocab_size=640, out_root=root)
-    out = copy_run(base_run, tmp_path / "run")
+    out = copy_run_trained_with(base_run, tmp_path / "run", "data", "root", str(root))
     assert run(root, out, *SHARED_OVERRIDES, "--resume") == 2
     err = error_of(capsys.readouterr().err)
     assert f"{root / 'tiny'} was prepared again since the run trained on it" in err, err
     assert "--vocab-size 512" in err and "model.vocab_size" not in err, err
+    # Given another data.root than the run's: its own corpus is named first
+    other = copy_run(base_run, tmp_path / "other")
+    assert run(root, other, *SHARED_OVERRIDES, "--resume") == 2
+    err = error_of(capsys.readouterr().err)
+    assert f"it trained on the corpus in {data_root / 'tiny'} (--data.root={data_root})" in err
+    assert f"or make the run's in {root / 'tiny'}: python data/prepare.py" in err, err
 
 
 # --- failures while training ------------------------------------------------------------------------
