@@ -58,6 +58,8 @@ def pick_device(name: str, setting: str = "train.device") -> torch.device:
 
 def _why_no_cuda() -> str:
     """Why torch.cuda.is_available() is False, as far as this process can tell."""
+    if torch.version.hip is not None:
+        return f"this torch is built for ROCm {torch.version.hip}, and finds no GPU it can use"
     if torch.version.cuda is None:
         return (
             f"this torch ({torch.__version__}) is a build without CUDA; on a GPU machine "
@@ -132,7 +134,7 @@ def launched_ranks() -> tuple[int, int]:
     if world is None:
         return 0, 1
     fix = "launch with torchrun (torchrun --nproc_per_node=N train.py ...), or unset it"
-    if not world.strip().isdigit() or int(world) < 1:
+    if not world.strip().isdecimal() or int(world) < 1:
         raise ConfigError(f"WORLD_SIZE={world!r} in the environment is not a process count: {fix}")
     if int(world) == 1:
         return 0, 1
@@ -143,7 +145,7 @@ def launched_ranks() -> tuple[int, int]:
             f"torchrun sets too: {fix}"
         )
     rank = os.environ["RANK"]
-    if not rank.strip().isdigit() or int(rank) >= int(world):
+    if not rank.strip().isdecimal() or int(rank) >= int(world):
         raise ConfigError(f"RANK={rank!r} in the environment is not a rank of WORLD_SIZE={world}")
     return int(rank), int(world)
 

@@ -76,7 +76,7 @@ def evaluate(
     model: torch.nn.Module, batches: TokenBatches, n_batches: int, amp_dtype: torch.dtype | None
 ) -> float:
     """Mean loss over the same n_batches micro-batches every time (the generator is reset),
-    over all ranks: train.py asks for eval_batches steps' worth (x grad_accum), so a config
+    over all ranks: the loop asks for eval_batches steps' worth (x grad_accum), so a config
     with global_batch_size evaluates the same windows on any number of ranks."""
     model.eval()
     batches.restart()

@@ -426,11 +426,12 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     code = main()
-    if dist.is_torchelastic_launched() and launched_ranks()[1] > 1:
-        # Under torchrun, leave without interpreter teardown: gloo's worker threads outlive
-        # destroy_process_group once DDP has run (torch 2.13), and one freeing its last job
-        # during teardown can abort the process (SIGABRT), failing a finished run.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    with contextlib.suppress(ConfigError):  # an environment main has refused: no ranks
+        if launched_ranks()[1] > 1:
+            # Under torchrun, leave without interpreter teardown: gloo's worker threads outlive
+            # destroy_process_group once DDP has run (torch 2.13), and one freeing its last
+            # job during teardown can abort the process (SIGABRT), failing a finished run.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
     sys.exit(code)

@@ -2965,7 +2965,7 @@ def batch(seed: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def sgd_step(model: GPT, micro: list[Any], clip: float) -> tuple[train.StepResult, torch.Tensor]:
+def sgd_step(model: GPT, micro: list[Any], clip: float) -> tuple[step.StepResult, torch.Tensor]:
     """train_step with SGD at lr 1: the parameters move by exactly the (clipped) gradient."""
     before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
     result = step.train_step(model, torch.optim.SGD(model.parameters(), lr=1.0), micro, clip)
