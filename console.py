@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any, TextIO
 
 
 def first_line(error: BaseException) -> str:
@@ -31,6 +32,34 @@ def is_utf8(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+class Droppable:
+    """A stream whose failed writes are dropped, not raised, and after the first, not tried:
+    for progress bars, which must not stop the work they show where stderr is gone
+    (`2>&1 | head`) or full (`2>/dev/full`)."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.failed = False
+
+    def write(self, text: str) -> int:
+        if not self.failed:
+            try:
+                self.stream.write(text)
+            except (OSError, ValueError):  # ValueError: a stream already closed
+                self.failed = True
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.failed:
+            try:
+                self.stream.flush()
+            except (OSError, ValueError):
+                self.failed = True
+
+    def __getattr__(self, name: str) -> Any:  # isatty, encoding, fileno: the stream's
+        return getattr(self.stream, name)
 
 
 class StdoutClosed(Exception):

@@ -98,7 +98,7 @@ from tqdm import tqdm
 if __package__ in (None, ""):  # run as `python data/prepare.py`: make `data.` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from console import StdoutClosed, cli_path, say, stdout_closed
+from console import Droppable, StdoutClosed, cli_path, say, stdout_closed
 from data.corpus import (
     Corpus,
     PrepareError,
@@ -501,7 +501,8 @@ def _write_tokens(tokenizer: Tokenizer, documents: "Dataset", path: Path, split:
     # The flag is not saved in tokenizer.json.
     tokenizer.encode_special_tokens = True
     n_bytes = n_tokens = 0
-    with path.open("wb") as out, tqdm(total=len(documents), desc=split, unit="doc") as bar:
+    progress = tqdm(total=len(documents), desc=split, unit="doc", file=Droppable(sys.stderr))
+    with path.open("wb") as out, progress as bar:
         for texts in _text_batches(documents):
             encodings = tokenizer.encode_batch(texts, add_special_tokens=False)
             ids = itertools.chain.from_iterable((*enc.ids, EOT_ID) for enc in encodings)

@@ -1028,7 +1028,8 @@ def test_the_prepare_hint_asks_for_the_models_vocab_where_a_tokenizer_can_have_i
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs Linux's /dev/full")
 def test_a_stdout_that_fails_costs_its_lines_not_the_corpus(corpus: Path, tmp_path: Path) -> None:
     """`> file` on a full disk: one error line and status 2; a reader that has gone (`| head`):
-    the shell's SIGPIPE status, quietly. Either way the corpus is made, whole."""
+    the shell's SIGPIPE status, quietly; a stderr gone or full costs the progress bars. Every
+    way the corpus is made, whole."""
     command = [sys.executable, str(ROOT / "data" / "prepare.py"), "--files", str(corpus / "*.txt")]
     command += ["--out-root", str(tmp_path), "--vocab-size", str(VOCAB)]
     with open("/dev/full", "w") as full:
@@ -1040,6 +1041,16 @@ def test_a_stdout_that_fails_costs_its_lines_not_the_corpus(corpus: Path, tmp_pa
     assert gone.stdout is not None
     gone.stdout.close()  # before its first line
     assert gone.wait(timeout=120) == 128 + signal.SIGPIPE
-    for name in ("full", "gone"):
+    # stderr too, where the progress bars go: `2>&1 | head`, and `2>/dev/full`
+    both = subprocess.Popen(
+        [*command, "--name", "both"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    assert both.stdout is not None
+    both.stdout.close()
+    assert both.wait(timeout=120) == 128 + signal.SIGPIPE
+    with open("/dev/full", "w") as full:
+        bars = subprocess.run([*command, "--name", "bars"], stdout=subprocess.PIPE, stderr=full)
+    assert bars.returncode == 0 and b"prepared " in bars.stdout
+    for name in ("full", "gone", "both", "bars"):
         assert _meta(tmp_path / name)["splits"]["val"]["documents"] >= 1
         assert is_complete(tmp_path / name, _meta(tmp_path / name)["content_sha256"])
