@@ -304,7 +304,7 @@ def check_compatible(
             again = ", from the source and with the settings the run trained on"
         if isinstance(trained, str) and trained != config.data.name:
             hint = f"; it trained on corpus '{trained}' (--data.name={trained})"
-        elif isinstance(root, str) and os.path.expanduser(root) != config.data.root:
+        elif isinstance(root, str) and not _same_folder(root, config.data.root):
             hint = (
                 f"; it trained on the corpus in {Path(root) / config.data.name} (--data.root="
                 f"{root}), or make the run's in {data_dir}{again}"
@@ -319,6 +319,11 @@ def check_compatible(
             f"{ckpt['tokenizer_sha256'][:12]}, corpus '{config.data.name}' has "
             f"{tokenizer_sha256[:12]}){hint}"
         )
+
+
+def _same_folder(a: str, b: str) -> bool:
+    """Whether two data.root values name one folder (relative ones from here)."""
+    return Path(os.path.expanduser(a)).resolve() == Path(os.path.expanduser(b)).resolve()
 
 
 @contextlib.contextmanager
