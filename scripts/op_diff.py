@@ -65,6 +65,8 @@ def main() -> int:
     try:
         if len(variants) != 2 or args.layers < 1:
             raise ValueError(f"--variants {args.variants} --layers {args.layers}: want a,b and 1+")
+        if variants[0] == variants[1]:
+            raise ValueError(f"--variants {args.variants}: two different variants, a,b")
         config = GPTConfig(vocab_size=512, block_size=64, n_layer=args.layers, n_head=4, n_embd=64)
         for name in variants:
             check_variant(name, "cpu", torch.float32, config.head_size)
@@ -74,10 +76,12 @@ def main() -> int:
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # no "USDT: profiler_start" lines on CPU
     a, b = (op_counts(dataclasses.replace(config, attention=v)) for v in variants)
     print(f"ATen ops in one training step at n_layer={args.layers}: {variants[0]} -> {variants[1]}")
-    for region, op in sorted(a.keys() | b.keys()):
-        if a[region, op] != b[region, op]:
-            change = b[region, op] - a[region, op]
-            print(f"  {region:9s} {op:48s} {a[region, op]:4d} -> {b[region, op]:4d}  {change:+d}")
+    differ = [key for key in sorted(a.keys() | b.keys()) if a[key] != b[key]]
+    for region, op in differ:
+        change = b[region, op] - a[region, op]
+        print(f"  {region:9s} {op:48s} {a[region, op]:4d} -> {b[region, op]:4d}  {change:+d}")
+    if not differ:
+        print("  no op count differs: the same ATen ops in every region")
     return 0
 
 

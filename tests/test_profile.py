@@ -3486,3 +3486,16 @@ def test_where_the_time_goes_on_mps_says_it_is_host_time() -> None:
     meta = {"time_categories": METHOD["time_categories"], "profile_steps": 1}
     assert not any("MPS" in line for line in where_time_goes_intro({**meta, "device": "cpu"}))
     assert "not the GPU's time" in where_time_goes_intro({**meta, "device": "mps"})[-1]
+
+
+def test_op_diff_script_refuses_one_variant_twice_and_says_when_nothing_differs() -> None:
+    """scripts/op_diff.py: naive,naive is an error, as --diff's is; two variants whose steps
+    run the same ops (sdpa picks flash here) say so rather than print a bare header."""
+    script = [sys.executable, str(ROOT / "scripts" / "op_diff.py")]
+    same = subprocess.run([*script, "--variants", "naive,naive"], capture_output=True, text=True)
+    assert same.returncode == 2 and "two different variants" in same.stderr, same.stderr
+    alike = subprocess.run(
+        [*script, "--variants", "sdpa,sdpa-flash", "--layers", "1"], capture_output=True, text=True
+    )
+    assert alike.returncode == 0, alike.stderr
+    assert "no op count differs" in alike.stdout
