@@ -130,6 +130,8 @@ class Run:
             if not self.resumed and tc.eval_interval:
                 # The untrained model's losses (about ln(vocab_size)): where the curve starts.
                 _, losses = self.eval_and_log()
+                if self.world_size == 1 and stop.received is not None:  # during it
+                    return self.stopped_before_training(stop)
                 if self.master:
                     self.bar.write(f"step 0: {losses}, before training")
             self.model.train()
@@ -181,6 +183,18 @@ class Run:
                 file=sys.stderr,
             )
         return RunEnd(self.out_dir, self.step, self.step - first_step, stopped_by)
+
+    def stopped_before_training(self, stop: StopSignal) -> RunEnd:
+        """A signal during the evaluation before the first step: stopped at once, with nothing
+        to save (a checkpoint holds the optimizer's state, which only a step makes)."""
+        stopped_by = agreed_signal(stop.received, self.device, self.world_size)
+        self.bar.close()
+        print(
+            f"stopped by {stopped_by} before the first step: nothing trained or saved; the "
+            "same command starts the run again",
+            file=sys.stderr,
+        )
+        return RunEnd(self.out_dir, self.step, 0, stopped_by)
 
     def queue_step(self, stop: StopSignal) -> Pending:
         """One training step, queued; its loss, norm and this rank's stop flag not yet read.

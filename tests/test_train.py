@@ -2200,7 +2200,10 @@ def test_resume_says_it_replaced_a_run_tokenizer_that_was_not_the_checkpoints(
 
 
 def test_a_signal_during_an_evaluation_stops_the_run_once_it_is_saved(
-    data_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    data_root: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """The evaluation under way finishes and its checkpoint is saved (the ranks evaluate
     together); one process then stops, with no step more (torchrun's ranks take one more, to
@@ -2219,6 +2222,15 @@ def test_a_signal_during_an_evaluation_stops_the_run_once_it_is_saved(
     assert [r["step"] for r in eval_lines(out)] == [0, 2]  # step 2's evaluation finished
     assert load_ckpt(out)["step"] == 2 and load_ckpt(out)["val_loss"] is not None
     assert [r["step"] for r in train_lines(out)] == [1, 2]
+    # During step 0's, before training: stopped at once, nothing to save, and the same
+    # command then starts the run
+    calls = itertools.count(2)
+    first = tmp_path / "first"
+    assert run(data_root, first, "--train.max_steps=6", "--train.eval_interval=2") == 130
+    assert "stopped by SIGINT before the first step" in capsys.readouterr().err
+    assert not train_lines(first) and not (first / checkpoint.CHECKPOINT).exists()
+    assert run(data_root, first, "--train.max_steps=6", "--train.eval_interval=2") == 0
+    assert load_ckpt(first)["step"] == 6
 
 
 def test_a_signal_during_a_step_is_in_that_steps_stop_flag(
