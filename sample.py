@@ -219,6 +219,13 @@ def sample_run(
     ids = tokenizer.encode(prompt).ids
     if not ids:
         raise SampleError("the prompt is empty; give at least one character")
+    block = config.model.block_size
+    if len(ids) > block:  # generate crops the context to it, as the model was trained
+        print(
+            f"note: the prompt is {len(ids)} tokens, and the model sees its last {block} "
+            "(model.block_size): the text before them does not shape what follows",
+            file=sys.stderr,
+        )
     first_allowed = None
     # Shown first, whole, also where healing drops its last token: Ctrl-C before the first
     # draw then keeps the prompt as typed

@@ -2318,6 +2318,20 @@ def sample_text(capsys: pytest.CaptureFixture[str], run_dir: Path, *args: str) -
     return out[:-1]
 
 
+def test_a_prompt_longer_than_the_context_is_said_to_be_cut(
+    base_run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The model sees block_size tokens: a longer prompt conditions the text on its last
+    block_size only, which a note says; it is still shown whole."""
+    long = "def f(x):\n    return x + 1\n" * 20
+    assert sample.main(["--run", str(base_run), "--prompt", long, "--tokens", "5"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith(long)
+    assert "and the model sees its last 32 (model.block_size)" in err, err
+    assert sample.main(["--run", str(base_run), "--prompt", "def ", "--tokens", "5"]) == 0
+    assert "model.block_size" not in capsys.readouterr().err
+
+
 def test_sample_starts_with_the_prompt_and_is_seeded(
     base_run: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
