@@ -152,6 +152,22 @@ def run_lock(out_dir: Path) -> Iterator[None]:
         yield
 
 
+def training_pid(out_dir: Path) -> str | None:
+    """The pid of a process training in `out_dir` now (holding its lock), or None."""
+    try:
+        f = open(out_dir / ".lock")  # noqa: SIM115 (closed below)
+    except OSError:  # no lock file: no run has trained there, or not this project's
+        return None
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)  # released as the file closes
+        except BlockingIOError:
+            return f.read().strip() or "?"
+        except OSError:  # a filesystem without locks: cannot tell
+            return None
+    return None
+
+
 def lock_run_dir(
     held: contextlib.ExitStack,
     out_dir: Path,

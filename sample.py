@@ -46,7 +46,7 @@ from config import DTYPES, Config, ConfigError, build_config, missing_fields, re
 from console import StdoutClosed, cli_path, say, stdout_closed
 from data.meta import EOT, file_sha256
 from model import GPT, VARIANTS
-from rundir import MAKE_TRAIN_RUN
+from rundir import MAKE_TRAIN_RUN, training_pid
 from runtime import (
     VariantUnavailable,
     autocast,
@@ -116,7 +116,13 @@ def load_run(
             f"{run_dir} has no tokenizer.json; is it a run directory written by train.py?"
         )
     ckpt_path = run_dir / CHECKPOINT
-    if not ckpt_path.exists():  # a run stopped before its first checkpoint
+    if not ckpt_path.exists():  # a run stopped before its first checkpoint, or not there yet
+        pid = training_pid(run_dir)
+        if pid is not None:
+            raise SampleError(
+                f"no checkpoint at {ckpt_path} yet: the run is training (pid {pid}) and saves "
+                "one at each evaluation (train.eval_interval) and at its end; sample it then"
+            )
         raise SampleError(f"no checkpoint at {ckpt_path}; {_train_first(run_dir)}")
     ckpt = load_checkpoint(ckpt_path, needs=("model",))  # the rest is resuming's
     config_path = run_dir / "config.toml"
