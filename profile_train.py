@@ -48,6 +48,7 @@ from profiling.findings import diff_text
 from profiling.method import MIN_TIMED_STEPS
 from profiling.results import render_results
 from profiling.sweep import COMPILE_MODES, Sweep, SweepOptions
+from rundir import lock_holder
 from runtime import (
     SignalScope,
     autocast_dtype,
@@ -425,6 +426,12 @@ def _load_results(folder: Path, flag: str) -> dict:
         raise ConfigError(
             f"{flag} {folder}: a file, not a folder; give the sweep's folder"
             + (f" ({folder.parent})" if folder.name == "results.json" else "")
+        )
+    running = lock_holder(folder)
+    if running is not None:  # its files are rewritten after every cell, and it has not ended
+        raise ConfigError(
+            f"{flag} {folder}: a sweep (pid {running}) is still writing there; its report.md "
+            "is redrawn after every cell: read that, or wait for it to end"
         )
     if not path.is_file():
         raise ConfigError(f"{flag} {folder}: no results.json there")

@@ -152,11 +152,38 @@ def run_lock(out_dir: Path) -> Iterator[None]:
         yield
 
 
-def training_pid(out_dir: Path) -> str | None:
-    """The pid of a process training in `out_dir` now (holding its lock), or None."""
+@contextlib.contextmanager
+def sweep_lock(out: Path) -> Iterator[None]:
+    """Hold `out`/.lock while a sweep writes there: a second sweep given the same --out is
+    refused, and --report or --compare know that one is still running. Removed at the end."""
+    lock = out / ".lock"
+    with open(lock, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            raise ConfigError(
+                f"--out {out}: another sweep (pid {f.read().strip() or '?'}) is writing there; "
+                "give this one another folder"
+            ) from None
+        except OSError:  # a filesystem without locks: nothing to hold
+            pass
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        try:
+            yield
+        finally:
+            lock.unlink(missing_ok=True)
+
+
+def lock_holder(folder: Path) -> str | None:
+    """The pid of a process holding `folder`/.lock now (training there, or a sweep writing
+    its results), or None."""
     try:
-        f = open(out_dir / ".lock")  # noqa: SIM115 (closed below)
-    except OSError:  # no lock file: no run has trained there, or not this project's
+        f = open(folder / ".lock")  # noqa: SIM115 (closed below)
+    except OSError:  # no lock file: nothing has held it, or not this project's folder
         return None
     with f:
         try:

@@ -46,7 +46,7 @@ from config import DTYPES, Config, ConfigError, build_config, missing_fields, re
 from console import StdoutClosed, cli_path, say, stdout_closed
 from data.meta import EOT, file_sha256
 from model import GPT, VARIANTS
-from rundir import MAKE_TRAIN_RUN, training_pid
+from rundir import MAKE_TRAIN_RUN, lock_holder
 from runtime import (
     VariantUnavailable,
     autocast,
@@ -117,7 +117,7 @@ def load_run(
         )
     ckpt_path = run_dir / CHECKPOINT
     if not ckpt_path.exists():  # a run stopped before its first checkpoint, or not there yet
-        pid = training_pid(run_dir)
+        pid = lock_holder(run_dir)
         if pid is not None:
             raise SampleError(
                 f"no checkpoint at {ckpt_path} yet: the run is training (pid {pid}) and saves "

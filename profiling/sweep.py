@@ -62,6 +62,7 @@ from profiling.measure import (
 from profiling.method import METHOD, MIN_TIMED_STEPS, PROFILE_LEAD_STEPS, STARTUP
 from profiling.progress import Progress
 from profiling.results import render_results, write_json
+from rundir import sweep_lock
 from runtime import (
     autocast_dtype,
     pick_device,
@@ -273,6 +274,12 @@ class Sweep:
     # --- the sweep ------------------------------------------------------------------------------
 
     def run(self, variants: list[str], layers: list[int], compile_modes: list[bool]) -> None:
+        self._make_out()
+        with sweep_lock(self.out):
+            self._run(variants, layers, compile_modes)
+
+    def _make_out(self) -> None:
+        """The --out folder, made, and checked writable before anything is measured."""
         try:
             # A default folder is this sweep's alone: one started in the same second may have
             # taken the name since main chose it.
@@ -291,6 +298,8 @@ class Sweep:
             tempfile.TemporaryFile(dir=self.out).close()
         except OSError as e:
             raise ConfigError(f"--out {self.out}: cannot write there ({e.strerror})") from None
+
+    def _run(self, variants: list[str], layers: list[int], compile_modes: list[bool]) -> None:
         self.other_load = OtherLoad(running=False)  # counts in the timed rounds only
         print(
             f"measuring the {self.dtype_name} matmul peak of {self.meta['device_name']} ...",

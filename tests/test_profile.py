@@ -32,7 +32,7 @@ from torch.autograd import DeviceType
 
 import profile_train
 import runtime
-from config import load_config
+from config import ConfigError, load_config
 from cpu_linear import onednn_unavailable_reason
 from host import OtherLoad
 from model import GPT, attention
@@ -3499,3 +3499,25 @@ def test_op_diff_script_refuses_one_variant_twice_and_says_when_nothing_differs(
     )
     assert alike.returncode == 0, alike.stderr
     assert "no op count differs" in alike.stdout
+
+
+def test_a_running_sweep_holds_its_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A second sweep racing for the same --out is refused, not let replace the first one's
+    rows; --report and --compare on a sweep still running say so, rather than call it
+    stopped and redraw its files under it. The lock goes when the sweep ends."""
+    from rundir import sweep_lock
+
+    rc, _ = sweep(tmp_path, "--variants", "naive", "--layers", "1", "--no-traces")
+    assert rc == 0 and not (tmp_path / "sweep" / ".lock").exists()
+    running = tmp_path / "sweep"
+    other = shutil.copytree(running, tmp_path / "other")
+    with sweep_lock(running):
+        refused = pytest.raises(ConfigError, match=r"another sweep \(pid \d+\) is writing there")
+        with refused, sweep_lock(running):
+            pass
+        for flag in (["--report", str(running)], ["--compare", str(other), str(running)]):
+            assert profile_train.main(flag) == 2
+            assert "is still writing there" in capsys.readouterr().err
+    assert profile_train.main(["--report", str(running)]) == 0

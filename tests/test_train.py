@@ -2741,7 +2741,7 @@ def test_sample_from_a_missing_dir_or_a_file_says_so(
         assert sample.main(["--run", str(started)]) == 2
     err = error_of(capsys.readouterr().err)
     assert f"yet: the run is training (pid {os.getpid()})" in err and "train it" not in err
-    assert rundir.training_pid(started) is None  # the lock went with the run
+    assert rundir.lock_holder(started) is None  # the lock went with the run
     # A corpus folder has a tokenizer.json too: not a run, and no command that trains there
     assert sample.main(["--run", str(data_root / "tiny")]) == 2
     err = error_of(capsys.readouterr().err)
