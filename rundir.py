@@ -15,7 +15,7 @@ import shlex
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
@@ -126,29 +126,18 @@ def run_lock(out_dir: Path) -> Iterator[None]:
     except OSError as e:  # a read-only directory, another user's lock file
         raise RunDirError(f"--out {out_dir}: cannot write there ({e.strerror})") from None
     with f:
-        unlocked = None
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            pid = f.read().strip() or "?"
+        holder, unlocked = _take_lock(f)
+        if holder is not None:
             raise RunDirError(
-                f"another process (pid {pid}) is training in {out_dir}; let it finish (or stop "
-                "it), or give this run another --out"
-            ) from None
-        except OSError as e:  # a filesystem without locks (NFS mounted nolock, some FUSE)
-            unlocked = e.strerror
+                f"another process (pid {holder}) is training in {out_dir}; let it finish (or "
+                "stop it), or give this run another --out"
+            )
         if unlocked is not None:
             print(
                 f"warning: cannot lock {out_dir} ({unlocked}): nothing stops a second process "
                 "from training into it meanwhile",
                 file=sys.stderr,
             )
-        else:
-            f.seek(0)
-            f.truncate()
-            f.write(f"{os.getpid()}\n")
-            f.flush()
         yield
 
 
@@ -158,24 +147,34 @@ def sweep_lock(out: Path) -> Iterator[None]:
     refused, and --report or --compare know that one is still running. Removed at the end."""
     lock = out / ".lock"
     with open(lock, "a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
+        holder, _ = _take_lock(f)  # on a filesystem without locks, nothing to hold
+        if holder is not None:
             raise ConfigError(
-                f"--out {out}: another sweep (pid {f.read().strip() or '?'}) is writing there; "
-                "give this one another folder"
-            ) from None
-        except OSError:  # a filesystem without locks: nothing to hold
-            pass
-        f.seek(0)
-        f.truncate()
-        f.write(f"{os.getpid()}\n")
-        f.flush()
+                f"--out {out}: another sweep (pid {holder}) is writing there; give this one "
+                "another folder"
+            )
         try:
             yield
         finally:
             lock.unlink(missing_ok=True)
+
+
+def _take_lock(f: TextIO) -> tuple[str | None, str | None]:
+    """Take the exclusive lock on the open lock file `f` and write this process's pid in it.
+    Returns the pid of the process holding it instead, and why it cannot be locked at all (a
+    filesystem without locks: NFS mounted nolock, some FUSE); both None once it is held."""
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        return f.read().strip() or "?", None
+    except OSError as e:
+        return None, e.strerror
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return None, None
 
 
 def lock_holder(folder: Path) -> str | None:
