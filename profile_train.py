@@ -46,7 +46,7 @@ from profiling.analysis import fits_by_label
 from profiling.compare import comparable, compare_text
 from profiling.findings import diff_text
 from profiling.method import MIN_TIMED_STEPS
-from profiling.results import render_results
+from profiling.results import render_results, results_problem
 from profiling.sweep import COMPILE_MODES, Sweep, SweepOptions
 from rundir import lock_holder
 from runtime import (
@@ -445,6 +445,9 @@ def _load_results(folder: Path, flag: str) -> dict:
         raise ConfigError(
             f"{path} has no rows: no cell was measured, so there is nothing to report"
         )
+    problem = results_problem(results)
+    if problem is not None:
+        raise ConfigError(f"{path}: {problem}; was it edited by hand?")
     return results
 
 

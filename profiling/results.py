@@ -5,10 +5,11 @@ from __future__ import annotations
 import csv
 import io
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from profiling.analysis import fits_by_label
+from profiling.analysis import fits_by_label, label
 from profiling.report import replace_file, write_report
 
 
@@ -23,6 +24,161 @@ def write_json(out: Path, meta: dict[str, Any], rows: list[dict[str, Any]]) -> d
     results = {"meta": meta, "rows": rows, "fits": fits_by_label(rows)}
     replace_file(out / "results.json", json.dumps(results, indent=1))
     return results
+
+
+# A field's check: None where its value is what the report reads, else what is wrong: where
+# below the field (e.g. ".p90", or "" for the field itself), the value there, what it should be.
+Problem = tuple[str, Any, str]
+_ABSENT = object()  # the value of a field that is not there
+Check = Callable[[Any], Problem | None]
+
+
+def _is(what: str, holds: Callable[[Any], bool]) -> Check:
+    return lambda v: None if holds(v) else ("", v, what)
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _below(key: object, problem: Problem | None) -> Problem | None:
+    where = f"[{key}]" if isinstance(key, int) else f".{key}"  # a list's index, or a field
+    return problem and (where + problem[0], problem[1], problem[2])
+
+
+def _each(check: Check, what: str = "an object") -> Check:
+    """An object (a list, with `what` "a list") whose every value passes `check`."""
+    kind = list if what == "a list" else dict
+
+    def each(v: Any) -> Problem | None:
+        if not isinstance(v, kind):
+            return "", v, what
+        items = enumerate(v) if kind is list else v.items()
+        return next(filter(None, (_below(k, check(x)) for k, x in items)), None)
+
+    return each
+
+
+def _fields(checks: dict[str, Check]) -> Check:
+    """An object with these fields, each passing its check."""
+
+    def fields(v: Any) -> Problem | None:
+        if not isinstance(v, dict):
+            return "", v, f"an object with {', '.join(checks)}"
+        missing = [k for k in checks if k not in v]
+        if missing:
+            return f".{missing[0]}", _ABSENT, ""
+        return next(filter(None, (_below(k, c(v[k])) for k, c in checks.items())), None)
+
+    return fields
+
+
+_TEXT = _is("text", lambda v: isinstance(v, str))
+_NUMBER = _is("a number", _number)
+_COUNT = _is("a whole number", _count)
+_BY_NAME = _each(_NUMBER)
+
+# What the report reads of a row, and what each field must hold; any may be null but the
+# first four. Those down to kernels_per_step are the contract's: every row has them. The rest
+# came later, and a sweep written before them lacks them.
+ROW_FIELDS: dict[str, Check] = {
+    "variant": _TEXT,
+    "n_layer": _is("a whole number of 1 or more", lambda v: _count(v) and v >= 1),
+    "compile": _is("true or false", lambda v: isinstance(v, bool)),
+    "status": _TEXT,
+    "reason": _TEXT,
+    "step_ms": _fields({"median": _NUMBER, "p10": _NUMBER, "p90": _NUMBER, "n": _COUNT}),
+    "tokens_per_s": _NUMBER,
+    "mfu": _NUMBER,
+    "peak_mem_bytes": _NUMBER,
+    "compile_s": _NUMBER,
+    "ops_per_step": _each(_BY_NAME),  # by region, then by op
+    "kernels_per_step": _each(_BY_NAME),
+    "label": _TEXT,
+    "times_ms": _each(_NUMBER, "a list"),
+    "flops_per_step": _NUMBER,
+    "attention_flops_per_step": _NUMBER,
+    "compile_cache": _TEXT,
+    "first_step_ms": _NUMBER,
+    "eager_excess_s": _NUMBER,
+    "backend": _TEXT,
+    "kernels_unattributed_per_step": _BY_NAME,
+    "page_faults_per_step": _NUMBER,
+    "compiles_while_timed": _COUNT,
+    "allocator_calls_per_step": _NUMBER,
+    "alloc_retries": _COUNT,
+    "cpu_ms_per_step": _BY_NAME,
+    "device_ms_per_step": _BY_NAME,
+    "time_split": _BY_NAME,
+    "trace": _TEXT,
+}
+_IN_EVERY_ROW = list(ROW_FIELDS)[: list(ROW_FIELDS).index("kernels_per_step") + 1]
+_NEVER_NULL = _IN_EVERY_ROW[:4]
+# What the report reads of meta in every sweep: the contract's fields, the command and steps
+META_FIELDS: dict[str, Check] = {
+    "device": _TEXT,
+    "device_name": _TEXT,
+    "torch_version": _TEXT,
+    "dtype": _TEXT,
+    "config": _is("an object", lambda v: isinstance(v, dict)),
+    "peak_flops": _is("a number above 0", lambda v: _number(v) and v > 0),
+    "started_at": _TEXT,
+    "command": _TEXT,
+    "steps": _COUNT,
+}
+
+
+def results_problem(results: dict[str, Any]) -> str | None:
+    """What in a results.json the report cannot read (a file edited by hand, or a bug), named
+    by its place, e.g. 'rows[3] (naive L2): step_ms.p90 is "fast", not a number'; None if
+    nothing. Two rows of one cell are a problem too: the tables would show only one of them."""
+    meta, rows = results["meta"], results["rows"]
+    for field, check in META_FIELDS.items():
+        if field not in meta:
+            return f"meta has no {field!r}"
+        if problem := check(meta[field]):
+            return _wrong(f"meta.{field}", problem)
+    if not isinstance(rows, list):
+        return f"rows is {_shown(rows)}, not a list"
+    cells: dict[tuple[str, int, bool], int] = {}
+    for i, row in enumerate(rows):
+        where = f"rows[{i}]"
+        if not isinstance(row, dict):
+            return f"{where} is {_shown(row)}, not an object"
+        for field, check in ROW_FIELDS.items():
+            if field not in row:
+                if field in _IN_EVERY_ROW:
+                    return f"{where} has no {field!r}"
+                continue
+            if row[field] is None and field not in _NEVER_NULL:
+                continue
+            if problem := check(row[field]):
+                return f"{where}: {_wrong(field, problem)}"
+            if field == "compile":  # the cell is known: named from here on
+                where += f" ({label(row['variant'], row['compile'])} L{row['n_layer']})"
+        if row["status"] == "ok" and row["step_ms"] is None:
+            return f"{where}: status is 'ok' but step_ms is null"
+        cell = (row["variant"], row["n_layer"], row["compile"])
+        if cell in cells:
+            return f"rows[{cells[cell]}] and {where} measure the same cell"
+        cells[cell] = i
+    return None
+
+
+def _wrong(field: str, problem: Problem) -> str:
+    below, value, what = problem
+    if value is _ABSENT:
+        return f"{field}{below} is missing"
+    return f"{field}{below} is {_shown(value)}, not {what}"
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _csv_text(rows: list[dict[str, Any]]) -> str:

@@ -22,6 +22,7 @@ import sys
 import time
 import weakref
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from unittest.mock import Mock
 
@@ -46,6 +47,7 @@ from profiling.analysis import (
 )
 from profiling.cells import Cell
 from profiling.measure import count_flops, parse_events, verify_backend
+from profiling.results import results_problem
 from profiling.sweep import KEPT_ON_WRONG_BACKEND, Sweep
 from profiling.tables import headline_table, paired_table
 from runtime import BACKEND_OPS
@@ -1135,42 +1137,86 @@ def test_damaged_results_json_is_an_error_not_a_traceback(
         ('{"meta": {', "not valid JSON"),
         ("[1, 2]", "no 'meta'"),
         ('{"meta": {}, "rows": []}', "no rows"),
-        ('{"meta": {}, "rows": [{}]}', "lacks what the report reads (KeyError: "),
-        ('{"meta": {}, "rows": [1, 2]}', "lacks what the report reads (AttributeError: "),
+        ('{"meta": {}, "rows": [{}]}', "results.json: meta has no 'device'; was it edited by"),
     ]:
         (tmp_path / "results.json").write_text(text)
         assert profile_train.main(["--report", str(tmp_path)]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and expect in err and "results.json" in err, err
-        if "lacks" in expect:  # the line that failed: a bug here is not taken for damage
-            assert re.search(r", at \w+\.py:\d+\): was it edited by hand\? If not, that", err)
     # Not a folder at all: said so, not "no results.json there"
     results = tmp_path / "results.json"
-    for flag in (["--report"], ["--compare", str(tmp_path)]):
-        assert profile_train.main([*flag, str(tmp_path / "gone")]) == 2
+    for flag, then in (("--report", []), ("--compare", [str(tmp_path)])):  # named first
+        assert profile_train.main([flag, str(tmp_path / "gone"), *then]) == 2
         assert f"{tmp_path / 'gone'}: no such folder" in capsys.readouterr().err
-        assert profile_train.main([*flag, str(results)]) == 2
+        assert profile_train.main([flag, str(results), *then]) == 2
         err = capsys.readouterr().err
         assert f"{results}: a file, not a folder; give the sweep's folder ({tmp_path})" in err
 
 
+@pytest.mark.parametrize(
+    "edit, said",
+    [
+        (
+            lambda r: r["rows"][3]["step_ms"].update(p90="12"),
+            'rows[3] (naive L2): step_ms.p90 is "12", not a number',
+        ),
+        (lambda r: r["rows"][-1].update(mfu="x"), 'rows[8] (sdpa-math L3): mfu is "x", not a'),
+        (lambda r: r["rows"][0].update(step_ms=None), "rows[0] (naive L1): status is 'ok' but"),
+        (lambda r: r["rows"][2].pop("status"), "rows[2] (sdpa-math L1) has no 'status'"),
+        (lambda r: r["rows"][2].update(compile="no"), 'rows[2]: compile is "no", not true or'),
+        (lambda r: r["rows"][1].update(n_layer=0), "rows[1]: n_layer is 0, not a whole number"),
+        (lambda r: r["rows"][4]["step_ms"].pop("n"), "rows[4] (inplace L2): step_ms.n is missing"),
+        (
+            lambda r: r["rows"][0]["ops_per_step"]["forward"].update({"aten::mm": None}),
+            "rows[0] (naive L1): ops_per_step.forward.aten::mm is null, not a number",
+        ),
+        (lambda r: r["rows"].append(r["rows"][4]), "rows[4] and rows[9] (inplace L2) measure the"),
+        (lambda r: r["rows"][5]["times_ms"].__setitem__(2, None), "times_ms[2] is null, not a"),
+        (lambda r: r["meta"].pop("peak_flops"), "meta has no 'peak_flops'"),
+        (lambda r: r["meta"].update(steps=2.5), "meta.steps is 2.5, not a whole number"),
+        # Past the check: the report's own reading, whose failing line is named
+        (lambda r: r["meta"].update(config={}), "lacks what the report reads (KeyError: 'model'"),
+    ],
+)
 def test_a_report_that_cannot_be_rendered_leaves_the_sweeps_files_as_they_were(
-    naive_vs_inplace: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    naive_vs_inplace: dict,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    edit: Callable[[dict], object],
+    said: str,
 ) -> None:
-    """A row edited by hand into what the report cannot format: every text is made before any
-    file is written, so results.csv, summary.txt and report.md still agree with each other."""
+    """A results.json edited by hand into what the report cannot read: the error names the row
+    and field, and every file but results.json is left as it was."""
     out = Path(shutil.copytree(naive_vs_inplace["meta"]["out"], tmp_path / "sweep"))
     results = json.loads((out / "results.json").read_text())
     assert profile_train.main(["--report", str(out)]) == 0
+    capsys.readouterr()
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
-    results["rows"][-1]["mfu"] = "x"
+    edit(results)
     (out / "results.json").write_text(json.dumps(results))
-    assert profile_train.main(["--report", str(out)]) == 2
-    assert "lacks what the report reads" in capsys.readouterr().err
+    runs = [["--report", str(out)]]
+    if "lacks" not in said:  # --diff reads no config: only the check stops it
+        runs.append(["--report", str(out), "--diff", "naive,inplace"])
+    for argv in runs:
+        assert profile_train.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {out / 'results.json'}") and said in err, err
+        if "lacks" in said:  # the line that failed: a bug here is not taken for damage
+            assert re.search(r", at \w+\.py:\d+\): was it edited by hand\? If not, that", err)
+        else:
+            assert err.endswith("; was it edited by hand?\n"), err
     after = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
     assert {k: v for k, v in after.items() if k != "results.json"} == {
         k: v for k, v in before.items() if k != "results.json"
     }
+
+
+def test_every_published_results_json_passes_the_check() -> None:
+    """The check reads the sweeps written before its fields were added, as the report does."""
+    published = sorted(Path(__file__).parent.parent.glob("docs/results/**/results.json"))
+    assert len(published) >= 11
+    for path in published:
+        assert results_problem(json.loads(path.read_text())) is None, path
 
 
 @pytest.mark.parametrize("flag", ["--variants=naive,sdpa,naive", "--layers=1,2,1"])
@@ -1977,7 +2023,7 @@ def test_compare_reads_the_savings_of_several_sweeps(
         (folders[1] / "results.json").write_text(json.dumps(damaged))
         assert profile_train.main(["--compare", *map(str, folders)]) == 2
         err = capsys.readouterr().err
-        assert f"{folders[1] / 'results.json'} lacks what the report reads" in err, edit
+        assert err.startswith(f"error: {folders[1] / 'results.json'}: "), err
 
 
 def test_tf32_off_cuda_is_refused_before_anything_is_written(
