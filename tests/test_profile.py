@@ -1171,7 +1171,7 @@ def test_damaged_results_json_is_an_error_not_a_traceback(
             "rows[0] (naive L1): ops_per_step.forward.aten::mm is null, not a number",
         ),
         (lambda r: r["rows"].append(r["rows"][4]), "rows[4] and rows[9] (inplace L2) measure the"),
-        (lambda r: r["rows"][5]["times_ms"].__setitem__(2, None), "times_ms[2] is null, not a"),
+        (lambda r: r["rows"][5]["times_ms"].__setitem__(0, None), "times_ms[0] is null, not a"),
         (lambda r: r["meta"].pop("peak_flops"), "meta has no 'peak_flops'"),
         (lambda r: r["meta"].update(steps=2.5), "meta.steps is 2.5, not a whole number"),
         # Past the check: the report's own reading, whose failing line is named
