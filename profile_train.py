@@ -240,7 +240,7 @@ def sweep_options(
 
 def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
     args, overrides = parse_args(argv)
-    ours: Path | None = None  # --out once known to be new or empty: what it holds is this sweep's
+    sweep: Sweep | None = None
     out_existed = default_out = False
     made_above: list[Path] = []
     try:
@@ -267,7 +267,7 @@ def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
             raise ConfigError(f"--out {args.out} exists and is not an empty folder; choose another")
         if not is_utf8(str(args.out)):  # the report and results.json name it
             raise ConfigError(f"--out {str(args.out)!r}: not valid UTF-8; give another folder")
-        ours, out_existed = args.out, args.out.exists()
+        out_existed = args.out.exists()
         # The folders the sweep will make above --out: an interruption before the first cell
         # removes them too, where still empty
         made_above = [p for p in args.out.parents if not p.exists()]
@@ -305,8 +305,11 @@ def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
         )
         return 2
     except KeyboardInterrupt as stop:
-        if args.out is not None and (args.out / "results.json").exists():
-            print(f"interrupted; the cells measured so far are in {args.out}", file=sys.stderr)
+        # Only once this sweep held --out is what is there its own; before, it may be another
+        # sweep's, given the same --out a moment earlier.
+        ours = args.out if sweep is not None and sweep.held_out else None
+        if ours is not None and (ours / "results.json").exists():
+            print(f"interrupted; the cells measured so far are in {ours}", file=sys.stderr)
         elif ours is not None and ours.is_dir():
             # What is in it now is this sweep's (traces, no results); a folder the user made
             # stays, emptied.

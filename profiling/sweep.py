@@ -143,6 +143,9 @@ class Sweep:
         if options.host_memory == "keep" and self.device.type == "cpu" and keep_freed_host_memory():
             self.host_memory = "keep"
         self.out = options.out
+        # Set once this sweep holds --out: what is there from then on is its own. Before, it
+        # may be another sweep's, started a moment earlier with the same --out.
+        self.held_out = False
         # Raises if a Ctrl-C or SIGTERM arrived, in case Python dropped the exception its
         # handler raised. Called before every step.
         self.raise_if_interrupted = raise_if_interrupted
@@ -276,6 +279,7 @@ class Sweep:
     def run(self, variants: list[str], layers: list[int], compile_modes: list[bool]) -> None:
         self._make_out()
         with sweep_lock(self.out):
+            self.held_out = True
             self._run(variants, layers, compile_modes)
 
     def _make_out(self) -> None:

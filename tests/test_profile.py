@@ -8,6 +8,7 @@ import csv
 import dataclasses
 import datetime as dt
 import errno
+import fcntl
 import gzip
 import itertools
 import json
@@ -1051,6 +1052,32 @@ def test_ctrl_c_before_any_cell_leaves_no_half_sweep(
     assert not made_by_user or not any(out.iterdir())
     assert (tmp_path / "runs").is_dir(), "a folder that was there before stays"
     assert (tmp_path / "runs" / "new").exists() == made_by_user
+
+
+def test_ctrl_c_before_a_sweep_holds_its_out_leaves_another_sweeps_files_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two sweeps given one new --out a moment apart: the second, interrupted while it sets up
+    (probing its variants), has written nothing there, so it removes nothing of the first's."""
+    out = tmp_path / "sweep"
+    held = []
+
+    class Interrupted(Sweep):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            # Meanwhile the first sweep made the folder, holds it and wrote a trace
+            (out / "traces").mkdir(parents=True)
+            held.append(open(out / ".lock", "a+"))  # noqa: SIM115 (closed below)
+            fcntl.flock(held[0], fcntl.LOCK_EX | fcntl.LOCK_NB)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(profile_train, "Sweep", Interrupted)
+    try:
+        rc = profile_train.main(["--out", str(out), "--variants", "naive", "--layers", "1", *TINY])
+    finally:
+        held[0].close()
+    assert rc == 130
+    assert (out / "traces").is_dir() and (out / ".lock").is_file()
+    assert capsys.readouterr().err.splitlines()[-1] == "interrupted"
 
 
 def test_ctrl_c_before_any_cell_of_a_default_folder_sweep_leaves_no_profiles_folder(
