@@ -389,7 +389,7 @@ def unavailable_reason(
             ) as trace:
                 with torch.set_grad_enabled(backward):
                     out = variant.fn(q, k, v, mask, dropout_p)
-                if backward:
+                if backward and _same_shape(out, q):  # else said below
                     out.sum().backward()
         except (RuntimeError, NotImplementedError, ValueError) as e:
             # torch explains why a pinned kernel refused the inputs in warnings; keep them,
@@ -401,6 +401,16 @@ def unavailable_reason(
             ]
             first = " ".join(first_line(e).split())
             return "; ".join(part.rstrip(".") for part in [first, *why]).replace(":; ", ": ")
+    if not _same_shape(out, q):  # the model would view a (B, T, H, D) y as (B, T, C) silently
+        got = (
+            f"a tensor of shape {tuple(out.shape)}"
+            if isinstance(out, torch.Tensor)
+            else f"a {type(out).__name__}"
+        )
+        return (
+            f"it returns {got} for q, k, v of shape {tuple(q.shape)}; every variant returns "
+            "y of q's shape, (B, H, T, D)"
+        )
     if traced and variant.backend is not None:
         ran = {event.name for event in trace.events()}
         if not ran.intersection(BACKEND_OPS[variant.backend.name]):
@@ -410,6 +420,10 @@ def unavailable_reason(
                 f"it ran {', '.join(sdpa) or 'no SDPA op'} instead"
             )
     return None
+
+
+def _same_shape(out: object, q: torch.Tensor) -> bool:
+    return isinstance(out, torch.Tensor) and out.shape == q.shape
 
 
 def check_variant(

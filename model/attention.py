@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeAlias
@@ -158,6 +159,21 @@ class Variant:
     forward_off_cuda: bool = False  # its forward alone runs off CUDA all the same
     # Builds the variant's own mask for (T, device); None: the model's boolean causal mask.
     make_mask: Callable[[int, torch.device], Mask] | None = None
+
+    def __post_init__(self) -> None:
+        # A function that cannot take the one signature fails where it is registered, naming
+        # itself, not at its first call deep in a training step.
+        try:
+            signature = inspect.signature(self.fn)
+        except (TypeError, ValueError):  # a callable whose signature Python cannot read
+            return
+        try:
+            signature.bind("q", "k", "v", "mask", 0.0)
+        except TypeError as e:
+            raise TypeError(
+                f"attention variant {self.name!r}: {getattr(self.fn, '__name__', 'fn')}"
+                f"{signature} cannot be called as fn(q, k, v, mask, dropout_p) ({e})"
+            ) from None
 
 
 VARIANTS: dict[str, Variant] = {

@@ -16,9 +16,14 @@ from model.attention import inplace, naive
 from model.sampling import next_token, nucleus
 from runtime import VariantUnavailable, available_variants, check_variant, unavailable_reason
 
-CPU_F64 = available_variants("cpu", torch.float64, head_size=8)
-AGAINST_NAIVE = [v for v in CPU_F64 if v != "naive"]  # naive against itself proves nothing
-CPU_F32 = available_variants("cpu", torch.float32, head_size=8)
+# What the registry says runs on the CPU: every variant without a reason it cannot. Read from
+# the registry, not by running each (available_variants): a new variant that raises must fail
+# these tests, not be left out of them as one the CPU cannot run.
+OFF_CUDA = [name for name, v in VARIANTS.items() if not v.cuda_only_reason]
+AGAINST_NAIVE = [v for v in OFF_CUDA if v != "naive"]  # naive against itself proves nothing
+# Those whose dropout runs on the CPU, by running them: it depends on the device (the CPU's
+# flash kernel has none, CUDA's has)
+WITH_DROPOUT = available_variants("cpu", torch.float32, head_size=8, dropout_p=0.5)
 SHAPES = [(1, 1), (2, 17), (3, 40), (2, 64)]  # (B, T): T=1, T not a multiple of 16, B > 1
 
 
@@ -39,7 +44,13 @@ def twin_models(variant: str, dtype: torch.dtype, **overrides) -> tuple[GPT, GPT
 
 def test_cpu_runs_what_it_should() -> None:
     # If this changes, a torch upgrade changed what CPU can do: the docs must follow.
-    assert CPU_F32 == ["naive", "inplace", "sdpa", "sdpa-math", "sdpa-flash"]
+    assert available_variants("cpu", torch.float32, head_size=8) == [
+        "naive",
+        "inplace",
+        "sdpa",
+        "sdpa-math",
+        "sdpa-flash",
+    ]
     assert set(VARIANTS) == {
         "naive",
         "inplace",
@@ -78,7 +89,7 @@ def test_variant_matches_naive_other_head_counts(variant: str, n_head: int) -> N
     torch.testing.assert_close(other(idx)[0], reference(idx)[0], rtol=1e-9, atol=1e-10)
 
 
-@pytest.mark.parametrize("variant", CPU_F32)
+@pytest.mark.parametrize("variant", OFF_CUDA)
 def test_causal(variant: str) -> None:
     torch.manual_seed(0)
     model = GPT(tiny_config(variant)).eval()
@@ -130,7 +141,7 @@ def test_hidden_copy_in_a_training_step(n_layer: int) -> None:
     assert extra == n_layer
 
 
-@pytest.mark.parametrize("variant", available_variants("cpu", torch.float32, 8, dropout_p=0.5))
+@pytest.mark.parametrize("variant", WITH_DROPOUT)
 def test_attention_dropout(variant: str) -> None:
     """The variant itself drops attention weights at the rate asked, rescaled so the expectation
     is unchanged."""
@@ -156,7 +167,7 @@ def test_attention_dropout(variant: str) -> None:
     torch.testing.assert_close(draws.mean(0), exact, rtol=0, atol=0.08)
 
 
-@pytest.mark.parametrize("variant", available_variants("cpu", torch.float32, 8, dropout_p=0.5))
+@pytest.mark.parametrize("variant", WITH_DROPOUT)
 def test_model_dropout_only_in_training(variant: str) -> None:
     torch.manual_seed(0)
     reference, model = twin_models(variant, torch.float32, dropout=0.5)
@@ -189,6 +200,52 @@ def test_a_refusal_without_a_message_is_named_by_its_type(monkeypatch: pytest.Mo
 
     monkeypatch.setitem(VARIANTS, "naive", dataclasses.replace(VARIANTS["naive"], fn=refuses))
     assert unavailable_reason("naive", "cpu", torch.float32, 16) == "RuntimeError"
+
+
+@pytest.mark.parametrize("variant", OFF_CUDA)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_variant_not_marked_cuda_only_trains_on_the_cpu(variant: str, dtype: torch.dtype) -> None:
+    """The tests above take the registry's word for which variants run on the CPU; here it is
+    checked. One that raises (a bug in its code) fails here with its error, where a test list
+    made by running each would have left it out as one the CPU cannot run."""
+    reason = unavailable_reason(variant, "cpu", dtype, head_size=8)
+    assert reason is None, (
+        f"{variant}: {reason} (if it cannot run off CUDA, say why in its cuda_only_reason)"
+    )
+
+
+def test_a_variant_that_cannot_take_the_signature_fails_where_it_is_registered() -> None:
+    def four(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+        return q
+
+    with pytest.raises(TypeError, match=r"attention variant 'four': four\(q: 'Tensor', k: "):
+        dataclasses.replace(VARIANTS["naive"], name="four", fn=four)
+    with pytest.raises(TypeError, match=r"cannot be called as fn\(q, k, v, mask, dropout_p\)"):
+        dataclasses.replace(VARIANTS["naive"], fn=lambda q, k, v: q)
+    # Extra arguments with defaults, or *args, take the signature
+    dataclasses.replace(VARIANTS["naive"], fn=lambda q, k, v, mask, dropout_p, scale=None: q)
+    dataclasses.replace(VARIANTS["naive"], fn=lambda *args: args[0])
+
+
+@pytest.mark.parametrize(
+    ("returns", "said"),
+    [
+        (lambda q, k, v, mask, p: q.transpose(1, 2), "a tensor of shape (1, 128, 2, 8)"),
+        (lambda q, k, v, mask, p: (q, None), "a tuple"),
+    ],
+)
+def test_a_variant_that_returns_another_shape_is_refused(
+    monkeypatch: pytest.MonkeyPatch, returns: Any, said: str
+) -> None:
+    """(B, T, H, D) has the elements of (B, H, T, D): the model would reshape it into (B, T, C)
+    and train on it without a word."""
+    monkeypatch.setitem(VARIANTS, "naive", dataclasses.replace(VARIANTS["naive"], fn=returns))
+    for backward in (True, False):
+        reason = unavailable_reason("naive", "cpu", torch.float32, 8, backward=backward)
+        assert reason == (
+            f"it returns {said} for q, k, v of shape (1, 2, 128, 8); every variant returns y "
+            "of q's shape, (B, H, T, D)"
+        )
 
 
 def test_a_pin_the_device_does_not_honour_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
