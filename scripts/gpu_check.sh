@@ -2,7 +2,8 @@
 # The GPU check, in one go (about 8 minutes at most: each part has a time limit; a sweep that
 # `timeout` stops with SIGTERM keeps the cells it finished, with their report and plots):
 #   1. the CUDA-marked tests;
-#   2. profile_train.py over all eight variants at GPT-2-small width, n_layer 1, 4, 12, bf16;
+#   2. profile_train.py over every variant in the registry (eight) at GPT-2-small width,
+#      n_layer 1, 4, 12, bf16 (one that cannot run on this GPU is recorded with its reason);
 #      then naive, sdpa and flex compiled and not, at n_layer 1 and 12 (each depth compiles
 #      anew, and the first pays every cold compile before any cell is recorded);
 #   3. the report, results.json, plots and traces, in OUT_DIR, and all of it in
@@ -21,13 +22,16 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 LAYERS=${LAYERS:-1,4,12}
 COMPILED_LAYERS=${COMPILED_LAYERS:-1,12}
-STEPS=${STEPS:-16}  # eight variants: a multiple of the 8 orders that balance 8 cells
+STEPS=${STEPS:-16}  # eight variants: a multiple of the 8 orders that balance 8 cells (else it warns)
 COMPILED_STEPS=${COMPILED_STEPS:-18}  # 3 variants eager and compiled: of the 6 orders for 6
 # No GPU, or no torch with CUDA: say so in one line, before anything is made or moved.
 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null || {
   echo "error: no CUDA GPU for $PY here (torch missing, a CPU build, or no GPU); PYTHON=... picks another python" >&2
   exit 1
 }
+# Every variant the registry holds, named: a default sweep would leave out those that cannot run
+# here without a row; named, each is recorded with its reason.
+VARIANTS=${VARIANTS:-$("$PY" -c 'from model import VARIANTS; print(",".join(VARIANTS))')}
 # A rerun into the same folder (a warm machine keeps it) moves the earlier run aside, whole:
 # the sweeps refuse a folder that holds one, and its log would be overwritten.
 if [ -d "$OUT" ] && [ -n "$(ls -A "$OUT")" ]; then
@@ -88,11 +92,11 @@ sweep_status() {  # DIR RC
   echo "$2"
 }
 
-echo "== 2. sweep: eight variants x n_layer $LAYERS, eager"
+echo "== 2. sweep: $VARIANTS x n_layer $LAYERS, eager"
 # The limits leave room over what an H200 took on 2026-11-30: ~115 s for this sweep; the compiled
 # one wrote its report within 90 s but was still shutting down (Inductor's compile workers) at 90.
 timeout -k 10 180 "$PY" profile_train.py --config configs/profile-gpu.toml --out "$OUT/eager" \
-  --variants naive,inplace,sdpa,sdpa-math,sdpa-flash,sdpa-efficient,sdpa-cudnn,flex \
+  --variants "$VARIANTS" \
   --layers "$LAYERS" --steps "$STEPS" --compile off --trace-layers "$TRACE_LAYERS"
 eager_rc=$(sweep_status "$OUT/eager" $?)
 
