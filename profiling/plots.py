@@ -5,9 +5,24 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from model import VARIANTS
 from profiling.analysis import label, labels, ok_rows
 
 MiB = 2**20
+
+
+def styles(rows: list[dict[str, Any]]) -> dict[str, tuple[str, str]]:
+    """Each label's colour and marker: a variant's colour is its place in the registry, so it
+    keeps it from sweep to sweep whichever others ran (a name the registry no longer has takes
+    the next one free); compiled, the same colour with squares."""
+    variants = list(VARIANTS) + sorted({r["variant"] for r in rows} - set(VARIANTS))
+    return {
+        label(r["variant"], r["compile"]): (
+            f"C{variants.index(r['variant']) % 10}",
+            "s" if r["compile"] else "o",
+        )
+        for r in rows
+    }
 
 
 def axis_top(drawn: list[float], bar_tops: list[float]) -> float | None:
@@ -36,6 +51,7 @@ def plot_results(out: Path, results: dict[str, Any], setup: str) -> None:
 
     rows, fits = ok_rows(results["rows"]), results["fits"]
     names = labels(rows)
+    style = styles(rows)
     specs = [
         (
             "step_time_vs_layers.png",
@@ -71,9 +87,15 @@ def plot_results(out: Path, results: dict[str, Any], setup: str) -> None:
             # One peak per cell has no spread: no bars, and none in its legend either
             err = [[(v[0] - v[1]) * scale for _, v in pts], [(v[2] - v[0]) * scale for _, v in pts]]
             spread = metric == "step_ms"
-            color = f"C{i % 10}"
+            color, marker = style[name]
             ax.errorbar(
-                xs, mid, yerr=err if spread else None, fmt="o", color=color, label=name, capsize=3
+                xs,
+                mid,
+                yerr=err if spread else None,
+                fmt=marker,
+                color=color,
+                label=name,
+                capsize=3,
             )
             drawn += mid
             bar_tops += [v[2] * scale for _, v in pts]
@@ -81,7 +103,8 @@ def plot_results(out: Path, results: dict[str, Any], setup: str) -> None:
             if fit:
                 line_x = [min(xs) - shift, max(xs) - shift]
                 line_y = [(fit["intercept"] + fit["slope"] * x) * scale for x in line_x]
-                ax.plot(line_x, line_y, "--", color=color, linewidth=1, gid=f"fit {name}")
+                dashes = ":" if marker == "s" else "--"  # compiled: dotted, as its squares differ
+                ax.plot(line_x, line_y, dashes, color=color, linewidth=1, gid=f"fit {name}")
                 drawn += line_y
         top = axis_top(drawn, bar_tops)
         if top is not None:
@@ -98,7 +121,12 @@ def plot_results(out: Path, results: dict[str, Any], setup: str) -> None:
         if names:
             ax.annotate(
                 ("bars: p10 to p90 of the timed steps; " if metric == "step_ms" else "")
-                + "points shifted sideways to stay apart; dashed: fitted lines",
+                + "points shifted sideways to stay apart; dashed: fitted lines"
+                + (
+                    "; compiled: squares, dotted"
+                    if any(m == "s" for _, m in style.values())
+                    else ""
+                ),
                 (0.99, 0.01),
                 xycoords="axes fraction",
                 ha="right",

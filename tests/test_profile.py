@@ -25,6 +25,7 @@ import weakref
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 from unittest.mock import Mock
 
 import numpy as np
@@ -37,7 +38,7 @@ import runtime
 from config import ConfigError, load_config
 from cpu_linear import onednn_unavailable_reason
 from host import OtherLoad
-from model import GPT, attention
+from model import GPT, VARIANTS, attention
 from profiling.analysis import (
     fit_line,
     fits_by_label,
@@ -3120,6 +3121,21 @@ def test_plots_draw_each_variant_and_its_fitted_line(
         assert list(ax.get_xticks()) == [1, 2, 3]  # the depths measured: no 1.5
     notes = [t.get_text() for t in drawn["step_time_vs_layers.png"].texts]
     assert any("bars: p10 to p90" in t for t in notes), notes
+
+
+def test_a_variant_keeps_its_colour_from_sweep_to_sweep() -> None:
+    """Set side by side, two sweeps' plots show sdpa in one colour whichever variants ran
+    with it; compiled, the same colour with squares; a name the registry lacks, the next free."""
+    from profiling.plots import styles
+
+    def rows(*cells: tuple[str, bool]) -> list[dict[str, Any]]:
+        return [{"variant": v, "compile": c} for v, c in cells]
+
+    full = styles(rows(("naive", False), ("inplace", False), ("sdpa", False), ("sdpa", True)))
+    alone = styles(rows(("sdpa", False), ("gone", False)))
+    assert alone["sdpa"] == full["sdpa"] == ("C2", "o") and full["sdpa+compile"] == ("C2", "s")
+    assert len({colour for colour, _ in full.values()}) == 3
+    assert alone["gone"] == (f"C{len(VARIANTS) % 10}", "o")
 
 
 def test_the_report_shows_only_plots_that_were_drawn(
