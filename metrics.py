@@ -15,12 +15,13 @@ from typing import Any
 from checkpoint import write_atomically
 
 
-def start_metrics(path: Path, resume_step: int | None) -> None:
+def start_metrics(path: Path, resume_step: int | None, complete: bool = False) -> None:
     """A fresh run starts a fresh metrics.jsonl; a resumed one drops the lines logged after
-    its checkpoint (a crash between checkpoints), since those steps run again, and a line
-    cut short by a kill mid-write or without an integer step (bytes that are not UTF-8 are
-    read as U+FFFD), saying how many. The kept lines are written to a temporary file and
-    renamed over the log, so a crash meanwhile loses none of them."""
+    its checkpoint (a crash between checkpoints), since those steps run again (or, `complete`,
+    a run that ends at its checkpoint, not at all), and a line cut short by a kill mid-write or
+    without an integer step (bytes that are not UTF-8 are read as U+FFFD), saying how many.
+    The kept lines are written to a temporary file and renamed over the log, so a crash
+    meanwhile loses none of them."""
     if resume_step is None or not path.exists():
         path.write_text("")
         return
@@ -41,7 +42,8 @@ def start_metrics(path: Path, resume_step: int | None) -> None:
     if dropped:  # said, as a note a user typed into the log is among them
         print(
             f"note: {path}: {dropped} line(s) dropped, logged after step {resume_step} "
-            "(they run again) or not a step's record",
+            f"({'no checkpoint kept them' if complete else 'they run again'}) or not a step's "
+            "record",
             file=sys.stderr,
         )
 

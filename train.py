@@ -38,6 +38,7 @@ from data.loader import TokenBatches
 from data.meta import DataError, check_vocab
 from host import keep_freed_host_memory
 from loop import Run, RunEnd, TrainError
+from metrics import start_metrics
 from optim import lr_at
 from resume import (
     check_seed,
@@ -227,10 +228,6 @@ def _train(
     # On CPU, which nn.Linear ran: train.cpu_linear=auto picks by CPU, so a run resumed on
     # another machine can change it.
     linear = ("onednn" if onednn else "torch") if device.type == "cpu" else None
-    if master and ckpt is not None:
-        say_what_resuming_changes(ckpt, config, linear)
-        say_the_corpus_changed(ckpt, meta, config.data.name)
-        say_the_schedule_changed(ckpt, tc)
 
     # Before the model: a corpus too small for the batch is told in a second, not after a
     # model of block_size (and its memory) is built.
@@ -242,13 +239,16 @@ def _train(
     step = 0
     if ckpt is not None:
         step = restore_state(ckpt, ckpt_path, raw_model, optimizer, batches["train"], tc)
-        if step >= tc.max_steps:
+        if step >= tc.max_steps:  # nothing to train: what resuming would change is moot
             if master:
-                print(f"{out_dir} is complete (step {step} of train.max_steps={tc.max_steps})")
+                _say_complete(out_dir, step, tc.max_steps)
             return RunEnd(out_dir, step, 0, None)
         with restoring(ckpt_path, "rng"):
             ranks_before = restore_rng(ckpt["rng"], tc.seed, step, device, rank, world_size)
         if master:
+            say_what_resuming_changes(ckpt, config, linear)
+            say_the_corpus_changed(ckpt, meta, config.data.name)
+            say_the_schedule_changed(ckpt, tc)
             say_the_batch_changed(ckpt, tc, ranks_before, world_size, config.model.dropout)
     resumed = ckpt is not None
     del ckpt  # its copy of the weights and optimizer state: host memory the run no longer needs
@@ -293,6 +293,20 @@ def _train(
         written_by={**provenance(), "device": str(device), "linear": linear} if master else {},
     )
     return run.loop()
+
+
+def _say_complete(out_dir: Path, step: int, max_steps: int) -> None:
+    """A resume with nothing to train. Lines logged after the checkpoint (a run killed between
+    saves, resumed with a train.max_steps it has reached) are dropped: no checkpoint has
+    their steps, so the log ends where the run does."""
+    start_metrics(out_dir / "metrics.jsonl", step, complete=True)
+    if step > max_steps:
+        print(
+            f"{out_dir} is complete: its checkpoint is at step {step}, past "
+            f"train.max_steps={max_steps}"
+        )
+    else:
+        print(f"{out_dir} is complete (step {step} of train.max_steps={max_steps})")
 
 
 def _failed_to_compile(e: BaseException) -> bool:

@@ -1598,6 +1598,29 @@ def test_resume_of_a_finished_run_changes_nothing(
     assert {name: (out / name).read_bytes() for name in before} == before
 
 
+def test_a_finished_run_resumed_with_new_settings_says_only_that_it_is_complete(
+    base_run: Path, data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Nothing trains, so nothing changes: no "resuming with attention sdpa" before it. Lines a
+    killed continuation logged past the checkpoint go: no checkpoint has their steps."""
+    out = copy_run(base_run, tmp_path / "done")
+    kept = (out / "metrics.jsonl").read_text()
+    past = json.dumps({"step": STEPS + 1, "loss": 1.0}) + "\n"
+    (out / "metrics.jsonl").write_text(kept + past)
+    changes = ["--model.attention=sdpa", "--train.batch_size=2", "--train.lr=0.01"]
+    assert run(data_root, out, *SHARED_OVERRIDES, *changes, "--resume") == 0
+    printed = capsys.readouterr()
+    assert printed.out.strip() == f"{out} is complete (step {STEPS} of train.max_steps={STEPS})"
+    assert "resuming" not in printed.err and "sdpa" not in printed.err, printed.err
+    assert f"1 line(s) dropped, logged after step {STEPS} (no checkpoint kept them)" in printed.err
+    assert (out / "metrics.jsonl").read_text() == kept
+    # A lower train.max_steps than the checkpoint's step: said so
+    assert run(data_root, out, *SHARED_OVERRIDES, "--train.max_steps=5", "--resume") == 0
+    assert capsys.readouterr().out.strip() == (
+        f"{out} is complete: its checkpoint is at step {STEPS}, past train.max_steps=5"
+    )
+
+
 def test_a_sample_is_printed_once_when_the_run_reaches_its_end(
     data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
