@@ -86,15 +86,28 @@ def corpus_meta(config: Config, out_dir: Path, resume: bool) -> dict[str, Any]:
         ) from None
 
 
-def say_what_resuming_changes(ckpt: dict[str, Any], config: Config, linear: str | None) -> None:
-    """A resume through another attention variant or nn.Linear path computes the same
-    function, rounded differently, and another dropout rate regularises differently: said, as
-    the run will not match an uninterrupted one. (Checkpoints from before the path was
-    recorded have no "linear".)"""
+def say_what_resuming_changes(
+    ckpt: dict[str, Any], config: Config, linear: str | None, precision: str
+) -> None:
+    """A resume in another precision, or through another attention variant or nn.Linear path,
+    computes the same function, rounded differently, and another dropout rate regularises
+    differently: said, as the run will not match an uninterrupted one. (Checkpoints from before
+    the precision and path were recorded have no "precision" and "linear".)"""
     rounding = (
         "the same function, rounded differently, so the run will not match one that never "
         "stopped to the last bit"
     )
+    written_by = ckpt.get("written_by", {})
+    precision_before = written_by.get("precision")
+    if precision_before not in (None, precision):
+        # Its Linear path follows from it (oneDNN's is fp32's): told here, not as a choice
+        path = f", nn.Linear through {LINEAR_PATHS[linear]}" if linear is not None else ""
+        print(
+            f"resuming in {precision} (train.dtype={config.train.dtype}{path}); the run "
+            f"trained in {precision_before} so far: {rounding}",
+            file=sys.stderr,
+        )
+        linear = None
     trained_with = ckpt["config"]["model"].get("attention")
     if trained_with not in (None, config.model.attention):
         print(
@@ -110,7 +123,7 @@ def say_what_resuming_changes(ckpt: dict[str, Any], config: Config, linear: str 
             "that never stopped)",
             file=sys.stderr,
         )
-    linear_before = ckpt.get("written_by", {}).get("linear")
+    linear_before = written_by.get("linear")
     if linear is not None and linear_before not in (None, linear):
         print(
             f"resuming with nn.Linear through {LINEAR_PATHS[linear]} (train.cpu_linear="

@@ -99,6 +99,13 @@ def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
     return {"float32": None, "tf32": None, "bfloat16": torch.bfloat16}[dtype]
 
 
+def precision(dtype: str, amp_dtype: torch.dtype | None) -> str:
+    """How a run computes, in words: train.dtype as resolved on its device."""
+    if amp_dtype is not None:
+        return f"{str(amp_dtype).removeprefix('torch.')} autocast"
+    return "tf32" if dtype == "tf32" else "float32"
+
+
 def set_fp32_matmul_precision(dtype: str, device: torch.device) -> None:
     """For train.dtype="tf32", fp32 matmuls on CUDA run on TF32 tensor cores (inputs rounded to
     a 10-bit mantissa, fp32 range and accumulation); for any other dtype they are IEEE fp32, as

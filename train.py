@@ -64,6 +64,7 @@ from runtime import (
     check_variant,
     init_distributed,
     launched_ranks,
+    precision,
     set_fp32_matmul_precision,
     wrap_ddp,
 )
@@ -145,9 +146,11 @@ def _say_how_it_runs(
     tokens: int,
     linear: str,
     kept_host_memory: bool,
+    computes_in: str,
 ) -> None:
-    """The run's first lines: model, device, tokens per step and how they split, the CPU's
-    Linear path and memory reuse; and a warning for a schedule that never leaves its warm-up."""
+    """The run's first lines: model, device, precision, tokens per step and how they split, the
+    CPU's Linear path and memory reuse; and a warning for a schedule that never leaves its
+    warm-up."""
     tc = config.train
     # batch_size is per process, as in torchtitan: more ranks take more tokens per step.
     split = f" ({world_size} ranks x {tokens // world_size:,})" * (world_size > 1)
@@ -157,7 +160,7 @@ def _say_how_it_runs(
         )
     print(
         f"{config.model.attention}: {params / 1e6:.2f}M parameters (without position "
-        f"embeddings) on {device}, {tokens:,} tokens per step{split}"
+        f"embeddings) on {device} in {computes_in}, {tokens:,} tokens per step{split}"
     )
     if device.type == "cpu":
         print(
@@ -246,7 +249,7 @@ def _train(
         with restoring(ckpt_path, "rng"):
             ranks_before = restore_rng(ckpt["rng"], tc.seed, step, device, rank, world_size)
         if master:
-            say_what_resuming_changes(ckpt, config, linear)
+            say_what_resuming_changes(ckpt, config, linear, precision(tc.dtype, amp_dtype))
             say_the_corpus_changed(ckpt, meta, config.data.name)
             say_the_schedule_changed(ckpt, tc)
             say_the_batch_changed(ckpt, tc, ranks_before, world_size, config.model.dropout)
@@ -269,6 +272,7 @@ def _train(
             tokens_per_step,
             linear,
             kept_host_memory,
+            precision(tc.dtype, amp_dtype),
         )
     run = Run(
         config=config,
@@ -289,8 +293,18 @@ def _train(
         last_step=tc.max_steps if stop_after is None else min(tc.max_steps, step + stop_after),
         resumed=resumed,
         unsaved_config=unsaved_config,
-        # Asked once, not at every save; with the device and, on CPU, the Linear path it ran.
-        written_by={**provenance(), "device": str(device), "linear": linear} if master else {},
+        # Asked once, not at every save; with the device, the precision and, on CPU, the Linear
+        # path it ran.
+        written_by=(
+            {
+                **provenance(),
+                "device": str(device),
+                "linear": linear,
+                "precision": precision(tc.dtype, amp_dtype),
+            }
+            if master
+            else {}
+        ),
     )
     return run.loop()
 

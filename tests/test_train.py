@@ -307,6 +307,7 @@ def test_checkpoint_holds_the_run_state_and_loads_weights_only(
     cpu_linear = load_config(base_run / "config.toml").train.cpu_linear
     onednn = wants_onednn(cpu_linear, torch.device("cpu"), autocast=False)
     assert written_by["linear"] == ("onednn" if onednn else "torch")
+    assert written_by["precision"] == "float32"
     if (ROOT / ".git").exists() and shutil.which("git"):  # a checkout: the commit it is at
         head = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
@@ -1140,6 +1141,24 @@ def test_resume_through_another_linear_path_says_so(
     # Resumed again, it goes on as it now trains (config.toml keeps the override): no note.
     assert run(data_root, out, f"--train.max_steps={STEPS + 2}", "--resume") == 0
     assert "nn.Linear through" not in capsys.readouterr().err
+
+
+def test_resume_in_another_precision_says_so(
+    base_run: Path, data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """fp32 to bf16 autocast: one line for the precision, with the Linear path that follows from
+    it, not a line blaming train.cpu_linear for the path."""
+    out = copy_run(base_run, tmp_path / "run")
+    capsys.readouterr()
+    argv = [f"--train.max_steps={STEPS + 1}", "--train.dtype=bfloat16", "--resume"]
+    assert run(data_root, out, *argv) == 0
+    err = capsys.readouterr().err
+    assert (
+        "resuming in bfloat16 autocast (train.dtype=bfloat16, nn.Linear through PyTorch BLAS); "
+        "the run trained in float32 so far: the same function, rounded differently" in err
+    ), err
+    assert "resuming with nn.Linear" not in err
+    assert load_ckpt(out)["written_by"]["precision"] == "bfloat16 autocast"
 
 
 def test_resume_on_a_corpus_prepared_again_with_the_same_tokenizer_says_so(
