@@ -55,8 +55,7 @@ RUN_FILES = frozenset(
 def check_out_dir(out_dir: Path, config: Config, resume: bool) -> None:
     """`out_dir` is a directory for a run, or can be made one; not a corpus folder, nor, for a
     new run, a folder of other files (`--out .` would write the run among a project's)."""
-    if out_dir.exists() and not out_dir.is_dir():
-        raise RunDirError(f"--out {out_dir} is a file; give a run directory")
+    _check_not_a_file(out_dir)
     if (out_dir / "meta.json").exists() or out_dir.resolve() == Path(config.data.root).resolve():
         # Writing a run there would overwrite a corpus's tokenizer.json with this one's.
         raise RunDirError(f"--out {out_dir} holds prepared corpora; give the run its own directory")
@@ -74,6 +73,11 @@ def check_out_dir(out_dir: Path, config: Config, resume: bool) -> None:
             f"--out {out_dir} holds files that are not a run's ({listed}); give a new run a new "
             "or empty directory"
         )
+
+
+def _check_not_a_file(out_dir: Path) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise RunDirError(f"--out {out_dir} is a file; give a run directory")
 
 
 MAKE_TRAIN_RUN = Path("runs/default")  # where `make train` trains (the Makefile's --out)
@@ -258,6 +262,7 @@ def run_config(out: Path, config_file: Path | None, overrides: list[str], resume
     saved = out / "config.toml"
     if not resume:
         return load_config(config_file, overrides)
+    _check_not_a_file(out)  # said as such, not as a missing out/ckpt.pt
     # Read before torchrun's process group exists: rank 0 alone says what it resumes with
     master = launched_ranks()[0] == 0
     recorded = _recorded_config(out / CHECKPOINT)  # None: no readable run here; open_run says

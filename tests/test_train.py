@@ -698,6 +698,9 @@ def test_out_that_is_a_file_or_holds_corpora_is_refused(
     ]:
         assert run(data_root, out) == 2, out
         assert named in error_of(capsys.readouterr().err), out
+    # On --resume too: a file, not a run without its ckpt.pt
+    assert run(data_root, a_file, "--resume") == 2
+    assert error_of(capsys.readouterr().err) == f"--out {a_file} is a file; give a run directory\n"
     assert a_file.read_text() == "mine"
     assert {p: p.read_bytes() for p in data_root.rglob("*") if p.is_file()} == before
 
