@@ -65,6 +65,7 @@ from profiling.results import render_results, write_json
 from rundir import sweep_lock
 from runtime import (
     autocast_dtype,
+    dtype_name,
     pick_device,
     set_fp32_matmul_precision,
     unavailable_reason,
@@ -131,8 +132,7 @@ class Sweep:
         self.amp_dtype = autocast_dtype(config.train.dtype, self.device)
         self.dtype = self.amp_dtype or torch.float32
         # tf32: fp32 tensors, TF32 matmuls; the peak is measured with them too
-        tf32 = config.train.dtype == "tf32"
-        self.dtype_name = "tf32" if tf32 else str(self.dtype).removeprefix("torch.")
+        self.dtype_name = dtype_name(config.train.dtype, self.amp_dtype)
         try:
             self.onednn = wants_onednn(
                 config.train.cpu_linear, self.device, self.amp_dtype is not None
@@ -279,6 +279,14 @@ class Sweep:
     def run(self, variants: list[str], layers: list[int], compile_modes: list[bool]) -> None:
         self._make_out()
         with sweep_lock(self.out):
+            # Checked empty by main, before the lock: a sweep that ended meanwhile may have
+            # written there, and its files are not this one's to overwrite.
+            written = sorted(p.name for p in self.out.iterdir() if p.name != ".lock")
+            if written:
+                raise ConfigError(
+                    f"--out {self.out}: another sweep wrote there since this one started "
+                    f"({', '.join(written[:3])}); choose another folder"
+                )
             self.held_out = True
             self._run(variants, layers, compile_modes)
 

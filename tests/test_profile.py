@@ -88,6 +88,9 @@ def sweep(tmp_path: Path, *args: str, name: str = "sweep") -> tuple[int, dict]:
     results = (
         json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else {}
     )
+    # Whatever its cells did (failed, interrupted, run on another backend), what a sweep
+    # writes, --report reads back
+    assert not results or results_problem(results) is None, results_problem(results)
     return rc, results
 
 
@@ -1055,23 +1058,29 @@ def test_ctrl_c_before_any_cell_leaves_no_half_sweep(
     assert (tmp_path / "runs" / "new").exists() == made_by_user
 
 
+@pytest.mark.parametrize("stopped_in", ["__init__", "_make_out"])
 def test_ctrl_c_before_a_sweep_holds_its_out_leaves_another_sweeps_files_there(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    stopped_in: str,
 ) -> None:
     """Two sweeps given one new --out a moment apart: the second, interrupted while it sets up
-    (probing its variants), has written nothing there, so it removes nothing of the first's."""
+    (probing its variants, or making the folder the first has just made), has written nothing
+    there, so it removes nothing of the first's."""
     out = tmp_path / "sweep"
     held = []
+    real = getattr(Sweep, stopped_in)
 
-    class Interrupted(Sweep):
-        def __init__(self, *args: object, **kwargs: object) -> None:
-            # Meanwhile the first sweep made the folder, holds it and wrote a trace
-            (out / "traces").mkdir(parents=True)
-            held.append(open(out / ".lock", "a+"))  # noqa: SIM115 (closed below)
-            fcntl.flock(held[0], fcntl.LOCK_EX | fcntl.LOCK_NB)
-            raise KeyboardInterrupt
+    def first_sweep_then_interrupt(self: Sweep, *args: object, **kwargs: object) -> None:
+        real(self, *args, **kwargs)
+        # Meanwhile the first sweep made the folder, holds it and wrote a trace
+        (out / "traces").mkdir(parents=True)
+        held.append(open(out / ".lock", "a+"))  # noqa: SIM115 (closed below)
+        fcntl.flock(held[0], fcntl.LOCK_EX | fcntl.LOCK_NB)
+        raise KeyboardInterrupt
 
-    monkeypatch.setattr(profile_train, "Sweep", Interrupted)
+    monkeypatch.setattr(Sweep, stopped_in, first_sweep_then_interrupt)
     try:
         rc = profile_train.main(["--out", str(out), "--variants", "naive", "--layers", "1", *TINY])
     finally:
@@ -1079,6 +1088,30 @@ def test_ctrl_c_before_a_sweep_holds_its_out_leaves_another_sweeps_files_there(
     assert rc == 130
     assert (out / "traces").is_dir() and (out / ".lock").is_file()
     assert capsys.readouterr().err.splitlines()[-1] == "interrupted"
+
+
+def test_a_sweep_that_ended_in_the_folder_meanwhile_is_not_overwritten(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--out is checked empty before the sweep sets up; one that ran and ended there since
+    (its lock released) keeps its files, and this sweep is refused."""
+    out = tmp_path / "sweep"
+    real = Sweep._make_out
+
+    def another_sweep_ends_there(self: Sweep) -> None:
+        real(self)
+        for name in ("results.json", "report.md"):
+            (out / name).write_text("the other sweep's")
+
+    monkeypatch.setattr(Sweep, "_make_out", another_sweep_ends_there)
+    argv = ["--out", str(out), "--variants", "naive", "--layers", "1", *TINY]
+    assert profile_train.main(argv) == 2
+    assert (
+        f"--out {out}: another sweep wrote there since this one started (report.md, results.json)"
+        in capsys.readouterr().err
+    )
+    assert sorted(p.name for p in out.iterdir()) == ["report.md", "results.json"]
+    assert (out / "results.json").read_text() == "the other sweep's"
 
 
 def test_ctrl_c_before_any_cell_of_a_default_folder_sweep_leaves_no_profiles_folder(
