@@ -20,6 +20,7 @@ from data.loader import TokenBatches
 from data.meta import CORPUS_NAME, DataError, load_meta, rebuild_command
 from model import GPT
 from optim import SCHEDULE_FIELDS, apply_optimizer_settings, lr_at
+from runtime import precision
 
 
 def check_seed(ckpt: dict[str, Any], seed: int, out_dir: Path) -> None:
@@ -98,7 +99,7 @@ def say_what_resuming_changes(
         "stopped to the last bit"
     )
     written_by = ckpt.get("written_by", {})
-    precision_before = written_by.get("precision")
+    precision_before = written_by.get("precision") or _precision_recorded(ckpt)
     if precision_before not in (None, precision):
         # Its Linear path follows from it (oneDNN's is fp32's): told here, not as a choice
         path = f", nn.Linear through {LINEAR_PATHS[linear]}" if linear is not None else ""
@@ -131,6 +132,18 @@ def say_what_resuming_changes(
             f"{LINEAR_PATHS.get(linear_before)} so far: {rounding}",
             file=sys.stderr,
         )
+
+
+def _precision_recorded(ckpt: dict[str, Any]) -> str | None:
+    """A checkpoint's precision from before written_by recorded it: from the train.dtype its
+    config holds, or for auto on the CPU it ran on, fp32; None where that cannot tell (auto on
+    a GPU: bf16 with bf16 tensor cores, else fp32)."""
+    dtype = ckpt.get("config", {}).get("train", {}).get("dtype")
+    if dtype in ("float32", "tf32", "bfloat16"):
+        return precision(dtype, torch.bfloat16 if dtype == "bfloat16" else None)
+    if dtype == "auto" and ckpt.get("written_by", {}).get("device") == "cpu":
+        return "float32"
+    return None
 
 
 def say_the_corpus_changed(ckpt: dict[str, Any], meta: dict[str, Any], name: str) -> None:

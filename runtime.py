@@ -99,11 +99,17 @@ def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
     return {"float32": None, "tf32": None, "bfloat16": torch.bfloat16}[dtype]
 
 
-def precision(dtype: str, amp_dtype: torch.dtype | None) -> str:
-    """How a run computes, in words: train.dtype as resolved on its device."""
+def dtype_name(dtype: str, amp_dtype: torch.dtype | None) -> str:
+    """train.dtype as resolved on its device, by its matmuls' dtype: bfloat16 (autocast),
+    float32, or tf32 (fp32 tensors, TF32 matmuls)."""
     if amp_dtype is not None:
-        return f"{str(amp_dtype).removeprefix('torch.')} autocast"
+        return str(amp_dtype).removeprefix("torch.")
     return "tf32" if dtype == "tf32" else "float32"
+
+
+def precision(dtype: str, amp_dtype: torch.dtype | None) -> str:
+    """How a run computes, in words: 'bfloat16 autocast', 'float32' or 'tf32'."""
+    return dtype_name(dtype, amp_dtype) + (" autocast" if amp_dtype is not None else "")
 
 
 def set_fp32_matmul_precision(dtype: str, device: torch.device) -> None:

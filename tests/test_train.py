@@ -1162,6 +1162,13 @@ def test_resume_in_another_precision_says_so(
     ), err
     assert "resuming with nn.Linear" not in err
     assert load_ckpt(out)["written_by"]["precision"] == "bfloat16 autocast"
+    # A checkpoint from before written_by recorded it: told by its config's train.dtype
+    older = copy_run(base_run, tmp_path / "older")
+    ckpt = load_ckpt(older)
+    del ckpt["written_by"]["precision"]
+    torch.save(ckpt, older / checkpoint.CHECKPOINT)
+    assert run(data_root, older, *argv) == 0
+    assert "the run trained in float32 so far" in capsys.readouterr().err
 
 
 def test_resume_on_a_corpus_prepared_again_with_the_same_tokenizer_says_so(
