@@ -313,7 +313,8 @@ def _say_complete(out_dir: Path, step: int, max_steps: int) -> None:
     """A resume with nothing to train. Lines logged after the checkpoint (a run killed between
     saves, resumed with a train.max_steps it has reached) are dropped: no checkpoint has
     their steps, so the log ends where the run does."""
-    start_metrics(out_dir / "metrics.jsonl", step, complete=True)
+    if (out_dir / "metrics.jsonl").is_file():  # one deleted stays so: nothing to log
+        start_metrics(out_dir / "metrics.jsonl", step, complete=True)
     if step > max_steps:
         print(
             f"{out_dir} is complete: its checkpoint is at step {step}, past "

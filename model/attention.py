@@ -171,8 +171,8 @@ class Variant:
             signature.bind("q", "k", "v", "mask", 0.0)
         except TypeError as e:
             raise TypeError(
-                f"attention variant {self.name!r}: {getattr(self.fn, '__name__', 'fn')}"
-                f"{signature} cannot be called as fn(q, k, v, mask, dropout_p) ({e})"
+                f"attention variant {self.name!r}: its function takes {signature}, and cannot "
+                f"be called as fn(q, k, v, mask, dropout_p) ({e})"
             ) from None
 
 

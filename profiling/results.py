@@ -1,5 +1,5 @@
 """The sweep's data files: results.json (the contract), results.csv, then the rendered report;
-and the check of a results.json read back (--report, --compare)."""
+and the check of a results.json read back (--report, --diff, --compare)."""
 
 from __future__ import annotations
 

@@ -31,7 +31,10 @@ COMPILED_STEPS=${COMPILED_STEPS:-18}  # 3 variants eager and compiled: of the 6 
 }
 # Every variant the registry holds, named: a default sweep would leave out those that cannot run
 # here without a row; named, each is recorded with its reason.
-VARIANTS=${VARIANTS:-$("$PY" -c 'from model import VARIANTS; print(",".join(VARIANTS))')}
+VARIANTS=${VARIANTS:-$("$PY" -c 'from model import VARIANTS; print(",".join(VARIANTS))')} || {
+  echo "error: $PY cannot import the model's registry (above); nothing was run" >&2
+  exit 1
+}
 # A rerun into the same folder (a warm machine keeps it) moves the earlier run aside, whole:
 # the sweeps refuse a folder that holds one, and its log would be overwritten.
 if [ -d "$OUT" ] && [ -n "$(ls -A "$OUT")" ]; then
