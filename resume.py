@@ -88,7 +88,7 @@ def corpus_meta(config: Config, out_dir: Path, resume: bool) -> dict[str, Any]:
 
 
 def say_what_resuming_changes(
-    ckpt: dict[str, Any], config: Config, linear: str | None, precision: str
+    ckpt: dict[str, Any], config: Config, linear: str | None, computes_in: str
 ) -> None:
     """A resume in another precision, or through another attention variant or nn.Linear path,
     computes the same function, rounded differently, and another dropout rate regularises
@@ -100,11 +100,11 @@ def say_what_resuming_changes(
     )
     written_by = ckpt.get("written_by", {})
     precision_before = written_by.get("precision") or _precision_recorded(ckpt)
-    if precision_before not in (None, precision):
+    if precision_before not in (None, computes_in):
         # Its Linear path follows from it (oneDNN's is fp32's): told here, not as a choice
         path = f", nn.Linear through {LINEAR_PATHS[linear]}" if linear is not None else ""
         print(
-            f"resuming in {precision} (train.dtype={config.train.dtype}{path}); the run "
+            f"resuming in {computes_in} (train.dtype={config.train.dtype}{path}); the run "
             f"trained in {precision_before} so far: {rounding}",
             file=sys.stderr,
         )

@@ -217,6 +217,7 @@ def _train(
     set_fp32_matmul_precision(tc.dtype, device)
     grad_accum = tc.micro_batches(world_size)
     amp_dtype = autocast_dtype(tc.dtype, device)
+    computes_in = precision(tc.dtype, amp_dtype)  # said, and recorded with each checkpoint
     meta = corpus_meta(config, out_dir, resume)
     data_dir = Path(config.data.root) / config.data.name
     check_attention(config, device, amp_dtype, resume)
@@ -249,7 +250,7 @@ def _train(
         with restoring(ckpt_path, "rng"):
             ranks_before = restore_rng(ckpt["rng"], tc.seed, step, device, rank, world_size)
         if master:
-            say_what_resuming_changes(ckpt, config, linear, precision(tc.dtype, amp_dtype))
+            say_what_resuming_changes(ckpt, config, linear, computes_in)
             say_the_corpus_changed(ckpt, meta, config.data.name)
             say_the_schedule_changed(ckpt, tc)
             say_the_batch_changed(ckpt, tc, ranks_before, world_size, config.model.dropout)
@@ -272,7 +273,7 @@ def _train(
             tokens_per_step,
             linear,
             kept_host_memory,
-            precision(tc.dtype, amp_dtype),
+            computes_in,
         )
     run = Run(
         config=config,
@@ -300,7 +301,7 @@ def _train(
                 **provenance(),
                 "device": str(device),
                 "linear": linear,
-                "precision": precision(tc.dtype, amp_dtype),
+                "precision": computes_in,
             }
             if master
             else {}

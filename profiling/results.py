@@ -51,13 +51,12 @@ def _below(key: object, problem: Problem | None) -> Problem | None:
     return problem and (where + problem[0], problem[1], problem[2])
 
 
-def _each(check: Check, what: str = "an object") -> Check:
-    """An object (a list, with `what` "a list") whose every value passes `check`."""
-    kind = list if what == "a list" else dict
+def _each(check: Check, kind: type = dict) -> Check:
+    """An object (or, with `kind` list, a list) whose every value passes `check`."""
 
     def each(v: Any) -> Problem | None:
         if not isinstance(v, kind):
-            return "", v, what
+            return "", v, "a list" if kind is list else "an object"
         items = enumerate(v) if kind is list else v.items()
         return next(filter(None, (_below(k, check(x)) for k, x in items)), None)
 
@@ -100,7 +99,7 @@ ROW_FIELDS: dict[str, Check] = {
     "ops_per_step": _each(_BY_NAME),  # by region, then by op
     "kernels_per_step": _each(_BY_NAME),
     "label": _TEXT,
-    "times_ms": _each(_NUMBER, "a list"),
+    "times_ms": _each(_NUMBER, list),
     "flops_per_step": _NUMBER,
     "attention_flops_per_step": _NUMBER,
     "compile_cache": _TEXT,
