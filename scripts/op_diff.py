@@ -1,6 +1,8 @@
 """Two attention variants' training steps, profiled once each, and the ops whose counts differ.
 
-    python scripts/op_diff.py [--variants naive,inplace] [--layers 4]
+    python scripts/op_diff.py [--variants inplace,naive] [--layers 4]
+
+A against B, as `profile_train.py --report DIR --diff A,B` reads them: B's count -> A's.
 
 The idea of what profile_train.py measures, in one page, apart from its code: the model and
 step train.py runs (nn.Linear on PyTorch's own path, not oneDNN's), torch.profiler over one step
@@ -58,15 +60,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--variants", default="naive,inplace", help="two names, a,b")
+    parser.add_argument(
+        "--variants", default="inplace,naive", help="two names, A,B: A's ops against B's"
+    )
     parser.add_argument("--layers", type=int, default=4)
     args = parser.parse_args()
     variants = args.variants.split(",")
     try:
         if len(variants) != 2 or args.layers < 1:
-            raise ValueError(f"--variants {args.variants} --layers {args.layers}: want a,b and 1+")
+            raise ValueError(f"--variants {args.variants} --layers {args.layers}: want A,B and 1+")
         if variants[0] == variants[1]:
-            raise ValueError(f"--variants {args.variants}: two different variants, a,b")
+            raise ValueError(f"--variants {args.variants}: two different variants, A,B")
         config = GPTConfig(vocab_size=512, block_size=64, n_layer=args.layers, n_head=4, n_embd=64)
         for name in variants:
             check_variant(name, "cpu", torch.float32, config.head_size)
@@ -75,11 +79,14 @@ def main() -> int:
         return 2
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # no "USDT: profiler_start" lines on CPU
     a, b = (op_counts(dataclasses.replace(config, attention=v)) for v in variants)
-    print(f"ATen ops in one training step at n_layer={args.layers}: {variants[0]} -> {variants[1]}")
+    print(
+        f"ATen ops in one training step at n_layer={args.layers}, {variants[0]} against "
+        f"{variants[1]}: {variants[1]}'s count -> {variants[0]}'s"
+    )
     differ = [key for key in sorted(a.keys() | b.keys()) if a[key] != b[key]]
     for region, op in differ:
-        change = b[region, op] - a[region, op]
-        print(f"  {region:9s} {op:48s} {a[region, op]:4d} -> {b[region, op]:4d}  {change:+d}")
+        change = a[region, op] - b[region, op]
+        print(f"  {region:9s} {op:48s} {b[region, op]:4d} -> {a[region, op]:4d}  {change:+d}")
     if not differ:
         print("  no op count differs: the same ATen ops in every region")
     return 0

@@ -3576,6 +3576,8 @@ def test_the_one_page_op_diff_shows_the_hidden_copy() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "USDT" not in done.stderr  # libkineto's lines, silenced as in profile_train.py
+    # A against B, as --diff A,B: the default, inplace,naive, reads as inplace's change
+    assert done.stdout.splitlines()[0].endswith("inplace against naive: naive's count -> inplace's")
     changed = {tuple(line.split()[:2]): line.split()[-1] for line in done.stdout.splitlines()[1:]}
     assert changed[("forward", "aten::clone")] == "-3"
     assert changed[("forward", "aten::masked_fill")] == "-3"
