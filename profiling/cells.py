@@ -9,6 +9,7 @@ import dataclasses
 import resource
 import statistics
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -198,13 +199,24 @@ def compile_counters() -> dict[str, int]:
     }
 
 
-def compile_cache(before: dict[str, int], after: dict[str, int]) -> str:
-    """'cached' if Inductor's on-disk cache held every graph the step compiled (the compile
-    time is then mostly Dynamo's tracing), 'cold' if it compiled any itself (a cache miss, a
-    graph the cache passes by, or the cache off), 'none' if the step compiled nothing. (The
-    sweep adds 'shared' and 'partly shared': see _time.)"""
+def kernel_libraries() -> int:
+    """The shared libraries in Inductor's cache folder: the C++ kernels it has built, in this
+    process or its compile workers. A graph found in the FX graph cache can still build its
+    kernels again (their libraries gone, or keyed by other compiler flags), which no counter
+    shows; the files do. Read around a cell's first step only: it walks the folder."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return sum(1 for _ in Path(cache_dir()).rglob("*.so"))
+
+
+def compile_cache(before: dict[str, int], after: dict[str, int], kernels_built: int = 0) -> str:
+    """'cached' if Inductor's on-disk caches held every graph the step compiled and its
+    kernels (the compile time is then mostly Dynamo's tracing), 'cold' if it compiled any
+    itself (a cache miss, a graph the cache passes by, the cache off, or a C++ kernel built
+    again behind a graph found there), 'none' if the step compiled nothing. (The sweep adds
+    'shared' and 'partly shared': see _time.)"""
     new = {k: after[k] - before[k] for k in after}
-    if new["fxgraph_cache_miss"] or new["fxgraph_cache_bypass"]:
+    if new["fxgraph_cache_miss"] or new["fxgraph_cache_bypass"] or kernels_built > 0:
         return "cold"
     if new["fxgraph_cache_hit"]:
         return "cached"

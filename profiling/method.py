@@ -46,6 +46,9 @@ METHOD = {
     "other_cpu_window": "timed rounds",
     # each failed cell's traceback, in this file of the sweep's folder (before: none kept)
     "failures_log": "failures.log",
+    # a compiled cell is "cached" only if no C++ kernel was built again behind the graphs the
+    # FX graph cache held (before: by the graph cache's counters alone)
+    "compile_cache": "graphs and C++ kernels",
 }
 STARTUP = "tiny model"  # the warm-up's model (sweeps before it: a tiny compiled function)
 

@@ -477,8 +477,13 @@ def _compile_time_lines(meta: dict[str, Any], rows: list[dict[str, Any]]) -> lis
         + eager_excess_text(meta)
         + ". Dynamo is reset before each depth, so every compiled cell traces its graphs "
         "anew instead of reusing the last depth's; `(cached)` marks a cell whose compiled "
-        "graphs Inductor then found in its on-disk cache, from an earlier depth or run: its "
-        "time is mostly that tracing, not a compile from scratch."
+        "graphs Inductor then found in its on-disk cache, from an earlier depth or run"
+        + (
+            " (and, on CPU, built none of their C++ kernels again)"
+            if meta.get("compile_cache") == METHOD["compile_cache"]
+            else ""
+        )
+        + ": its time is mostly that tracing, not a compile from scratch."
         + reused_text(rows)
         + startup_text(meta)
     ]

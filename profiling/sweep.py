@@ -43,6 +43,7 @@ from profiling.cells import (
     compile_cache,
     compile_counters,
     eager_first_step_excess,
+    kernel_libraries,
     minor_faults,
     one_line,
     out_of_memory,
@@ -473,8 +474,10 @@ class Sweep:
                 # one that lands in this first step because of what earlier cells left.
                 gc.collect()
                 before = compile_counters()
+                libraries = kernel_libraries() if cell.compiled else 0
                 cell.first_step_s = timed(cell.step, self.device)  # includes compilation
-                cache = compile_cache(before, compile_counters())
+                built = kernel_libraries() - libraries if cell.compiled else 0
+                cache = compile_cache(before, compile_counters(), built)
                 if cell.compiled:
                     cell.compile_cache = cache
                     if VARIANTS[cell.variant].backend is not None:

@@ -598,10 +598,11 @@ def test_compile_time_nets_out_what_any_first_step_pays(
     net = first_c - statistics.median(compiled) - max(0.0, excess)  # a negative one is noise
     assert compiled_row["compile_s"] == (pytest.approx(net) if net > 0 else None)
     assert results["meta"]["compile_time"] == "less eager"
-    assert (
-        "less the same difference of the eager cell"
-        in (tmp_path / "sweep" / "report.md").read_text()
-    )
+    report = (tmp_path / "sweep" / "report.md").read_text()
+    assert "less the same difference of the eager cell" in report
+    # "cached" now means the C++ kernels too; the report says so only of sweeps that checked
+    assert results["meta"]["compile_cache"] == "graphs and C++ kernels"
+    assert "(and, on CPU, built none of their C++ kernels again)" in report
 
 
 def test_compile_time_keeps_an_eager_first_steps_own_compile() -> None:
@@ -708,6 +709,23 @@ def test_what_a_compiled_first_step_compiled() -> None:
     assert step(fxgraph_cache_bypass=1, graphs=1) == "cold"
     assert step(graphs=1) == "cold"  # TORCHINDUCTOR_FX_GRAPH_CACHE=0
     assert step() == "none"
+    # Graphs found in the cache, but C++ kernels built again behind them: no counter says so
+    assert compile_cache(zero, zero | {"fxgraph_cache_hit": 2, "graphs": 1}, 3) == "cold"
+
+
+def test_the_kernels_a_first_step_built_are_counted_by_their_libraries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Built in this process or in Inductor's compile workers, a C++ kernel leaves a shared
+    library in the cache folder: counted there, at any depth of it."""
+    from profiling.cells import kernel_libraries
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    assert kernel_libraries() == 0  # made, empty, as Inductor makes it
+    (tmp_path / "inductor" / "ab").mkdir()
+    for name in ("ab/cab.so", "ab/cab.cpp", "x.so"):
+        (tmp_path / "inductor" / name).write_text("")
+    assert kernel_libraries() == 2
 
 
 def test_a_first_step_that_compiled_nothing_reads_reused_only_without_a_time() -> None:
