@@ -72,6 +72,7 @@ def plot_results(out: Path, results: dict[str, Any], setup: str) -> None:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         drawn: list[float] = []  # medians and fitted lines: what the axis must show
         bar_tops: list[float] = []
+        fitted = False  # whether any line was drawn, for the note under the plot
         for i, name in enumerate(names):
             pts = sorted(
                 (r["n_layer"], values(r)) for r in rows if label(r["variant"], r["compile"]) == name
@@ -106,6 +107,7 @@ def plot_results(out: Path, results: dict[str, Any], setup: str) -> None:
                 dashes = ":" if marker == "s" else "--"  # compiled: dotted, as its squares differ
                 ax.plot(line_x, line_y, dashes, color=color, linewidth=1, gid=f"fit {name}")
                 drawn += line_y
+                fitted = True
         top = axis_top(drawn, bar_tops)
         if top is not None:
             ax.set_ylim(0, top)  # from 0: the long bar would otherwise push it below
@@ -118,17 +120,18 @@ def plot_results(out: Path, results: dict[str, Any], setup: str) -> None:
             )
         ax.set_xlabel("n_layer")
         ax.set_xticks(sorted({r["n_layer"] for r in rows}))  # the depths measured, no 1.5
-        if names:
+        if names:  # under the plot, where it hides no point
+            compiled = any(m == "s" for _, m in style.values())
+            notes = [
+                *(["bars: p10 to p90 of the timed steps"] if metric == "step_ms" else []),
+                "points shifted sideways to stay apart",
+                *(["dashed: fitted lines"] if fitted else []),
+                *(["compiled: squares" + (", dotted" if fitted else "")] if compiled else []),
+            ]
             ax.annotate(
-                ("bars: p10 to p90 of the timed steps; " if metric == "step_ms" else "")
-                + "points shifted sideways to stay apart; dashed: fitted lines"
-                + (
-                    "; compiled: squares, dotted"
-                    if any(m == "s" for _, m in style.values())
-                    else ""
-                ),
+                "; ".join(notes),
                 (0.99, 0.01),
-                xycoords="axes fraction",
+                xycoords="figure fraction",
                 ha="right",
                 va="bottom",
                 fontsize=7,
@@ -140,7 +143,7 @@ def plot_results(out: Path, results: dict[str, Any], setup: str) -> None:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
-        fig.tight_layout()
+        fig.tight_layout(rect=(0, 0.03, 1, 1))  # room for the note
         try:
             fig.savefig(out / filename, dpi=110)
         except OSError as e:  # Pillow's failed write names no file: this one does

@@ -276,6 +276,7 @@ def _report_md(results: dict[str, Any], plots: tuple[str, ...] = tuple(PLOTS)) -
     meta, rows = results["meta"], results["rows"]
     doubled = doubled_ops(meta)  # a caveat for sweeps that counted re-dispatched ops twice
     problems = _not_run(rows, bold=True)
+    found = findings(rows)
     return "\n".join(
         [
             *_header(meta, rows),
@@ -296,7 +297,7 @@ def _report_md(results: dict[str, Any], plots: tuple[str, ...] = tuple(PLOTS)) -
             "## Findings: what each variant changes, per layer per step",
             "",
             *([f"> {doubled}", ""] if meta.get("autocast") and doubled else []),
-            *(findings(rows) or ["- (needs `naive` and at least one other variant in the sweep)"]),
+            *(found or ["- (needs `naive` and at least one other variant in the sweep)"]),
             "",
             "## Where the time goes",
             "",
@@ -334,16 +335,26 @@ def _report_md(results: dict[str, Any], plots: tuple[str, ...] = tuple(PLOTS)) -
             ),
             "## Fits: metric = intercept + slope × n_layer",
             "",
-            *fits_table(results["fits"]),
+            *(
+                fits_table(results["fits"])
+                if any(results["fits"].values())
+                else ["(none: a fit needs two depths or more)"]
+            ),
             "",
             *_method(meta, rows),
             "",
             "## How to read it",
             "",
-            "The slope column is what one more layer costs per training step. A variant's saving "
-            "per layer, multiplied by depth and by steps, is what the change buys over a training "
-            "run. Ops per layer count dispatcher calls (a rough proxy for launch overhead on "
-            "GPUs); the op diff above says which ops a variant adds or removes. "
+            (
+                "The slope column is what one more layer costs per training step. A variant's "
+                "saving per layer, multiplied by depth and by steps, is what the change buys "
+                "over a training run. "
+                if any(results["fits"].values())
+                else ""
+            )
+            + "Ops per layer count dispatcher calls (a rough proxy for launch overhead on "
+            "GPUs)"
+            + ("; the findings above say which ops a variant adds or removes. " if found else ". ")
             + _traces_text(meta, rows),
             "",
         ]

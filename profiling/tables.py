@@ -136,7 +136,9 @@ def headline_table(results: dict[str, Any]) -> list[str]:
         lines.append("| " + " | ".join(cells) + " |")
     lines += _se_note(fits, saved)
     lines += _fewer_depths(saved, layers, baselines(rows))
-    if any(r["compile"] for r in rows):
+    # Said where it applies: naive+compile measured, and another compiled label set against it
+    compiled = {r["variant"] for r in ok_rows(rows) if r["compile"]}
+    if "naive" in compiled and len(compiled) > 1:
         lines += ["", "`+compile` rows are compared with `naive+compile`, like against like."]
     if any(f.get("step_ms", {}).get("slope", 0) < 0 for f in fits.values()):
         lines += [
@@ -155,8 +157,9 @@ def headline_table(results: dict[str, Any]) -> list[str]:
         lines += [
             "",
             f"Cells marked * varied widely while timed (p90/p10 above {NOISY_SPREAD}): the "
-            "machine was likely busy, so their medians and the fits through them are less "
-            "certain. Rerun to check.",
+            "machine was likely busy, so their medians"
+            + (" and the fits through them" if any(f.get("step_ms") for f in fits.values()) else "")
+            + " are less certain. Rerun to check.",
         ]
     return lines
 
@@ -334,8 +337,9 @@ def paired_deepest(rows: list[dict[str, Any]]) -> list[str]:
         return []
     return [
         "",
-        f"Saving per step at L{deepest} against naive, paired by round (ms, median [95% "
-        "interval]; report.md has every depth):",
+        f"Saving per step at L{deepest} against naive"
+        + (" (+compile rows: naive+compile)" if any("+compile" in n for n, _ in at) else "")
+        + ", paired by round (ms, median [95% interval]; report.md has every depth):",
         *(f"  {name}: {_paired_text(s)}" for name, s in at),
     ]
 

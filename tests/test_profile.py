@@ -51,7 +51,7 @@ from profiling.cells import Cell
 from profiling.measure import count_flops, parse_events, verify_backend
 from profiling.results import results_problem
 from profiling.sweep import KEPT_ON_WRONG_BACKEND, Sweep
-from profiling.tables import headline_table, paired_table
+from profiling.tables import headline_table, paired_deepest, paired_table
 from runtime import BACKEND_OPS
 
 TINY = [
@@ -1489,6 +1489,46 @@ def test_fits_recover_known_slopes() -> None:
     assert "naive+compile" not in saved
     no_compiled_naive = [r for r in rows if r["variant"] != "naive" or not r["compile"]]
     assert "sdpa+compile" not in savings(no_compiled_naive), "never against eager naive"
+
+
+def test_the_tables_notes_say_only_what_the_sweep_has() -> None:
+    """The like-against-like note needs a compiled naive and another compiled variant; the
+    summary's paired line names compiled naive where it pairs compiled rows; one depth has no
+    fit for a noisy cell to make less certain."""
+    rows = [timed_row(v, n, 10 + k * n, c) for v, k, c in VARIANTS_SLOPES for n in (1, 2, 4)]
+    for r in rows:
+        r["times_ms"] = [r["step_ms"]["median"]] * 6
+    like = "`+compile` rows are compared with `naive+compile`, like against like."
+    assert like in headline_table({"rows": rows, "fits": fits_by_label(rows)})
+    (paired,) = [line for line in paired_deepest(rows) if "paired by round" in line]
+    assert paired.startswith("Saving per step at L4 against naive (+compile rows: naive+compile)")
+    eager = [r for r in rows if not r["compile"]]
+    assert "+compile" not in "\n".join(paired_deepest(eager))
+    alone = [r for r in rows if r["variant"] == "sdpa"]  # no naive: nothing set against it
+    assert like not in headline_table({"rows": alone, "fits": fits_by_label(alone)})
+    one = [timed_row("naive", 2, 10.0), timed_row("sdpa", 2, 8.0)]
+    one[0]["step_ms"]["p90"] = 30.0  # noisy
+    text = "\n".join(headline_table({"rows": one, "fits": fits_by_label(one)}))
+    assert "their medians are less certain" in text and "fits through them" not in text
+
+
+def test_a_report_of_one_depth_or_without_naive_speaks_of_no_fit_or_op_diff(
+    naive_vs_inplace: dict, tmp_path: Path
+) -> None:
+    """One depth has no fits (said so, not an empty table) and no slope to read; without naive
+    there are no findings for the last section to point to."""
+    from profiling.report import write_report
+
+    one = {**naive_vs_inplace, "rows": [r for r in naive_vs_inplace["rows"] if r["n_layer"] == 2]}
+    one["fits"] = fits_by_label(one["rows"])
+    write_report(tmp_path, one, plots=False)
+    report = (tmp_path / "report.md").read_text()
+    assert "## Fits: metric = intercept + slope × n_layer\n\n(none: a fit needs two" in report
+    assert "The slope column" not in report and "the findings above say" in report
+    rows = [r for r in naive_vs_inplace["rows"] if r["variant"] != "naive"]
+    write_report(tmp_path, {**naive_vs_inplace, "rows": rows, "fits": fits_by_label(rows)}, False)
+    report = (tmp_path / "report.md").read_text()
+    assert "The slope column" in report and "findings above" not in report
 
 
 def test_a_flat_or_exact_series_fits_exactly() -> None:
@@ -3171,7 +3211,13 @@ def test_plots_draw_each_variant_and_its_fitted_line(
             assert points.has_yerr == (metric == "step_ms")  # a peak has no p10-p90 to show
         assert list(ax.get_xticks()) == [1, 2, 3]  # the depths measured: no 1.5
     notes = [t.get_text() for t in drawn["step_time_vs_layers.png"].texts]
-    assert any("bars: p10 to p90" in t for t in notes), notes
+    assert any("bars: p10 to p90" in t and "dashed: fitted lines" in t for t in notes), notes
+    # One depth: no line is fitted, and the note under the plot does not speak of one
+    one = {**naive_vs_inplace, "rows": [r for r in rows if r["n_layer"] == 1]}
+    one["fits"] = fits_by_label(one["rows"])
+    plot_results(tmp_path, one, "setup")
+    (note,) = drawn["step_time_vs_layers.png"].texts
+    assert "fitted" not in note.get_text() and "points shifted sideways" in note.get_text()
 
 
 def test_a_variant_keeps_its_colour_from_sweep_to_sweep() -> None:
