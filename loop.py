@@ -130,7 +130,7 @@ class Run:
             if not self.resumed and tc.eval_interval:
                 # The untrained model's losses (about ln(vocab_size)): where the curve starts.
                 _, losses = self.eval_and_log()
-                if self.world_size == 1 and stop.received is not None:  # during it
+                if self.signalled(stop):  # during it
                     return self.stopped_before_training(stop)
                 if self.master:
                     self.bar.write(f"step 0: {losses}, before training")
@@ -157,9 +157,7 @@ class Run:
                     return self.stopped(stop, first_step, other_load)
                 if evaluating and self.step != self.last_step:
                     self.eval_and_save()
-                    # A signal during the evaluation: saved with it, so one process stops now
-                    # (ranks learn of each other's signals only in the next step's flags)
-                    if self.world_size == 1 and stop.received is not None:
+                    if self.signalled(stop):  # during the evaluation: saved with it
                         return self.stopped(stop, first_step, other_load)
             self.eval_and_save()
         self.note_other_load(other_load)
@@ -170,6 +168,15 @@ class Run:
                 file=sys.stderr,
             )
         return RunEnd(self.out_dir, self.step, self.step - first_step, None)
+
+    def signalled(self, stop: StopSignal) -> bool:
+        """Whether any rank has had a signal, asked after an evaluation (every rank evaluates
+        at the same steps): a single process knows at once; ranks agree through one small
+        collective, where between steps they learn of each other's through the next step's
+        flags, read a step late, and would train two steps more."""
+        if self.world_size == 1:
+            return stop.received is not None
+        return agreed_signal(stop.received, self.device, self.world_size) is not None
 
     def stopped(self, stop: StopSignal, first_step: int, other_load: OtherLoad) -> RunEnd:
         """The end of a run a signal stopped, once it is saved."""
@@ -189,11 +196,12 @@ class Run:
         to save (a checkpoint holds the optimizer's state, which only a step makes)."""
         stopped_by = agreed_signal(stop.received, self.device, self.world_size)
         self.bar.close()
-        print(
-            f"stopped by {stopped_by} before the first step: nothing trained or saved; the "
-            "same command starts the run again",
-            file=sys.stderr,
-        )
+        if self.master:
+            print(
+                f"stopped by {stopped_by} before the first step: nothing trained or saved; "
+                "the same command starts the run again",
+                file=sys.stderr,
+            )
         return RunEnd(self.out_dir, self.step, 0, stopped_by)
 
     def queue_step(self, stop: StopSignal) -> Pending:

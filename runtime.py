@@ -263,13 +263,14 @@ class StopSignal(SignalScope):
         self.received = signal.Signals(signum).name
 
 
-def agreed_signal(received: str | None, device: torch.device, world_size: int) -> str:
-    """The signal that stopped the run, the same on every rank (a collective under DDP), so
-    that all exit with one status: ranks a signal did not reach take the others'."""
+def agreed_signal(received: str | None, device: torch.device, world_size: int) -> str | None:
+    """The signal any rank received (None: none did), the same on every rank (a collective
+    under DDP, which every rank calls at the same point), so that all stop together and exit
+    with one status: ranks a signal did not reach take the others'."""
     signum = torch.tensor(signal.Signals[received] if received else 0, device=device)
     if world_size > 1:
         dist.all_reduce(signum, op=dist.ReduceOp.MAX)
-    return signal.Signals(int(signum)).name
+    return signal.Signals(int(signum)).name if int(signum) else None
 
 
 class StepReadout:

@@ -325,6 +325,19 @@ def _say_complete(out_dir: Path, step: int, max_steps: int) -> None:
         print(f"{out_dir} is complete (step {step} of train.max_steps={max_steps})")
 
 
+def _say_error(text: str) -> None:
+    """An error on stderr, in one write, so that two ranks' lines cannot run together. Under
+    torchrun every rank says its own; ranks other than 0 mark theirs as PyTorch's logs do
+    (`[rank1]: error: ...`)."""
+    try:
+        rank = launched_ranks()[0]
+    except ConfigError:  # torchrun's variables are what is wrong: said in the text
+        rank = 0
+    with contextlib.suppress(OSError, ValueError):  # stderr gone: nothing else to tell
+        sys.stderr.write(("" if rank == 0 else f"[rank{rank}]: ") + text + "\n")
+        sys.stderr.flush()
+
+
 def _failed_to_compile(e: BaseException) -> bool:
     """An error of torch.compile's backend (no C++ compiler for Inductor, say)."""
     dynamo = sys.modules.get("torch._dynamo.exc")  # there once anything was compiled
@@ -381,47 +394,41 @@ def main(argv: list[str] | None = None) -> int:
         config = run_config(out, args.config, overrides, args.resume)
         end = train(config, out, args.resume, args.stop_after, config_read)
     except USER_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr)
+        _say_error(f"error: {e}")
         return 2
     except (torch.OutOfMemoryError, RuntimeError, MemoryError) as e:
         cause = getattr(e, "inner_exception", None) or e  # a compile's: the backend's own
         if _failed_to_compile(e) and not _out_of_memory(cause):
             if os.environ.get("TORCHDYNAMO_VERBOSE") == "1":  # torch's knob for its traceback
                 raise
-            print(
+            _say_error(
                 f"error: train.compile=true, and torch.compile failed: "
                 f"{type(cause).__name__}: {first_line(cause)[:200]}; train without it "
                 "(--train.compile=false), or fix what it names (TORCHDYNAMO_VERBOSE=1 shows "
-                "torch's traceback); the last checkpoint, if any, is as it was",
-                file=sys.stderr,
+                "torch's traceback); the last checkpoint, if any, is as it was"
             )
             return 2
         if not _out_of_memory(cause):  # out of memory while compiling too (autotuning)
             raise
-        print(
+        _say_error(
             f"error: out of memory ({first_line(cause)[:200]}); "
             "lower train.batch_size (raise train.grad_accum to keep the tokens per step; with "
             "train.global_batch_size set, that is derived), or the "
             "model's size (model.block_size, n_layer, n_embd); the last checkpoint, if any, is "
-            "as it was",
-            file=sys.stderr,
+            "as it was"
         )
         return 2
     except OSError as e:  # a full disk, a run folder made read-only: not this program's bug
         what, fix = describe_os_error(e)
         saved = out is not None and (out / CHECKPOINT).is_file()
         then = f"continue with {resume_hint(out)}" if saved else "run again"
-        print(
+        _say_error(
             f"error: {what}; the last checkpoint, if any, is as it was: {fix or 'fix that'}, "
-            f"then {then}",
-            file=sys.stderr,
+            f"then {then}"
         )
         return 2
     except KeyboardInterrupt as e:  # a second SIGTERM too (StopNow): its own status
-        print(
-            "interrupted: stopped without saving; the last checkpoint, if any, is as it was",
-            file=sys.stderr,
-        )
+        _say_error("interrupted: stopped without saving; the last checkpoint, if any, is as it was")
         return 128 + getattr(e, "signum", signal.SIGINT)
     finally:
         if dist.is_initialized():

@@ -2259,8 +2259,8 @@ def test_a_signal_during_an_evaluation_stops_the_run_once_it_is_saved(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """The evaluation under way finishes and its checkpoint is saved (the ranks evaluate
-    together); one process then stops, with no step more (torchrun's ranks take one more, to
-    learn of the signal through its flags)."""
+    together); the run then stops, with no step more (torchrun's ranks agree on it after the
+    evaluation: test_a_signal_during_the_first_evaluation_under_torchrun_saves_nothing)."""
     real_evaluate = step.evaluate
     calls = itertools.count()
 
@@ -2955,6 +2955,65 @@ def test_sigterm_to_one_rank_stops_both_after_rank_0_saved(
     stopped_at = load_ckpt(out)["step"]
     assert stopped_at >= 1
     assert train_lines(out)[-1]["step"] == stopped_at
+
+
+@pytest.mark.slow
+def test_a_signal_during_the_first_evaluation_under_torchrun_saves_nothing(
+    data_root: Path, tmp_path: Path
+) -> None:
+    """Ctrl-C to a torchrun job while it evaluates the untrained model: the ranks agree on it
+    after the evaluation and stop there, nothing trained or saved, as one process does. They
+    used to learn of it from the next step's flags, read a step late: two steps trained, and a
+    checkpoint the same command then refused to start over."""
+    out = tmp_path / "ddp"
+    # An evaluation of seconds, long enough for the signal to land in it
+    overrides = ["--train.max_steps=20", "--train.eval_interval=10", "--train.eval_batches=1500"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone"]
+    proc = subprocess.Popen(
+        [*launcher, "train.py", *run_argv(data_root, out, *overrides)],
+        cwd=ROOT,
+        env=env | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    log = []
+    try:
+        for line in proc.stdout:  # rank 0's first line comes just before the evaluation
+            log.append(line)
+            if "parameters (without position embeddings)" in line:
+                break
+        time.sleep(1.0)
+        assert proc.poll() is None and not (out / "metrics.jsonl").read_text().strip()
+        proc.send_signal(signal.SIGINT)
+        log.append(proc.communicate(timeout=120)[0])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = "".join(log)
+    assert text.count("stopped by SIGINT before the first step: nothing trained or saved") == 1
+    assert not (out / checkpoint.CHECKPOINT).exists(), text[-6000:]
+    assert not train_lines(out), text[-6000:]
+
+
+def test_an_error_of_a_rank_other_than_0_is_marked_as_its_own(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Under torchrun each rank says its error: ranks other than 0 mark theirs, as PyTorch's
+    logs do, in one write, so that two ranks' lines do not run together into one."""
+    torchrun_env = {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}
+    for name, value in (torchrun_env | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}).items():
+        monkeypatch.setenv(name, value)
+    train._say_error("error: train.global_batch_size=12 does not split")
+    assert capsys.readouterr().err == "[rank1]: error: train.global_batch_size=12 does not split\n"
+    monkeypatch.setenv("RANK", "0")
+    train._say_error("error: x")
+    assert capsys.readouterr().err == "error: x\n"
+    monkeypatch.setenv("WORLD_SIZE", "two")  # the environment is the error: said unmarked
+    train._say_error("error: WORLD_SIZE='two' ...")
+    assert capsys.readouterr().err == "error: WORLD_SIZE='two' ...\n"
 
 
 def test_lr_warms_up_to_the_peak_once_then_decays_to_min_lr() -> None:
