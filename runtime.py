@@ -12,6 +12,7 @@ import inspect
 import os
 import re
 import signal
+import sys
 import time
 import warnings
 from typing import Any, Self
@@ -165,9 +166,18 @@ def launched_ranks() -> tuple[int, int]:
 
 def init_distributed(train_cfg: TrainConfig) -> tuple[int, int, torch.device]:
     """Rank, world size and device; under torchrun, joins the process group (NCCL or gloo)."""
-    if launched_ranks()[1] == 1:
+    rank, world_size = launched_ranks()
+    if world_size == 1:
         return 0, 1, pick_device(train_cfg.device)
     wanted = pick_device(train_cfg.device)
+    if "TORCHELASTIC_RUN_ID" not in os.environ:  # started by hand: it waits for the others
+        print(
+            f"rank {rank} of WORLD_SIZE={world_size} (set by hand, not by torchrun): waiting "
+            f"for the other processes at {os.environ['MASTER_ADDR']}:"
+            f"{os.environ['MASTER_PORT']} until torch.distributed's timeout (Ctrl-C does not "
+            "end the wait; SIGTERM does)",
+            file=sys.stderr,
+        )
     if wanted.type == "cuda":
         if wanted.index is not None:  # each rank takes the GPU torchrun gives it
             raise ConfigError(

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from config import ConfigError
+from config import ConfigError, TrainConfig
 from runtime import StepReadout, autocast_dtype, pick_device, set_fp32_matmul_precision
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -304,6 +304,35 @@ def test_a_rank_without_a_world_is_one_process(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv("RANK", "2")
     with pytest.raises(ConfigError, match=r"RANK='2' in the environment is not a rank"):
         launched_ranks()
+
+
+def test_ranks_started_by_hand_say_they_wait_for_the_others(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without torchrun, a process given WORLD_SIZE=2 waits in the rendezvous for the other,
+    which Ctrl-C does not end: it says so first. torchrun's own workers (TORCHELASTIC_RUN_ID)
+    do not: torchrun starts them all."""
+    import runtime
+
+    class Joined(Exception):
+        pass
+
+    def init_process_group(*args: object, **kwargs: object) -> None:
+        raise Joined
+
+    monkeypatch.setattr(runtime.dist, "init_process_group", init_process_group)
+    as_torchrun_rank(monkeypatch)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    with pytest.raises(Joined):
+        runtime.init_distributed(TrainConfig(device="cpu"))
+    assert capsys.readouterr().err.startswith(
+        "rank 0 of WORLD_SIZE=2 (set by hand, not by torchrun): waiting for the other "
+        "processes at 127.0.0.1:29500"
+    )
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    with pytest.raises(Joined):
+        runtime.init_distributed(TrainConfig(device="cpu"))
+    assert capsys.readouterr().err == ""
 
 
 def test_torchrun_refuses_a_numbered_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
