@@ -255,7 +255,8 @@ def say_the_batch_changed(
     fields = [k for k, v in before.items() if v != getattr(tc, k)]
     changed = [f"train.{k} {before[k]} -> {getattr(tc, k)}" for k in fields]
     if ranks != ranks_before:
-        changed.append(f"{ranks} process(es) where it trained on {ranks_before}")
+        processes = "1 process" if ranks == 1 else f"{ranks} processes"
+        changed.append(f"{processes} where it trained on {ranks_before}")
     split = split_of(dataclasses.asdict(tc), ranks)
     rows, rows_before = math.prod(split), math.prod(split_before)
     evals_before = before.get("eval_batches", tc.eval_batches)

@@ -3195,7 +3195,7 @@ def test_resuming_on_another_number_of_processes_says_what_changes(
     err = capsys.readouterr().err
     said = [line for line in err.splitlines() if "rows" in line or "windows" in line]
     assert len(said) == 1, said
-    assert "1 process(es) where it trained on 2: " in said[0]
+    assert "1 process where it trained on 2: " in said[0]
     assert "dropout" not in said[0]  # the tiny config has none
     rows = f"a step takes {batch} rows over all processes where it took {2 * batch}"
     assert (rows in said[0]) != bool(keeps_rows)
