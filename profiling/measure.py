@@ -221,7 +221,11 @@ def _categorised(events: list) -> Iterator[tuple[Any, str | None, int, bool]]:
     """
     threads: dict[int, list] = defaultdict(list)
     for e in events:
-        threads[e.start_thread_id()].append(e)
+        # --trace-stacks's Python frames run inside the ops they call back into Python from
+        # (the oneDNN linear's wrapper): left out, so that an op's self time is the same with
+        # stacks or without, and no frame's time goes uncounted.
+        if not e.is_python_function():
+            threads[e.start_thread_id()].append(e)
     for thread in threads.values():
         thread.sort(key=lambda e: (e.start_ns(), -e.end_ns()))  # parents before their children
 

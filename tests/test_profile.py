@@ -2341,8 +2341,10 @@ class FakeEvent:
         seq=-1,
         fwd=0,
         nbytes=0,
+        python=False,
     ) -> None:
         self._name, self._kind, self._start, self._end = name, kind, start, end or start + 1
+        self._python = python  # a Python frame, as --trace-stacks records them
         self._corr, self._annotation, self._thread = corr, annotation, thread
         self._seq, self._fwd = seq, fwd  # an autograd node's forward op: (fwd thread, seq)
         self._nbytes = nbytes  # a [memory] event's: negative where memory is freed
@@ -2379,6 +2381,26 @@ class FakeEvent:
 
     def fwd_thread_id(self) -> int:
         return self._fwd
+
+    def is_python_function(self) -> bool:
+        return self._python
+
+
+def test_an_ops_self_time_is_the_same_with_python_stacks_recorded() -> None:
+    """--trace-stacks records Python frames, some inside an op (the oneDNN linear's wrapper
+    runs Python): they are not operators, and an op's self time does not lose theirs."""
+    cpu = DeviceType.CPU
+    with_stacks = [
+        FakeEvent("forward", cpu, 0, 1000),
+        FakeEvent("cpu_linear::linear", cpu, 100, 500),
+        FakeEvent("cpu_linear.py(80): _linear", cpu, 110, 480, python=True),
+        FakeEvent("mkldnn::_linear_pointwise", cpu, 200, 400),
+    ]
+    without = [e for e in with_stacks if not e.is_python_function()]
+    for events in (with_stacks, without):
+        seen = parse_events(events, torch.device("cpu"))
+        assert seen.cpu_self_us["cpu_linear::linear"] == pytest.approx(0.2)  # 400 - 200 ns
+        assert seen.cpu_self_us["mkldnn::_linear_pointwise"] == pytest.approx(0.2)
 
 
 def test_cpu_peak_memory_is_the_most_live_at_once() -> None:
