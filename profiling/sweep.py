@@ -642,7 +642,8 @@ class Sweep:
         if seen.trace_bytes > TRACE_WARN_BYTES:
             tqdm.write(
                 f"warning: trace {seen.trace} is {seen.trace_bytes / 2**20:.0f} MB unzipped, "
-                "what a viewer loads; lower --profile-steps or the model size",
+                "what a viewer loads; lower --profile-steps or the model size"
+                + (", or leave out --trace-stacks" if self.options.trace_stacks else ""),
                 file=sys.stderr,
             )
         counts = seen.per_step(active)

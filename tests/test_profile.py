@@ -3565,7 +3565,15 @@ def test_the_trace_warning_goes_by_the_size_a_viewer_loads(
     assert sweep(tmp_path, "--variants", "naive", "--layers", "1")[0] == 0
     (trace,) = (tmp_path / "sweep" / "traces").glob("*.json.gz")
     assert trace.stat().st_size < 10**5 < len(gzip.decompress(trace.read_bytes()))
-    assert f"warning: trace {trace} is" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"warning: trace {trace} is" in err and "--trace-stacks" not in err
+    # With Python stacks, the largest part of a trace: leaving them out is named too
+    assert (
+        sweep(tmp_path, "--variants", "naive", "--layers", "1", "--trace-stacks", name="s")[0] == 0
+    )
+    assert "lower --profile-steps or the model size, or leave out --trace-stacks" in (
+        capsys.readouterr().err
+    )
 
 
 def test_python_stacks_only_where_a_trace_is_written(
