@@ -136,6 +136,8 @@ def headline_table(results: dict[str, Any]) -> list[str]:
         lines.append("| " + " | ".join(cells) + " |")
     lines += _se_note(fits, saved)
     lines += _fewer_depths(saved, layers, baselines(rows))
+    if not any(r["variant"] == "naive" for r in ok_rows(rows)):
+        lines += ["", "No `naive` cell measured here: the savings are against it, so they read –."]
     # Said where it applies: naive+compile measured, and another compiled label set against it
     compiled = {r["variant"] for r in ok_rows(rows) if r["compile"]}
     if "naive" in compiled and len(compiled) > 1:

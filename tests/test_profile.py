@@ -1505,7 +1505,10 @@ def test_the_tables_notes_say_only_what_the_sweep_has() -> None:
     eager = [r for r in rows if not r["compile"]]
     assert "+compile" not in "\n".join(paired_deepest(eager))
     alone = [r for r in rows if r["variant"] == "sdpa"]  # no naive: nothing set against it
-    assert like not in headline_table({"rows": alone, "fits": fits_by_label(alone)})
+    table = headline_table({"rows": alone, "fits": fits_by_label(alone)})
+    assert like not in table
+    assert "No `naive` cell measured here: the savings are against it, so they read –." in table
+    assert not any("No `naive`" in line for line in headline_table({"rows": rows, "fits": {}}))
     one = [timed_row("naive", 2, 10.0), timed_row("sdpa", 2, 8.0)]
     one[0]["step_ms"]["p90"] = 30.0  # noisy
     text = "\n".join(headline_table({"rows": one, "fits": fits_by_label(one)}))
