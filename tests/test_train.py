@@ -2825,18 +2825,22 @@ def test_sample_from_a_dir_without_checkpoint_exits_2(
 # --- DDP ----------------------------------------------------------------------------------------------------
 
 
-def torchrun(argv: list[str]) -> subprocess.CompletedProcess[str]:
-    """train.py on 2 CPU ranks under torchrun."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+def torchrun_command(argv: list[str], **env: str) -> dict[str, Any]:
+    """What runs train.py on 2 CPU ranks under torchrun: its command and environment (this
+    process's, without the torchrun variables a test may have set), for subprocess."""
+    outer = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone"]
-    return subprocess.run(
-        [*launcher, "train.py", *argv],
-        cwd=ROOT,
-        env=env | {"OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    return {
+        "args": [*launcher, "train.py", *argv],
+        "cwd": ROOT,
+        "env": outer | {"OMP_NUM_THREADS": "1"} | env,
+        "text": True,
+    }
+
+
+def torchrun(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    """train.py on 2 CPU ranks under torchrun, to its end."""
+    return subprocess.run(**torchrun_command(argv), capture_output=True, timeout=180)
 
 
 # Each rank's share and what one process takes for the same step: grad_accum micro-batches of
@@ -2922,15 +2926,10 @@ def test_sigterm_to_one_rank_stops_both_after_rank_0_saved(
     torchrun reports when it was not signalled itself."""
     out = tmp_path / "ddp"
     overrides = ["--train.max_steps=100000", "--train.eval_interval=0", "--train.eval_batches=1"]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone"]
     proc = subprocess.Popen(
-        [*launcher, "train.py", *run_argv(data_root, out, *overrides)],
-        cwd=ROOT,
-        env=env | {"OMP_NUM_THREADS": "1"},
+        **torchrun_command(run_argv(data_root, out, *overrides)),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        text=True,
     )
     try:
         deadline = time.monotonic() + 90
@@ -2968,15 +2967,10 @@ def test_a_signal_during_the_first_evaluation_under_torchrun_saves_nothing(
     out = tmp_path / "ddp"
     # An evaluation of seconds, long enough for the signal to land in it
     overrides = ["--train.max_steps=20", "--train.eval_interval=10", "--train.eval_batches=1500"]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone"]
     proc = subprocess.Popen(
-        [*launcher, "train.py", *run_argv(data_root, out, *overrides)],
-        cwd=ROOT,
-        env=env | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+        **torchrun_command(run_argv(data_root, out, *overrides), PYTHONUNBUFFERED="1"),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        text=True,
     )
     log = []
     try:
