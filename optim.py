@@ -30,13 +30,16 @@ def build_optimizer(
 
 
 def apply_optimizer_settings(optimizer: torch.optim.AdamW, cfg: TrainConfig) -> None:
-    """The config's weight decay and betas on build_optimizer's two groups. Called again after
-    resuming: load_state_dict brings back the checkpoint's, and a run resumed with
-    --train.weight_decay=... must use the value its config.toml now records. (lr is set each
-    step.)"""
+    """The config's weight decay and betas, and the fused or foreach path chosen for this
+    device, on build_optimizer's two groups. Called again after resuming: load_state_dict
+    brings back the checkpoint's, and a run resumed with --train.weight_decay=... must use the
+    value its config.toml now records, on the path its device has (a checkpoint written on
+    another device holds that one's). (lr is set each step.)"""
     for group, decay in zip(optimizer.param_groups, (cfg.weight_decay, 0.0), strict=True):
         group["weight_decay"] = decay
         group["betas"] = (cfg.beta1, cfg.beta2)
+        group["fused"] = optimizer.defaults["fused"]  # as built, which load_state_dict keeps
+        group["foreach"] = optimizer.defaults["foreach"]
 
 
 SCHEDULE_FIELDS = ("lr", "min_lr", "warmup_steps", "max_steps")  # all that lr_at reads

@@ -1193,14 +1193,20 @@ def test_resume_with_other_optimizer_settings_uses_them(
     base_run: Path, data_root: Path, tmp_path: Path
 ) -> None:
     """load_state_dict restores the checkpoint's decay and betas; the config's must win, as
-    config.toml records them."""
+    config.toml records them. It restores the path AdamW took on the device that wrote the
+    checkpoint too: the resume takes the one built for its own device."""
     out = copy_run(base_run, tmp_path / "run")
+    ckpt = load_ckpt(out)
+    for group in ckpt["optimizer"]["param_groups"]:  # as written where there is no fused AdamW
+        assert (group["fused"], group["foreach"]) == (True, None)
+        group["fused"], group["foreach"] = None, True
+    torch.save(ckpt, out / checkpoint.CHECKPOINT)
     changed = ["--train.weight_decay=0.5", "--train.beta1=0.8", "--train.beta2=0.9"]
     assert run(data_root, out, f"--train.max_steps={STEPS + 2}", *changed, "--resume") == 0
     groups = load_ckpt(out)["optimizer"]["param_groups"]
-    assert [(g["weight_decay"], tuple(g["betas"])) for g in groups] == [
-        (0.5, (0.8, 0.9)),
-        (0.0, (0.8, 0.9)),
+    assert [(g["weight_decay"], tuple(g["betas"]), g["fused"], g["foreach"]) for g in groups] == [
+        (0.5, (0.8, 0.9), True, None),
+        (0.0, (0.8, 0.9), True, None),
     ]
     assert load_config(out / "config.toml").train.weight_decay == 0.5
 
