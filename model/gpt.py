@@ -162,7 +162,8 @@ class GPT(nn.Module):
         on_token: Callable[[Tensor], None] | None = None,
     ) -> Tensor:
         """Extend idx (B, T) by max_new_tokens tokens, each drawn by `sampling.next_token`
-        (temperature, top_k, top_p: see there).
+        (temperature, top_k, top_p: see there). The model's mode is the caller's, as in
+        nanoGPT: call .eval() first, or dropout, if the config has any, applies here too.
 
         vocab_limit: sample only ids below it, for a tokenizer with fewer tokens than the
         model's (padded) vocab_size; the rows above it have no text to decode to.
