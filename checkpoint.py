@@ -28,7 +28,8 @@ from config import Config
 from data.meta import rebuild_command
 
 CHECKPOINT = "ckpt.pt"
-# What train.py writes and resuming reads (it also writes "val_loss").
+# What train.py writes and resuming needs (it also writes what a resume says or checks
+# against: corpus_sha256, corpus, val_loss, written_by).
 KEYS = ("model", "optimizer", "step", "rng", "data", "config", "tokenizer_sha256")
 
 

@@ -25,9 +25,9 @@ def keep_freed_host_memory() -> bool:
     20,000-30,000 page faults per step for naive attention, a fifth of its step. Raising the
     mmap threshold and turning trimming off keeps freed blocks for reuse, as the caching
     allocator does on CUDA; the price is that the process keeps its heap's high-water mark, which
-    fragmentation can push past the live peak (it does under glibc's trimming too). (A trim
-    threshold of 1 GiB, as before, still handed the heap back after each step whose peak passed
-    it: at T=1024, 100,000-370,000 faults per step for naive attention at 4 layers.) Returns
+    fragmentation can push past the live peak (it does under glibc's trimming too). (A finite trim
+    threshold, e.g. 1 GiB, still hands the heap back after each step whose peak passes it: at
+    T=1024, 100,000-370,000 faults per step for naive attention at 4 layers.) Returns
     False where this malloc cannot be tuned.
     """
     if not sys.platform.startswith("linux"):

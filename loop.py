@@ -75,7 +75,8 @@ class Run:
     last_step: int  # where this call stops: train.max_steps, or before it with --stop-after
     resumed: bool
     unsaved_config: bytes | None  # rank 0's settings that config.toml does not hold yet
-    written_by: dict[str, Any]  # saved with each checkpoint: torch, host, device, Linear path
+    # Saved with each checkpoint: torch and Python versions, commit, device, Linear path, precision
+    written_by: dict[str, Any]
     bar: tqdm = field(init=False)
     logs: MetricsLog = field(init=False)
     bpb_factor: float = field(init=False)  # val_loss (nats per token) -> bits per byte
@@ -86,7 +87,8 @@ class Run:
         tc = self.config.train
         val = self.meta["splits"]["val"]
         self.bpb_factor = val["tokens"] / val["bytes"] / math.log(2)
-        # A step's worth of windows per eval batch: the same ones on any number of ranks.
+        # A step's worth of windows per eval batch: with global_batch_size, the same ones on
+        # any number of ranks (a fixed grad_accum evaluates more of them on more ranks).
         self.eval_micro_batches = tc.eval_batches * self.grad_accum
         self.bar = tqdm(
             total=tc.max_steps,

@@ -522,7 +522,7 @@ def _rerender(args: argparse.Namespace) -> int:
         return 0
     try:
         # results.json is the record of what was measured: left as it is. The fits are
-        # derived data, refitted as the report code now fits them.
+        # derived data, fitted again from the rows by this code's rule.
         results["fits"] = fits_by_label(results["rows"])
         render_results(args.report, results)
     except OSError as e:

@@ -144,7 +144,7 @@ def _say_how_it_runs(
     world_size: int,
     grad_accum: int,
     tokens: int,
-    linear: str,
+    linear: str | None,  # None off the CPU
     kept_host_memory: bool,
     computes_in: str,
 ) -> None:

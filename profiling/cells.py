@@ -1,6 +1,6 @@
 """A sweep's cells (variant x n_layer x compile) and what is worked out from each one's steps:
-the order the cells run in, compile time, page faults, allocator calls and failures, and the
-row each one gets in results.json.
+compile time, page faults, allocator calls and failures, and the row each one gets in
+results.json.
 """
 
 from __future__ import annotations

@@ -139,7 +139,7 @@ def peak_memory(
     device: torch.device,
     cpu_transient: int,
 ) -> int | None:
-    """Resident state (parameters, optimizer state) plus the step's own peak above it.
+    """Resident state (parameters, buffers, optimizer state) plus the step's own peak above it.
 
     CUDA: the caching allocator's peak during one more unprofiled step. CPU: the peak of
     live bytes from the profiler's allocation events during the profiled step. MPS: None,

@@ -52,7 +52,8 @@ METHOD = {
 }
 STARTUP = "tiny model"  # the warm-up's model (sweeps before it: a tiny compiled function)
 
-# How the split reads since ops and kernels went to the category of the operator around them.
+# The opening shared by the splits by enclosing operator (time_categories 'by enclosing op'
+# and later).
 _BY_ENCLOSING_OP = (
     "Each variant's deepest cell, {profiled}: on "
     "CPU the self time of every ATen operator, summed, so nothing counts twice; on CUDA "

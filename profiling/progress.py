@@ -13,8 +13,9 @@ class Progress:
     """A depth's cells finish together, after their interleaved rounds: the bar moves by steps
     instead, each weighted by n_layer + 1, about what an eager step costs (its fixed part,
     embeddings, head and loss, near one layer's), so the time left holds from the first depth
-    on; counted in cells, it read half the time still to come. (Compiling, about as long at
-    every depth, is not weighed: a compiled sweep's first depth takes more than its share.)
+    on; counted in cells, it would show about half the time still to come. (Compiling, about
+    as long at every depth, is not weighed: a compiled sweep's first depth takes more than its
+    share.)
     """
 
     def __init__(

@@ -89,7 +89,7 @@ def headline_table(results: dict[str, Any]) -> list[str]:
     saved = savings(rows)
     reference_of = baselines(rows)
     by = {(label(r["variant"], r["compile"]), r["n_layer"]): r for r in rows}
-    kernels = any(r.get("kernels_per_step") for r in rows)  # CUDA: the post counted kernels
+    kernels = any(r.get("kernels_per_step") for r in rows)  # kernels are counted on CUDA only
     head = (
         ["variant"]
         + [f"ms @L{n}" for n in layers]
