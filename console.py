@@ -19,6 +19,12 @@ def first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
+def one_line(error: BaseException) -> str:
+    """An error's type and the first line of its message: 'ValueError: ...'."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+
+
 def cli_path(text: str) -> Path:
     """A path flag's value: ~ expanded, as no shell does after '=' (--out=~/runs/x); one that
     cannot be (~nosuchuser) is left as typed."""

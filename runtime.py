@@ -28,6 +28,12 @@ from console import first_line
 from model import VARIANTS, get_variant
 
 
+def out_of_memory(e: BaseException) -> bool:
+    """CUDA's allocator raises OutOfMemoryError; the CPU's a RuntimeError that says so; Python
+    (NumPy, the batch loader) MemoryError."""
+    return isinstance(e, torch.OutOfMemoryError | MemoryError) or "can't allocate memory" in str(e)
+
+
 def pick_device(name: str, setting: str = "train.device") -> torch.device:
     """cuda > mps > cpu for "auto", else the named device; errors name `setting`."""
     if name == "auto":

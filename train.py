@@ -32,7 +32,7 @@ from checkpoint import (
     restoring,
 )
 from config import Config, ConfigError, fields_help
-from console import cli_path, first_line
+from console import cli_path, first_line, one_line
 from cpu_linear import LINEAR_PATHS, wants_onednn
 from data.loader import TokenBatches
 from data.meta import DataError, check_vocab
@@ -64,6 +64,7 @@ from runtime import (
     check_variant,
     init_distributed,
     launched_ranks,
+    out_of_memory,
     precision,
     set_fp32_matmul_precision,
     wrap_ddp,
@@ -344,12 +345,6 @@ def _failed_to_compile(e: BaseException) -> bool:
     return dynamo is not None and isinstance(e, dynamo.BackendCompilerFailed)
 
 
-def _out_of_memory(e: BaseException) -> bool:
-    # CUDA raises OutOfMemoryError; the CPU allocator a RuntimeError that says so; Python
-    # (NumPy, the batch loader) MemoryError.
-    return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or "can't allocate memory" in str(e)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__,
@@ -398,17 +393,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except (torch.OutOfMemoryError, RuntimeError, MemoryError) as e:
         cause = getattr(e, "inner_exception", None) or e  # a compile's: the backend's own
-        if _failed_to_compile(e) and not _out_of_memory(cause):
+        if _failed_to_compile(e) and not out_of_memory(cause):
             if os.environ.get("TORCHDYNAMO_VERBOSE") == "1":  # torch's knob for its traceback
                 raise
             _say_error(
                 f"error: train.compile=true, and torch.compile failed: "
-                f"{type(cause).__name__}: {first_line(cause)[:200]}; train without it "
+                f"{one_line(cause)[:200]}; train without it "
                 "(--train.compile=false), or fix what it names (TORCHDYNAMO_VERBOSE=1 shows "
                 "torch's traceback); the last checkpoint, if any, is as it was"
             )
             return 2
-        if not _out_of_memory(cause):  # out of memory while compiling too (autotuning)
+        if not out_of_memory(cause):  # out of memory while compiling too (autotuning)
             raise
         _say_error(
             f"error: out of memory ({first_line(cause)[:200]}); "

@@ -14,16 +14,9 @@ from typing import Any
 
 import torch
 
+from console import one_line
 from profiling.analysis import label
 from profiling.measure import summarize_ms
-
-
-def out_of_memory(e: BaseException) -> bool:
-    """CUDA's allocator raises OutOfMemoryError; the CPU's a RuntimeError that says so."""
-    return isinstance(e, torch.OutOfMemoryError | MemoryError) or (
-        isinstance(e, RuntimeError) and "can't allocate memory" in str(e)
-    )
-
 
 # What a row keeps where another backend than the variant's ran: which cell it is, what ran
 # (the backend, ops, kernels, trace: they show why) and the step's counted FLOPs. Every other
@@ -221,8 +214,3 @@ def compile_cache(before: dict[str, int], after: dict[str, int], kernels_built: 
     if new["fxgraph_cache_hit"]:
         return "cached"
     return "cold" if new["graphs"] else "none"
-
-
-def one_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0] if lines else ''}"

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from checkpoint import provenance
 from config import Config, ConfigError
-from console import first_line
+from console import first_line, one_line
 from cpu_linear import cpu_field, wants_onednn
 from data.loader import TokenBatches
 from data.meta import check_vocab, load_meta
@@ -45,8 +45,6 @@ from profiling.cells import (
     eager_first_step_excess,
     kernel_libraries,
     minor_faults,
-    one_line,
-    out_of_memory,
 )
 from profiling.measure import (
     TRACE_WARN_BYTES,
@@ -67,6 +65,7 @@ from rundir import sweep_lock
 from runtime import (
     autocast_dtype,
     dtype_name,
+    out_of_memory,
     pick_device,
     set_fp32_matmul_precision,
     unavailable_reason,

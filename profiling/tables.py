@@ -135,7 +135,7 @@ def headline_table(results: dict[str, Any]) -> list[str]:
         cells.append(_fmt(last["peak_mem_bytes"] / MiB if measured else None))
         lines.append("| " + " | ".join(cells) + " |")
     lines += _se_note(fits, saved)
-    lines += _fewer_depths(saved, layers, baselines(rows))
+    lines += _fewer_depths(saved, layers, reference_of)
     if not any(r["variant"] == "naive" for r in ok_rows(rows)):
         lines += ["", "No `naive` cell measured here: the savings are against it, so they read –."]
     # Said where it applies: naive+compile measured, and another compiled label set against it
