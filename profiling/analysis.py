@@ -17,6 +17,11 @@ def label(variant: str, compiled: bool) -> str:
     return f"{variant}+compile" if compiled else variant
 
 
+def cell_name(row: dict[str, Any]) -> str:
+    """A row's cell as the report names it: its label and depth, `sdpa+compile L4`."""
+    return f"{label(row['variant'], row['compile'])} L{row['n_layer']}"
+
+
 def labels(rows: list[dict[str, Any]]) -> list[str]:
     """The labels of the rows, each once, in the order the sweep ran them."""
     return list(dict.fromkeys(label(r["variant"], r["compile"]) for r in rows))

@@ -10,7 +10,7 @@ import statistics
 from collections import Counter
 from typing import Any
 
-from profiling.analysis import balanced_orders, label, ok_rows
+from profiling.analysis import balanced_orders, cell_name, label, ok_rows
 
 # The profiler's schedule: steps it skips, then steps it records and drops, before the active
 # window whose events are counted. A cell runs PROFILE_LEAD_STEPS + --profile-steps of them.
@@ -353,14 +353,13 @@ def device_memory_lines(rows: list[dict[str, Any]]) -> list[str]:
         "memory (cudaMalloc, cudaFree) per timed step: "
         f"median {_per_step(statistics.median(calls))}"
         f", at most {_per_step(max(calls))} over the cells"
-        + (f" ({label(most['variant'], most['compile'])} L{most['n_layer']})" if max(calls) else "")
+        + (f" ({cell_name(most)})" if max(calls) else "")
         + "."
     )
     if retried:
         line += " Allocations the device refused, retried after the cache was freed, over all "
         line += "the timed steps: " + ", ".join(
-            f"{r['alloc_retries']} in {label(r['variant'], r['compile'])} L{r['n_layer']}"
-            for r in retried
+            f"{r['alloc_retries']} in {cell_name(r)}" for r in retried
         )
         line += "."
     if any(r.get("status") in ("oom", "failed") for r in rows):
@@ -392,11 +391,7 @@ def host_memory_lines(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[
         f"- **Host memory**: memory that tensors free was {how}; minor page faults per timed "
         f"step: median {_per_step(statistics.median(faults))}, at most {_per_step(max(faults))} "
         "over the cells"
-        + (
-            f" ({label(most['variant'], most['compile'])} L{most['n_layer']})"
-            if max(faults)
-            else ""
-        )
+        + (f" ({cell_name(most)})" if max(faults) else "")
         + "."
         + (
             " With memory kept they come in sporadic bursts, a whole tensor's pages at once when "
@@ -418,7 +413,7 @@ def host_memory_lines(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[
 def unattributed_lines(rows: list[dict[str, Any]]) -> list[str]:
     """A warning when some CUDA kernels' launches were not found in any region."""
     lost = {
-        label(r["variant"], r["compile"]) + f" L{r['n_layer']}": sum(counts.values())
+        cell_name(r): sum(counts.values())
         for r in rows
         if (counts := r.get("kernels_unattributed_per_step"))
     }

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from checkpoint import write_atomically
-from profiling.analysis import PROJECT_AT, baselines, cells_done, label, savings
+from profiling.analysis import PROJECT_AT, baselines, cell_name, cells_done, label, savings
 from profiling.findings import findings, where_time_goes
 from profiling.method import (
     KERNEL_LABELS,
@@ -86,8 +86,7 @@ def _completeness(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]
 def _compiled_while_timed(rows: list[dict[str, Any]]) -> list[str]:
     """A warning naming the cells whose timed steps compiled something (a recompile)."""
     cells = [
-        f"{label(r['variant'], r['compile'])} L{r['n_layer']} "
-        f"({r['compiles_while_timed']} of {r['step_ms']['n']})"
+        f"{cell_name(r)} ({r['compiles_while_timed']} of {r['step_ms']['n']})"
         for r in rows
         if r.get("compiles_while_timed") and r.get("step_ms")
     ]

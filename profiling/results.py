@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from profiling.analysis import fits_by_label, label
+from profiling.analysis import cell_name, fits_by_label
 from profiling.report import replace_file, write_report
 
 
@@ -159,7 +159,7 @@ def results_problem(results: dict[str, Any]) -> str | None:
             if problem := check(row[field]):
                 return f"{where}: {_wrong(field, problem)}"
             if field == "compile":  # the cell is known: named from here on
-                where += f" ({label(row['variant'], row['compile'])} L{row['n_layer']})"
+                where += f" ({cell_name(row)})"
         if row["status"] == "ok" and row["step_ms"] is None:
             return f"{where}: status is 'ok' but step_ms is null"
         cell = (row["variant"], row["n_layer"], row["compile"])
