@@ -297,7 +297,7 @@ def check_compatible(
     if ckpt["tokenizer_sha256"] != tokenizer_sha256:
         data = ckpt.get("config", {}).get("data", {})
         trained, root = data.get("name"), data.get("root")
-        data_dir = Path(config.data.root) / config.data.name
+        data_dir = config.data.dir
         try:
             corpus = ckpt["corpus"]
             again = f": {rebuild_command(data_dir, corpus['source'], corpus['settings'])}"

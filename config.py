@@ -49,6 +49,11 @@ class DataConfig:
         # '=' (--data.root=~/corpora); ~nosuchuser is left as typed
         self.root = os.path.expanduser(self.root)
 
+    @property
+    def dir(self) -> Path:
+        """The corpus's folder, <root>/<name>."""
+        return Path(self.root) / self.name
+
 
 @dataclass
 class TrainConfig:

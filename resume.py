@@ -66,7 +66,7 @@ def corpus_meta(config: Config, out_dir: Path, resume: bool) -> dict[str, Any]:
         tokenizer = out_dir / "tokenizer.json"
         if not (resume and tokenizer.is_file() and CORPUS_NAME.fullmatch(config.data.name)):
             raise
-        data_dir = Path(config.data.root) / config.data.name
+        data_dir = config.data.dir
         # Problem first: a missing corpus's own hint, a stdlib command, makes another one.
         problem = e if (data_dir / "meta.json").is_file() else f"no prepared corpus at {data_dir}/"
         name, command = trained_on(out_dir / CHECKPOINT, data_dir)

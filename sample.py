@@ -154,7 +154,7 @@ def load_run(
     except OSError as e:
         raise SampleError(f"cannot read {tokenizer_path} ({e.strerror or e})") from None
     if trained_with is not None and tokenizer_hash != trained_with:
-        corpus = Path(config.data.root) / config.data.name / "tokenizer.json"
+        corpus = config.data.dir / "tokenizer.json"
         raise CheckpointError(
             f"{tokenizer_path} is not the tokenizer {ckpt_path} was trained with (sha256 "
             f"{trained_with[:12]}); copy that corpus's back (it was {corpus}, if unchanged since)"

@@ -220,7 +220,7 @@ def _train(
     amp_dtype = autocast_dtype(tc.dtype, device)
     computes_in = precision(tc.dtype, amp_dtype)  # said, and recorded with each checkpoint
     meta = corpus_meta(config, out_dir, resume)
-    data_dir = Path(config.data.root) / config.data.name
+    data_dir = config.data.dir
     check_attention(config, device, amp_dtype, resume)
     onednn = linear_path(config, device, amp_dtype)
 
