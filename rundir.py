@@ -1,6 +1,7 @@
 """The run directory: where a run's files go (config.toml, metrics.jsonl, tokenizer.json,
 ckpt.pt), the lock a run holds on it, the config a run resumes with, and the files beside the
-checkpoint that a run writes before its first step.
+checkpoint that a run writes before its first step; and the same kind of lock on a sweep's
+folder (profile_train.py), which sample.py and --report read to know a folder is in use.
 
 train.py calls these before its first step; errors name the directory or file at fault
 (a RunDirError, or a ConfigError for the config a run resumes with).
