@@ -113,14 +113,16 @@ def test_flop_count_does_not_depend_on_the_path() -> None:
 @pytest.mark.cxx
 def test_onednn_linears_compile() -> None:
     """Inside torch.compile'd blocks the oneDNN linear stays one opaque call, with gradients."""
-    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32)
+    # The blocks of the profiler tests' sweeps (B=2, T=32, C=32, 2 heads): their C++ kernels
+    # are built once in a test session.
+    cfg = GPTConfig(vocab_size=64, block_size=32, n_layer=1, n_head=2, n_embd=32)
     torch.manual_seed(0)
     plain = GPT(cfg)
     fast = GPT(cfg)
     fast.load_state_dict(plain.state_dict())
     use_onednn_linears(fast)
     step.compile_blocks(fast)
-    x, y = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    x, y = torch.randint(0, 64, (2, 32)), torch.randint(0, 64, (2, 32))
     torch._dynamo.utils.counters.clear()
     lp = plain(x, y)[1]
     fast(x, y)  # compiles (tracing calls the op on fake tensors too)

@@ -3662,7 +3662,9 @@ def test_a_gpu_check_counts_a_sweep_stopped_on_its_way_out_only_if_it_finished(
     assert got == {(d, rc): 0 if d == "finished" and rc in (124, 137) else rc for d, rc in calls}
 
 
-def test_the_one_page_op_diff_shows_the_hidden_copy() -> None:
+def test_the_one_page_op_diff_shows_the_hidden_copy(
+    run_script: Callable[..., tuple[int, str, str]],
+) -> None:
     """scripts/op_diff.py, the profiler's core in one page: inplace against naive is one
     aten::clone fewer per layer, in the forward, and nothing changes in the optimizer."""
     done = subprocess.run(
@@ -3679,13 +3681,8 @@ def test_the_one_page_op_diff_shows_the_hidden_copy() -> None:
     assert changed[("forward", "aten::clone")] == "-3"
     assert changed[("forward", "aten::masked_fill")] == "-3"
     assert not any(region != "forward" for region, _ in changed)
-    bad = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "op_diff.py"), "--variants", "naive,sdpa-cudnn"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert bad.returncode == 2 and "'sdpa-cudnn' cannot run on cpu" in bad.stderr
+    status, _, err = run_script("op_diff", "--variants", "naive,sdpa-cudnn")
+    assert status == 2 and "'sdpa-cudnn' cannot run on cpu" in err
 
 
 def test_peak_memory_off_cpu_and_cuda_is_not_measured() -> None:
@@ -3709,17 +3706,16 @@ def test_where_the_time_goes_on_mps_says_it_is_host_time() -> None:
     assert "not the GPU's time" in where_time_goes_intro({**meta, "device": "mps"})[-1]
 
 
-def test_op_diff_script_refuses_one_variant_twice_and_says_when_nothing_differs() -> None:
+def test_op_diff_script_refuses_one_variant_twice_and_says_when_nothing_differs(
+    run_script: Callable[..., tuple[int, str, str]],
+) -> None:
     """scripts/op_diff.py: naive,naive is an error, as --diff's is; two variants whose steps
     run the same ops (sdpa picks flash here) say so rather than print a bare header."""
-    script = [sys.executable, str(ROOT / "scripts" / "op_diff.py")]
-    same = subprocess.run([*script, "--variants", "naive,naive"], capture_output=True, text=True)
-    assert same.returncode == 2 and "two different variants" in same.stderr, same.stderr
-    alike = subprocess.run(
-        [*script, "--variants", "sdpa,sdpa-flash", "--layers", "1"], capture_output=True, text=True
-    )
-    assert alike.returncode == 0, alike.stderr
-    assert "no op count differs" in alike.stdout
+    status, _, err = run_script("op_diff", "--variants", "naive,naive")
+    assert status == 2 and "two different variants" in err, err
+    status, out, err = run_script("op_diff", "--variants", "sdpa,sdpa-flash", "--layers", "1")
+    assert status == 0, err
+    assert "no op count differs" in out
 
 
 def test_a_running_sweep_holds_its_folder(

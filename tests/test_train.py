@@ -315,7 +315,11 @@ def test_checkpoint_holds_the_run_state_and_loads_weights_only(
         assert written_by["commit"] and head.stdout.startswith(written_by["commit"][:12])
 
 
-def test_readout_gain_script_times_both_modes(data_root: Path) -> None:
+def test_readout_gain_script_times_both_modes(
+    data_root: Path,
+    run_script: Callable[..., tuple[int, str, str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """scripts/readout_gain.py runs train.py's loop in each mode and prints only its table on
     stdout (train.py's own lines go to stderr)."""
     argv = [sys.executable, str(ROOT / "scripts" / "readout_gain.py"), "--config", str(TINY)]
@@ -327,10 +331,11 @@ def test_readout_gain_script_times_both_modes(data_root: Path) -> None:
     assert [m.split()[0] for m in modes] == ["lagged", "read"]
     assert all(float(m.split()[-3]) > 0 for m in modes), modes  # the median ms per step
     # Bad input: train.py's status (2, a user error) and its one-line reason, or the flag's
+    monkeypatch.setattr(loop, "StepReadout", loop.StepReadout)  # the script sets its own
     for bad, named in [(["--rounds", "0"], "--rounds=0: must be >= 1"), ([], "nowhere.toml")]:
         argv[3] = str(TINY) if bad else "nowhere.toml"
-        done = subprocess.run(argv + bad, capture_output=True, text=True, timeout=120)
-        assert done.returncode == 2 and named in done.stderr and "Traceback" not in done.stderr
+        status, _, err = run_script("readout_gain", *argv[2:], *bad)
+        assert status == 2 and named in err and "Traceback" not in err
 
 
 # --- resume -----------------------------------------------------------------------------------------
@@ -774,7 +779,9 @@ def test_a_cpu_run_says_when_other_processes_took_the_cpus(
         real = step.compile_blocks
         monkeypatch.setattr(step, "compile_blocks", lambda m: compiled.append(m) or real(m))
         frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        assert run(data_root, tmp_path / "compiled", *one_step, "--train.compile=true") == 0
+        # At the profiler tests' block shape (B=2, T=32, C=32, 2 heads): kernels built once
+        compiled_step = [*one_step, "--train.compile=true", "--train.batch_size=2"]
+        assert run(data_root, tmp_path / "compiled", *compiled_step) == 0
         assert "other processes (Inductor's compile workers among them) used 50%" in (
             capsys.readouterr().err
         )
