@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity
 
 from config import NOT_A_DEVICE, ConfigError, TrainConfig, parse_device
 from console import first_line
-from model import VARIANTS, get_variant
+from model import VARIANTS, bool_causal_mask, get_variant
 
 
 def out_of_memory(e: BaseException) -> bool:
@@ -401,7 +401,7 @@ def unavailable_reason(
     if variant.make_mask is not None:
         mask = variant.make_mask(T, device)
     else:
-        mask = torch.ones(T, T, dtype=torch.bool, device=device).triu(1)
+        mask = bool_causal_mask(T, device)
     # Elsewhere than PINS_RAISE a device may run its own kernel whatever the pin, so the
     # probe's trace must show the pinned backend's op (not under a profiler already running:
     # one at a time).

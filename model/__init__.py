@@ -2,6 +2,7 @@
 
 from model.attention import (
     VARIANTS,
+    bool_causal_mask,
     get_variant,
     unknown_variant,
 )
@@ -12,6 +13,7 @@ __all__ = [
     "GPT",
     "VARIANTS",
     "GPTConfig",
+    "bool_causal_mask",
     "get_variant",
     "unknown_variant",
 ]

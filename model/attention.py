@@ -102,6 +102,12 @@ def _pinned(backend: SDPBackend) -> AttentionFn:
     return fn
 
 
+def bool_causal_mask(T: int, device: torch.device | None = None) -> Tensor:
+    """naive's and inplace's mask: (T, T) bool, True above the diagonal, where a query may
+    not attend (SDPA's bool attn_mask reads the other way: True where it may)."""
+    return torch.ones(T, T, dtype=torch.bool, device=device).triu(1)
+
+
 def no_mask(T: int, device: torch.device) -> None:
     """The mask of the SDPA variants: none, is_causal=True says it."""
     return None

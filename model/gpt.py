@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from model.attention import Mask, get_variant
+from model.attention import Mask, bool_causal_mask, get_variant
 from model.config import GPTConfig
 from model.sampling import check_sampling, next_token
 
@@ -86,7 +86,7 @@ class GPT(nn.Module):
         # it is derived, not learned.
         mask = None
         if self.variant.make_mask is None:
-            mask = torch.ones(config.block_size, config.block_size, dtype=torch.bool).triu(1)
+            mask = bool_causal_mask(config.block_size)
         self.register_buffer("causal_mask", mask, persistent=False)
         self.apply(self._init_weights)
         # GPT-2: each block adds two residual branches, so scale their output projections
