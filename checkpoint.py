@@ -28,8 +28,8 @@ from config import Config
 from data.meta import rebuild_command
 
 CHECKPOINT = "ckpt.pt"
-# What train.py writes and resuming needs (it also writes what a resume says or checks
-# against: corpus_sha256, corpus, val_loss, written_by).
+# What train.py writes and resuming needs (it also writes corpus_sha256, corpus and written_by,
+# which a resume checks or reports, and val_loss, for the record).
 KEYS = ("model", "optimizer", "step", "rng", "data", "config", "tokenizer_sha256")
 
 

@@ -4,6 +4,7 @@ the optimizer here, and a resume puts the config's settings back on it."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -30,16 +31,30 @@ def build_optimizer(
 
 
 def apply_optimizer_settings(optimizer: torch.optim.AdamW, cfg: TrainConfig) -> None:
-    """The config's weight decay and betas, and the fused or foreach path chosen for this
-    device, on build_optimizer's two groups. Called again after resuming: load_state_dict
-    brings back the checkpoint's, and a run resumed with --train.weight_decay=... must use the
-    value its config.toml now records, on the path its device has (a checkpoint written on
-    another device holds that one's). (lr is set each step.)"""
+    """The config's weight decay and betas on build_optimizer's two groups. Called again after
+    resuming: load_state_dict brings back the checkpoint's, and a run resumed with
+    --train.weight_decay=... must use the value its config.toml now records. (lr is set each
+    step.)"""
     for group, decay in zip(optimizer.param_groups, (cfg.weight_decay, 0.0), strict=True):
         group["weight_decay"] = decay
         group["betas"] = (cfg.beta1, cfg.beta2)
-        group["fused"] = optimizer.defaults["fused"]  # as built, which load_state_dict keeps
-        group["foreach"] = optimizer.defaults["foreach"]
+
+
+def load_optimizer_state(
+    optimizer: torch.optim.AdamW, state: dict[str, Any], cfg: TrainConfig
+) -> None:
+    """A checkpoint's AdamW state on build_optimizer's optimizer, on the fused or foreach path
+    chosen for this device, with the config's settings on top.
+
+    load_state_dict takes every group setting from the checkpoint, the path among them, and
+    places each parameter's step count by it (on the parameter's device for fused, on the CPU
+    for foreach): a checkpoint written where AdamW is not fused, resumed on a GPU, would keep
+    CPU step counts that the fused kernel refuses. So the path is this optimizer's before the
+    state loads."""
+    path = {key: optimizer.defaults[key] for key in ("fused", "foreach")}
+    groups = [{**group, **path} for group in state["param_groups"]]
+    optimizer.load_state_dict({**state, "param_groups": groups})
+    apply_optimizer_settings(optimizer, cfg)
 
 
 SCHEDULE_FIELDS = ("lr", "min_lr", "warmup_steps", "max_steps")  # all that lr_at reads

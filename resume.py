@@ -19,7 +19,7 @@ from cpu_linear import LINEAR_PATHS
 from data.loader import TokenBatches
 from data.meta import CORPUS_NAME, DataError, load_meta, rebuild_command
 from model import GPT
-from optim import SCHEDULE_FIELDS, apply_optimizer_settings, lr_at
+from optim import SCHEDULE_FIELDS, load_optimizer_state, lr_at
 from runtime import precision
 
 
@@ -204,7 +204,7 @@ def restore_state(
     with restoring(ckpt_path, "model"):
         model.load_state_dict(ckpt["model"])
     with restoring(ckpt_path, "optimizer"):
-        optimizer.load_state_dict(ckpt["optimizer"])
+        load_optimizer_state(optimizer, ckpt["optimizer"], tc)
         # A checkpoint follows a step, which gave every parameter AdamW's moments: fewer
         # would restart them silently (load_state_dict accepts any subset).
         moments = {"step", "exp_avg", "exp_avg_sq"}
@@ -212,7 +212,6 @@ def restore_state(
         params = len(list(model.parameters()))
         if have != params:
             raise ValueError(f"it holds AdamW's moments for {have} of {params} parameters")
-    apply_optimizer_settings(optimizer, tc)
     with restoring(ckpt_path, "data"):
         train_batches.load_state_dict(ckpt["data"])
     return ckpt["step"]

@@ -53,6 +53,7 @@ def run_script(
 
     def run(name: str, *args: str) -> tuple[int, str, str]:
         path = ROOT / "scripts" / f"{name}.py"
+        monkeypatch.setattr(sys, "path", list(sys.path))  # the script adds the project's root
         spec = importlib.util.spec_from_file_location(f"scripts_{name}", path)
         assert spec is not None and spec.loader is not None
         script = importlib.util.module_from_spec(spec)
@@ -61,7 +62,8 @@ def run_script(
         monkeypatch.setenv("KINETO_LOG_LEVEL", "6")  # what op_diff.py sets, undone afterwards
         capsys.readouterr()
         try:
-            status = script.main()
+            with torch.random.fork_rng():  # a script seeds torch's generator for itself
+                status = script.main()
         except SystemExit as e:  # argparse's errors, and sys.exit
             status = e.code
         out, err = capsys.readouterr()

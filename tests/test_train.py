@@ -3111,6 +3111,34 @@ def test_weight_decay_on_matrices_only() -> None:
     assert decayed["betas"] == plain["betas"] == (0.8, 0.9)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_checkpoint_from_foreach_adamw_resumes_on_this_devices_fused_path(
+    device: str, tmp_path: Path
+) -> None:
+    """Written where AdamW runs foreach (its step counts on the CPU), resumed where it is
+    fused: the groups take this device's path, each step count lands on its parameter's
+    device, where the fused kernel reads it, and a step runs."""
+    tc = TrainConfig()
+    model = small_model().to(device)
+    x, y = (t.to(device) for t in batch(0, 2))
+    groups = [
+        {"params": g["params"]}
+        for g in optim.build_optimizer(model, tc, torch.device(device)).param_groups
+    ]
+    written = torch.optim.AdamW(groups, foreach=True)
+    model(x, y)[1].backward()
+    written.step()
+    torch.save(written.state_dict(), tmp_path / "optimizer.pt")
+    state = torch.load(tmp_path / "optimizer.pt", map_location="cpu", weights_only=True)
+    resumed = optim.build_optimizer(model, tc, torch.device(device))
+    optim.load_optimizer_state(resumed, state, tc)
+    assert all((g["fused"], g["foreach"]) == (True, None) for g in resumed.param_groups)
+    assert all(resumed.state[p]["step"].device == p.device for p in model.parameters())
+    model(x, y)[1].backward()
+    resumed.step()
+    assert all(resumed.state[p]["step"].item() == 2 for p in model.parameters())
+
+
 def batch(seed: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     tokens = torch.randint(0, 64, (rows, 17), generator=torch.Generator().manual_seed(seed))
     return tokens[:, :-1], tokens[:, 1:]
