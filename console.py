@@ -20,9 +20,10 @@ def first_line(error: BaseException) -> str:
 
 
 def one_line(error: BaseException) -> str:
-    """An error's type and the first line of its message: 'ValueError: ...'."""
+    """An error's type and the first line of its message, 'ValueError: ...'; its type alone
+    where it has no message."""
     lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
 def cli_path(text: str) -> Path:
