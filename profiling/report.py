@@ -276,6 +276,7 @@ def _report_md(results: dict[str, Any], plots: tuple[str, ...] = tuple(PLOTS)) -
     doubled = doubled_ops(meta)  # a caveat for sweeps that counted re-dispatched ops twice
     problems = _not_run(rows, bold=True)
     found = findings(rows)
+    fitted = any(results["fits"].values())  # a fit needs two depths or more
     return "\n".join(
         [
             *_header(meta, rows),
@@ -336,7 +337,7 @@ def _report_md(results: dict[str, Any], plots: tuple[str, ...] = tuple(PLOTS)) -
             "",
             *(
                 fits_table(results["fits"])
-                if any(results["fits"].values())
+                if fitted
                 else ["(none: a fit needs two depths or more)"]
             ),
             "",
@@ -348,7 +349,7 @@ def _report_md(results: dict[str, Any], plots: tuple[str, ...] = tuple(PLOTS)) -
                 "The slope column is what one more layer costs per training step. A variant's "
                 "saving per layer, multiplied by depth and by steps, is what the change buys "
                 "over a training run. "
-                if any(results["fits"].values())
+                if fitted
                 else ""
             )
             + "Ops per layer count dispatcher calls (a rough proxy for launch overhead on "
