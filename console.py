@@ -26,6 +26,14 @@ def one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
+def quiet_profiler_start() -> None:
+    """Keep libkineto's "USDT: profiler_start/stop" lines off stderr, where each profile
+    would print them through a progress bar. Read once per process, at the first profile; a
+    user's own KINETO_LOG_LEVEL wins. Only where kineto has nothing else to say (CPU, and a
+    probe's CPU-only trace): on CUDA its messages explain missing kernels (CUPTI errors)."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
+
 def cli_path(text: str) -> Path:
     """A path flag's value: ~ expanded, as no shell does after '=' (--out=~/runs/x); one that
     cannot be (~nosuchuser) is left as typed."""

@@ -27,7 +27,6 @@ import contextlib
 import datetime as dt
 import json
 import math
-import os
 import shutil
 import signal
 import sys
@@ -39,9 +38,17 @@ import torch
 
 from checkpoint import describe_os_error
 from config import ConfigError, fields_help, load_config
-from console import StdoutClosed, cli_path, is_utf8, say, stdout_closed
+from console import (
+    StdoutClosed,
+    cli_path,
+    is_utf8,
+    quiet_profiler_start,
+    say,
+    stdout_closed,
+)
 from data.meta import CORPUS_NAME, CORPUS_NAME_RULE
 from model import VARIANTS, GPTConfig, unknown_variant
+from probe import available_variants, unavailable_reason
 from profiling.analysis import fits_by_label
 from profiling.compare import comparable, compare_text
 from profiling.findings import diff_text
@@ -49,13 +56,7 @@ from profiling.method import MIN_TIMED_STEPS
 from profiling.results import render_results, results_problem
 from profiling.sweep import COMPILE_MODES, Sweep, SweepOptions
 from rundir import lock_holder
-from runtime import (
-    SignalScope,
-    autocast_dtype,
-    available_variants,
-    pick_device,
-    unavailable_reason,
-)
+from runtime import SignalScope, autocast_dtype, pick_device
 from train import USER_ERRORS
 
 # Config fields the sweep sets itself, from its own flags: as overrides, an error saying which
@@ -274,11 +275,7 @@ def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
         layers, traced = _sweep_flags(args, overrides)
         device = pick_device(config.train.device)
         if device.type == "cpu":
-            # libkineto prints "USDT: profiler_start/stop" to stderr for every profiled cell,
-            # through the progress bar; on CPU it has nothing else to say. On CUDA its messages
-            # stay: they explain missing kernels (CUPTI errors). Read once per process, at the
-            # first profile; a user's own setting wins.
-            os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+            quiet_profiler_start()
         dtype = autocast_dtype(config.train.dtype, device) or torch.float32
         variants, why = _variants(args.variants, config.model, device, dtype)
         options = sweep_options(args, frozenset(traced), link_latest=default_out)

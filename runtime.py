@@ -1,5 +1,5 @@
-"""Where and how a run executes: the device, the precision, which attention variants can run
-there, the DDP group, stopping on a signal, reading results back without stalling the device.
+"""Where and how a run executes: the device, the precision, the DDP group, stopping on a
+signal, reading results back without stalling the device.
 
 Shared by train.py, the profiler, sample.py and the demo, so that all of them run a model the
 same way. Errors name the setting at fault (a ConfigError: the fix is in the config or flags).
@@ -10,22 +10,17 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
-import re
 import signal
 import sys
 import time
-import warnings
 from typing import Any, Self
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.profiler import ProfilerActivity
 
 from config import NOT_A_DEVICE, ConfigError, TrainConfig, parse_device
-from console import first_line
-from model import VARIANTS, bool_causal_mask, get_variant
 
 
 def out_of_memory(e: BaseException) -> bool:
@@ -334,154 +329,3 @@ class StepReadout:
         values = self._values.tolist()
         end = time.perf_counter() if following is None else following.began
         return values, end - self.began
-
-
-# --- which attention variants run here ---------------------------------------------------------
-
-
-class VariantUnavailable(RuntimeError):
-    """An attention variant that cannot run (train, or infer) on a device and dtype."""
-
-
-# The ATen op by which a trace shows each SDPA backend ran: how a pinned variant's profiled
-# cell is checked, and its probe off CUDA. On MPS the math backend is a kernel of its own.
-BACKEND_OPS = {
-    "MATH": (
-        "aten::_scaled_dot_product_attention_math",
-        "aten::_scaled_dot_product_attention_math_for_mps",
-    ),
-    "FLASH_ATTENTION": (
-        "aten::_scaled_dot_product_flash_attention",
-        "aten::_scaled_dot_product_flash_attention_for_cpu",
-    ),
-    "EFFICIENT_ATTENTION": ("aten::_scaled_dot_product_efficient_attention",),
-    "CUDNN_ATTENTION": ("aten::_scaled_dot_product_cudnn_attention",),
-}
-# Devices where SDPA pinned to a backend that cannot take the inputs raises instead of running
-# another kernel (CUDA's seen on an H200; the CPU's by the tests). On others (MPS: whether its
-# SDPA reads the pin depends on the build) a probe checks its trace for the backend's op.
-PINS_RAISE = frozenset({"cpu", "cuda"})
-
-
-_TRIGGERED = re.compile(r"\s*\(Triggered internally at [^)]*\)")
-
-
-def unavailable_reason(
-    name: str,
-    device: torch.device | str,
-    dtype: torch.dtype,
-    head_size: int = 64,
-    dropout_p: float = 0.0,
-    backward: bool = True,
-) -> str | None:
-    """Why `name` cannot train on `device` in `dtype` (with `backward=False`: cannot run its
-    forward, as inference does), or None if it can.
-
-    Decided by running it: a tiny causal forward, and backward, at this head size. For pinned
-    SDPA backends that is the only honest test, since their constraints (dtype, head size,
-    dropout, GPU generation, build) differ by version and device.
-    """
-    variant = get_variant(name)
-    device = torch.device(device)
-    if (
-        variant.cuda_only_reason
-        and device.type != "cuda"
-        and (backward or not variant.forward_off_cuda)
-    ):
-        return variant.cuda_only_reason
-    if dropout_p > 0 and not variant.supports_dropout:
-        return "it has no attention dropout"
-    if device.type == "cuda" and not torch.cuda.is_available():
-        return "CUDA is not available"
-    T = 128
-    q, k, v = (
-        torch.randn(1, 2, T, head_size, device=device, dtype=dtype, requires_grad=backward)
-        for _ in range(3)
-    )
-    if variant.make_mask is not None:
-        mask = variant.make_mask(T, device)
-    else:
-        mask = bool_causal_mask(T, device)
-    # Elsewhere than PINS_RAISE a device may run its own kernel whatever the pin, so the
-    # probe's trace must show the pinned backend's op (not under a profiler already running:
-    # one at a time).
-    traced = variant.backend is not None and device.type not in PINS_RAISE
-    traced &= not torch.autograd._profiler_enabled()
-    if traced:  # libkineto's "USDT: profiler_start" lines; read at the first profile
-        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            with (
-                torch.profiler.profile(activities=[ProfilerActivity.CPU])
-                if traced
-                else contextlib.nullcontext()
-            ) as trace:
-                with torch.set_grad_enabled(backward):
-                    out = variant.fn(q, k, v, mask, dropout_p)
-                if backward and _same_shape(out, q):  # else said below
-                    out.sum().backward()
-        except (RuntimeError, NotImplementedError, ValueError) as e:
-            # torch explains why a pinned kernel refused the inputs in warnings; keep them,
-            # without the C++ source line each ends with.
-            why = [
-                _TRIGGERED.sub("", str(w.message)).strip()
-                for w in caught
-                if "kernel" in str(w.message)
-            ]
-            first = " ".join(first_line(e).split())
-            return "; ".join(part.rstrip(".") for part in [first, *why]).replace(":; ", ": ")
-    if not _same_shape(out, q):  # the model would view a (B, T, H, D) y as (B, T, C) silently
-        got = (
-            f"a tensor of shape {tuple(out.shape)}"
-            if isinstance(out, torch.Tensor)
-            else f"a {type(out).__name__}"
-        )
-        return (
-            f"it returns {got} for q, k, v of shape {tuple(q.shape)}; every variant returns "
-            "y of q's shape, (B, H, T, D)"
-        )
-    if traced and variant.backend is not None:
-        ran = {event.name for event in trace.events()}
-        if not ran.intersection(BACKEND_OPS[variant.backend.name]):
-            sdpa = sorted(op for op in ran if "scaled_dot_product" in op)
-            return (
-                f"PyTorch does not honour a pin to SDPBackend.{variant.backend.name} here: "
-                f"it ran {', '.join(sdpa) or 'no SDPA op'} instead"
-            )
-    return None
-
-
-def _same_shape(out: object, q: torch.Tensor) -> bool:
-    return isinstance(out, torch.Tensor) and out.shape == q.shape
-
-
-def check_variant(
-    name: str,
-    device: torch.device | str,
-    dtype: torch.dtype,
-    head_size: int = 64,
-    dropout_p: float = 0.0,
-    backward: bool = True,
-) -> None:
-    """Raise VariantUnavailable, naming the variant, device, dtype and reason, if it can't run
-    (train, or with `backward=False` run its forward)."""
-    reason = unavailable_reason(name, device, dtype, head_size, dropout_p, backward)
-    if reason is not None:
-        raise VariantUnavailable(
-            f"attention variant {name!r} cannot run on {torch.device(device)} "
-            f"({str(dtype).removeprefix('torch.')}, head size {head_size}, "
-            f"dropout {dropout_p}): {reason}"
-        )
-
-
-def available_variants(
-    device: torch.device | str,
-    dtype: torch.dtype,
-    head_size: int = 64,
-    dropout_p: float = 0.0,
-) -> list[str]:
-    """The variant names that can train on this device and dtype, in registry order."""
-    return [
-        n for n in VARIANTS if unavailable_reason(n, device, dtype, head_size, dropout_p) is None
-    ]

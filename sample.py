@@ -46,12 +46,11 @@ from config import DTYPES, Config, ConfigError, build_config, missing_fields, re
 from console import StdoutClosed, cli_path, say, stdout_closed
 from data.meta import EOT, file_sha256
 from model import GPT, VARIANTS
+from probe import VariantUnavailable, check_variant
 from rundir import MAKE_TRAIN_RUN, lock_holder
 from runtime import (
-    VariantUnavailable,
     autocast,
     autocast_dtype,
-    check_variant,
     missing_tensor_cores,
     pick_device,
     set_fp32_matmul_precision,

@@ -40,6 +40,7 @@ from host import keep_freed_host_memory
 from loop import Run, RunEnd, TrainError
 from metrics import start_metrics
 from optim import lr_at
+from probe import VariantUnavailable, available_variants, check_variant
 from resume import (
     check_seed,
     corpus_meta,
@@ -58,10 +59,7 @@ from rundir import (
     write_run_files,
 )
 from runtime import (
-    VariantUnavailable,
     autocast_dtype,
-    available_variants,
-    check_variant,
     init_distributed,
     launched_ranks,
     out_of_memory,

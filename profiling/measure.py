@@ -27,6 +27,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from cpu_linear import onednn_unavailable_reason
 from model.attention import VARIANTS, AttentionFn
 from model.gpt import CausalSelfAttention
+from probe import BACKEND_OPS
 from profiling.analysis import REGIONS
 from profiling.method import PROFILE_WAIT, PROFILE_WARMUP
 from profiling.names import (
@@ -37,13 +38,12 @@ from profiling.names import (
     shares,
     time_category,
 )
-from runtime import BACKEND_OPS
 
 TRACE_WARN_BYTES = 50 * 2**20
 TOP_TIMES = 12  # ops or kernels listed by name in "where the time goes"
 
 # A pattern the CUDA kernels of each pinned SDPA backend match, beside its ATen op
-# (runtime.BACKEND_OPS).
+# (probe.BACKEND_OPS).
 BACKEND_KERNELS = {  # PyTorch's FA2 kernels; its cutlass "mem-efficient" kernels; cuDNN's
     "FLASH_ATTENTION": re.compile(r"flash_(fwd|bwd)"),
     "EFFICIENT_ATTENTION": re.compile(r"fmha_cutlass[FB]|AttentionKernel|AttentionBackwardKernel"),

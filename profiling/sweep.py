@@ -35,6 +35,7 @@ from data.loader import TokenBatches
 from data.meta import check_vocab, load_meta
 from host import OtherLoad, keep_freed_host_memory, reserve_heap
 from model import VARIANTS
+from probe import unavailable_reason
 from profiling.analysis import REGIONS, balanced_orders, label
 from profiling.cells import (
     KEPT_ON_WRONG_BACKEND,
@@ -68,7 +69,6 @@ from runtime import (
     out_of_memory,
     pick_device,
     set_fp32_matmul_precision,
-    unavailable_reason,
 )
 from step import build_model, train_step
 

@@ -20,7 +20,8 @@ from config import TrainConfig
 from console import StdoutClosed, say, stdout_closed
 from cpu_linear import wants_onednn
 from model import VARIANTS, GPTConfig
-from runtime import autocast_dtype, pick_device, unavailable_reason
+from probe import unavailable_reason
+from runtime import autocast_dtype, pick_device
 from step import build_model, train_step
 from train import USER_ERRORS
 

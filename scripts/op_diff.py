@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 from collections import Counter
 from pathlib import Path
@@ -28,8 +27,9 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from config import TrainConfig
+from console import quiet_profiler_start
 from model import GPTConfig
-from runtime import VariantUnavailable, check_variant
+from probe import VariantUnavailable, check_variant
 from step import build_model, train_step
 from train import USER_ERRORS
 
@@ -77,7 +77,7 @@ def main() -> int:
     except (*USER_ERRORS, VariantUnavailable, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # no "USDT: profiler_start" lines on CPU
+    quiet_profiler_start()
     a, b = (op_counts(dataclasses.replace(config, attention=v)) for v in variants)
     print(
         f"ATen ops in one training step at n_layer={args.layers}, {variants[0]} against "

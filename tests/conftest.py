@@ -59,7 +59,7 @@ def run_script(
         script = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(script)
         monkeypatch.setattr(sys, "argv", [str(path), *args])
-        monkeypatch.setenv("KINETO_LOG_LEVEL", "6")  # what op_diff.py sets, undone afterwards
+        monkeypatch.setenv("KINETO_LOG_LEVEL", "6")  # what quiet_profiler_start sets, undone
         capsys.readouterr()
         try:
             with torch.random.fork_rng():  # a script seeds torch's generator for itself

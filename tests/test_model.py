@@ -14,7 +14,7 @@ from torch import Tensor
 from model import GPT, VARIANTS, GPTConfig
 from model.attention import inplace, naive
 from model.sampling import next_token, nucleus
-from runtime import VariantUnavailable, available_variants, check_variant, unavailable_reason
+from probe import VariantUnavailable, available_variants, check_variant, unavailable_reason
 
 # What the registry says runs on the CPU: every variant without a reason it cannot. Read from
 # the registry, not by running each (available_variants): a new variant that raises must fail
@@ -252,9 +252,9 @@ def test_a_pin_the_device_does_not_honour_is_refused(monkeypatch: pytest.MonkeyP
     """Where SDPA may run its own kernel whatever the pin (MPS), the probe's trace must show
     the pinned backend's op. Here the CPU stands in for such a device, and a variant pinned
     to flash runs math: refused, naming both; the honest pins pass."""
-    import runtime
+    import probe
 
-    monkeypatch.setattr(runtime, "PINS_RAISE", frozenset())
+    monkeypatch.setattr(probe, "PINS_RAISE", frozenset())
     for name in ("sdpa-math", "sdpa-flash"):
         assert unavailable_reason(name, "cpu", torch.float32, 16) is None, name
     runs_math = VARIANTS["sdpa-math"].fn
@@ -342,7 +342,7 @@ def test_pinned_backend_holds_inside_compiled_blocks(name: str) -> None:
     """torch.compile picks its own SDPA backend; a pinned variant must still run its own."""
     from torch.profiler import profile
 
-    from runtime import BACKEND_OPS
+    from probe import BACKEND_OPS
 
     model = GPT(tiny_config(name, n_head=2))  # the profiler tests' blocks: kernels built once
     for block in model.blocks:

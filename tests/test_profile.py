@@ -33,12 +33,13 @@ import pytest
 import torch
 from torch.autograd import DeviceType
 
+import probe
 import profile_train
-import runtime
 from config import ConfigError, load_config
 from cpu_linear import onednn_unavailable_reason
 from host import OtherLoad
 from model import GPT, VARIANTS, attention
+from probe import BACKEND_OPS
 from profiling.analysis import (
     fit_line,
     fits_by_label,
@@ -52,7 +53,6 @@ from profiling.measure import count_flops, parse_events, verify_backend
 from profiling.results import results_problem
 from profiling.sweep import KEPT_ON_WRONG_BACKEND, Sweep
 from profiling.tables import headline_table, paired_deepest, paired_table
-from runtime import BACKEND_OPS
 
 TINY = [
     "--model.vocab_size=128",
@@ -3042,14 +3042,14 @@ def test_each_variant_is_probed_once_per_sweep(
     import profiling.sweep
 
     probed: list[str] = []
-    real = runtime.unavailable_reason
+    real = probe.unavailable_reason
 
     def counted(name: str, *args: object, **kwargs: object) -> str | None:
         probed.append(name)
         return real(name, *args, **kwargs)
 
     # Every name it is called by: the sweep's, main's, and available_variants' own.
-    for module in (profiling.sweep, profile_train, runtime):
+    for module in (profiling.sweep, profile_train, probe):
         monkeypatch.setattr(module, "unavailable_reason", counted)
     # Two depths where it matters (once for the sweep, not per depth); all variants at one.
     layers = ["1", "2"] if chosen else ["1"]

@@ -52,7 +52,7 @@ from data import meta as data_meta
 from data.loader import TokenBatches
 from data.prepare import EOT, EOT_ID, prepare, split_documents
 from model import GPT, VARIANTS
-from runtime import unavailable_reason
+from probe import unavailable_reason
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"
