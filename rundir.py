@@ -255,11 +255,7 @@ def run_config(out: Path, config_file: Path | None, overrides: list[str], resume
     """The config to train with: on --resume, the run's own config.toml, whatever --config says
     (`make train ARGS=--resume` gives configs/default.toml: the run's overrides must not fall
     back to that file's values), with the overrides given now on top; otherwise --config's.
-
-    train.py writes every field into config.toml, so one that lacks a field the checkpoint
-    records is damaged (or cut by hand), and resuming on the defaults in its place would change
-    the run without a word: an error. (A field newer than the run is in neither: its default
-    holds.) Without config.toml, the config ckpt.pt records is the run's."""
+    Without config.toml, the config ckpt.pt records is the run's."""
     saved = out / "config.toml"
     if not resume:
         return load_config(config_file, overrides)
@@ -267,7 +263,8 @@ def run_config(out: Path, config_file: Path | None, overrides: list[str], resume
     # Read before torchrun's process group exists: rank 0 alone says what it resumes with
     master = launched_ranks()[0] == 0
     recorded = _recorded_config(out / CHECKPOINT)  # None: no readable run here; open_run says
-    if not saved.is_file():
+    raw = saved_config(out, recorded, "resume")  # read once: compared with the checkpoint's, used
+    if raw is None:
         if not (out / CHECKPOINT).is_file():  # no run here (a mistyped --out): say so first
             raise no_checkpoint(out / CHECKPOINT)
         if recorded is None:
@@ -278,13 +275,6 @@ def run_config(out: Path, config_file: Path | None, overrides: list[str], resume
                 file=sys.stderr,
             )
         return build_config(recorded, overrides, source=f"the config {out / CHECKPOINT} records")
-    raw = read_toml(saved)  # read once: checked, compared with the checkpoint's, then used
-    missing = missing_fields(raw, recorded or {})
-    if missing:
-        raise ConfigError(
-            f"{saved} lacks {', '.join(missing)}, which train.py writes: it is damaged or was cut; "
-            f"delete it to resume with the config {out / CHECKPOINT} records, or restore them"
-        )
     config = build_config(raw, overrides, source=str(saved))
     stale = _stale_fields(raw, saved, recorded)
     own = f"{saved}, the run's own config"  # what the run resumes with, as said below
@@ -322,6 +312,26 @@ def run_config(out: Path, config_file: Path | None, overrides: list[str], resume
                 file=sys.stderr,
             )
     return config
+
+
+def saved_config(run_dir: Path, recorded: dict[str, Any] | None, to: str) -> dict[str, Any] | None:
+    """The fields of the run's config.toml, or None where it has none; `to` is what the caller
+    does with them ("resume", "sample").
+
+    train.py writes every field into config.toml, so one that lacks a field the checkpoint
+    records is damaged (or cut by hand), and the defaults in its place would change the run
+    without a word: an error. (A field newer than the run is in neither: its default holds.)"""
+    saved = run_dir / "config.toml"
+    if not saved.is_file():
+        return None
+    raw = read_toml(saved)
+    missing = missing_fields(raw, recorded or {})
+    if missing:
+        raise ConfigError(
+            f"{saved} lacks {', '.join(missing)}, which train.py writes: it is damaged or was cut; "
+            f"delete it to {to} with the config {run_dir / CHECKPOINT} records, or restore them"
+        )
+    return raw
 
 
 def _stale_fields(

@@ -42,12 +42,12 @@ from checkpoint import (
     model_config_diff,
     restoring,
 )
-from config import DTYPES, Config, ConfigError, build_config, missing_fields, read_toml
+from config import DTYPES, Config, ConfigError, build_config
 from console import StdoutClosed, cli_path, say, stdout_closed
 from data.meta import EOT, file_sha256
 from model import GPT, VARIANTS
 from probe import VariantUnavailable, check_variant
-from rundir import MAKE_TRAIN_RUN, lock_holder
+from rundir import MAKE_TRAIN_RUN, lock_holder, saved_config
 from runtime import (
     autocast,
     autocast_dtype,
@@ -126,20 +126,13 @@ def load_run(
     ckpt = load_checkpoint(ckpt_path, needs=("model",))  # the rest is resuming's
     config_path = run_dir / "config.toml"
     recorded = ckpt.get("config")
-    if not config_path.is_file():  # as resuming does: the config the checkpoint records
-        if not isinstance(recorded, dict):
+    recorded = recorded if isinstance(recorded, dict) else None
+    raw = saved_config(run_dir, recorded, "sample")
+    if raw is None:  # as resuming does: the config the checkpoint records
+        if recorded is None:
             raise SampleError(f"{run_dir} has no config.toml, and {ckpt_path} records no config")
         config = build_config(recorded, source=f"the config {ckpt_path} records")
     else:
-        raw = read_toml(config_path)
-        # A field cut from it would read as its default, and be blamed on config.toml below
-        missing = missing_fields(raw, recorded if isinstance(recorded, dict) else {})
-        if missing:
-            raise SampleError(
-                f"{config_path} lacks {', '.join(missing)}, which train.py writes: it is damaged "
-                f"or was cut; delete it to sample with the config {ckpt_path} records, or "
-                "restore them"
-            )
         config = build_config(raw, source=str(config_path))
     # The weights may fit a config.toml edited after training (n_head, say) and still compute
     # another function: the checkpoint's own config, if it has one, decides.
