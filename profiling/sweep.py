@@ -18,7 +18,6 @@ import platform
 import shlex
 import sys
 import tempfile
-import time
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -29,10 +28,8 @@ from tqdm import tqdm
 
 from checkpoint import provenance
 from config import Config, ConfigError
-from console import first_line, one_line
-from cpu_linear import cpu_field, wants_onednn
-from data.loader import TokenBatches
-from data.meta import check_vocab, load_meta
+from console import first_line
+from cpu_linear import wants_onednn
 from host import OtherLoad, keep_freed_host_memory, reserve_heap
 from model import VARIANTS
 from probe import unavailable_reason
@@ -52,7 +49,6 @@ from profiling.measure import (
     attention_calls_marked,
     backend_problem,
     backend_that_ran,
-    count_flops,
     matmul_peaks,
     peak_memory,
     profiled_steps,
@@ -62,6 +58,7 @@ from profiling.measure import (
 from profiling.method import METHOD, MIN_TIMED_STEPS, PROFILE_LEAD_STEPS, STARTUP
 from profiling.progress import Progress
 from profiling.results import render_results, write_json
+from profiling.shared import BATCH_POOL, batch_pool, device_name, pay_startup, step_flops
 from rundir import sweep_lock
 from runtime import (
     autocast_dtype,
@@ -72,7 +69,6 @@ from runtime import (
 )
 from step import build_model, train_step
 
-BATCH_POOL = 4  # distinct batches cycled through, drawn before timing so no I/O is timed
 HEAP_RESERVE = 256 << 20  # CPU, memory kept: heap faulted in before each depth's timed steps
 
 
@@ -164,42 +160,15 @@ class Sweep:
         # Set by run: the pinned variants whose compiled cells are left out, as sdpa+compile
         # is among the cells (see _build).
         self.pinned_apart: list[str] = []
-        self.batches = self._batches()
+        self.batches = batch_pool(config, self.device)
         self.meta = self._meta()
 
     # --- setup ---------------------------------------------------------------------------------
 
-    def _batches(self) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-        mc, tc = self.config.model, self.config.train
-        if self.options.data == "synthetic":
-            g = torch.Generator().manual_seed(tc.seed)
-            shape = (tc.batch_size, mc.block_size + 1)
-            draw = lambda: torch.randint(mc.vocab_size, shape, generator=g).to(self.device)
-            pool = [[draw() for _ in range(tc.grad_accum)] for _ in range(BATCH_POOL)]
-            return [[(xy[:, :-1], xy[:, 1:]) for xy in step] for step in pool]
-        meta = load_meta(self.config.data.root, self.options.data, mc.vocab_size)
-        check_vocab(meta, mc.vocab_size, self.options.data)
-        source = TokenBatches(
-            Path(self.config.data.root) / self.options.data / "train.bin",
-            mc.block_size,
-            tc.batch_size,
-            tc.seed,
-            self.device,
-            expected_tokens=meta["splits"]["train"]["tokens"],
-            vocab_size=meta["vocab_size"],
-        )
-        return [[source.next() for _ in range(tc.grad_accum)] for _ in range(BATCH_POOL)]
-
     def _meta(self) -> dict[str, Any]:
-        if self.device.type == "cuda":
-            device_name = torch.cuda.get_device_name(self.device)
-        elif self.device.type == "mps":
-            device_name = torch.backends.mps.get_name()  # the Apple GPU, e.g. "Apple M2"
-        else:
-            device_name = f"{cpu_field('model name') or platform.processor()}, {platform.machine()}"
         meta = {
             "device": str(self.device),
-            "device_name": device_name,
+            "device_name": device_name(self.device),
             "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
             "host_memory": self.host_memory,
@@ -339,7 +308,13 @@ class Sweep:
                 " would balance them)",
                 file=sys.stderr,
             )
-        self._warm_up(compiled=any(compile_modes))
+        seconds = pay_startup(
+            self.config, self.device, self.onednn, self.amp_dtype, compiled=any(compile_modes)
+        )
+        if seconds is not None:
+            self.meta["startup"] = STARTUP
+            if any(compile_modes):  # its graphs go with the first depth's Dynamo reset
+                self.meta["compiler_startup_s"] = seconds
         # A depth's variants share Block.forward, and each adds a Dynamo cache entry to it. Past
         # the limit Dynamo would run the block eager with only a warning, under a "+compile"
         # label: the limit leaves room for them all, and hitting it fails the cell instead.
@@ -353,7 +328,7 @@ class Sweep:
             with no_silent_eager, self.progress:
                 for n_layer in layers:
                     cells = [Cell(v, n_layer, c) for v in variants for c in compile_modes]
-                    flops = self._model_flops(n_layer)
+                    flops = step_flops(self.config, n_layer)
                     self.timed = (cells, flops)  # kept on a Ctrl-C from the first round on
                     self._time(cells)
                     for cell in cells:
@@ -381,80 +356,6 @@ class Sweep:
         # Once every file is written: a results.json with finished_at is a whole sweep's.
         self.meta["finished_at"] = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
         write_json(self.out, self.meta, self.rows)
-
-    def _warm_up(self, compiled: bool) -> None:
-        """One training step of a tiny model, eager, then compiled if the sweep compiles; the
-        seconds the compiled one took go in meta.
-
-        The process's one-time costs (the compiler's imports and workers, the first trace and
-        compile, the first eager step's set-up) are then paid here, not charged to whichever
-        cell comes first. Its sizes are not the sweep's: no cell finds its graphs in
-        Inductor's cache because of it.
-        """
-        tc, mc = self.config.train, self.config.model
-        tiny = dataclasses.replace(
-            mc,
-            attention="naive",
-            n_layer=1,
-            n_embd=16 if mc.n_embd != 16 else 24,  # a width the cells' blocks do not have
-            n_head=2,
-            block_size=16,
-            vocab_size=64,
-        )
-        ids = torch.randint(64, (2, 17)).to(self.device)
-        batch = [(ids[:, :-1], ids[:, 1:])]
-        try:
-            for compiling in [False, True] if compiled else [False]:
-                model, optimizer = build_model(
-                    tiny, tc, self.device, onednn=self.onednn, compile=compiling
-                )
-                t0 = time.perf_counter()  # not `timed`: that times cells
-                train_step(model, optimizer, batch, tc.grad_clip, self.amp_dtype)
-                synchronize(self.device)
-                seconds = time.perf_counter() - t0
-        except Exception as e:  # not KeyboardInterrupt; the cells will say what fails there
-            tqdm.write(
-                f"warning: the start-up warm-up failed ({one_line(e)}); the first cell's "
-                "first step may carry the process's one-time costs",
-                file=sys.stderr,
-            )
-            return
-        self.meta["startup"] = STARTUP
-        if compiled:  # its graphs go with the first depth's Dynamo reset
-            self.meta["compiler_startup_s"] = seconds
-
-    def _model_flops(self, n_layer: int) -> tuple[int, int]:
-        """FLOPs of one step at this depth, counted on an eager `naive` model, and the part of
-        them in attention's (B, H, T, T) products (naive's batched matmuls, `aten.bmm`).
-
-        Every variant computes the same function, so all share this count: MFU then compares
-        variants by one measure of work, not by what each implementation happens to do. As in
-        nanoGPT's and PaLM's MFU, attention counts over the full T x T; the report also gives
-        MFU with only the causal half of that part counted.
-
-        The step runs on the meta device, shapes without data: no memory and no compute, so a
-        depth where naive, the variant that needs the most memory, would not fit on the device
-        still gets its count.
-        """
-        mc, tc = self.config.model, self.config.train
-        meta = torch.device("meta")
-        try:
-            with meta:
-                model_cfg = dataclasses.replace(mc, attention="naive", n_layer=n_layer)
-                model, optimizer = build_model(model_cfg, tc, meta, onednn=False, compile=False)
-                x = torch.zeros(tc.batch_size, mc.block_size, dtype=torch.long)  # ids, targets
-            # The real step's count, as the tests check: FLOPs depend on neither the dtype (so
-            # no autocast) nor the Linear path (cpu_linear.py counts the oneDNN op as
-            # nn.Linear). Clipping is in it, and adds none: flop_counter counts matmuls only.
-            micro = [(x, x)] * tc.grad_accum
-            by_op = count_flops(lambda: train_step(model, optimizer, micro, tc.grad_clip))
-        except Exception as e:  # not KeyboardInterrupt: Ctrl-C stops the sweep
-            tqdm.write(
-                f"warning: no FLOP count at n_layer={n_layer} ({one_line(e)}); no MFU there",
-                file=sys.stderr,
-            )
-            return 0, 0
-        return sum(by_op.values()), by_op.get("aten.bmm", 0)
 
     def _time(self, cells: list[Cell]) -> None:
         if any(cell.compiled for cell in cells):

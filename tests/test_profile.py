@@ -51,6 +51,7 @@ from profiling.analysis import (
 from profiling.cells import Cell
 from profiling.measure import count_flops, parse_events, verify_backend
 from profiling.results import results_problem
+from profiling.shared import step_flops
 from profiling.sweep import KEPT_ON_WRONG_BACKEND, Sweep
 from profiling.tables import headline_table, paired_deepest, paired_table
 
@@ -168,7 +169,7 @@ def test_more_profiled_steps_count_the_same_per_step(
 
 def test_data_sweeps_the_named_corpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """--data NAME steps on batches of that corpus's train split, not random tokens."""
-    import profiling.sweep
+    import profiling.shared
     from data.prepare import prepare
 
     docs = tmp_path / "docs"
@@ -178,12 +179,12 @@ def test_data_sweeps_the_named_corpus(tmp_path: Path, monkeypatch: pytest.Monkey
     prepare("small", files=[str(docs / "*.py")], vocab_size=300, out_root=tmp_path / "root")
     opened: list[Path] = []
 
-    class Recorded(profiling.sweep.TokenBatches):
+    class Recorded(profiling.shared.TokenBatches):
         def __init__(self, path: Path, *args: object, **kwargs: object) -> None:
             opened.append(Path(path))
             super().__init__(path, *args, **kwargs)
 
-    monkeypatch.setattr(profiling.sweep, "TokenBatches", Recorded)
+    monkeypatch.setattr(profiling.shared, "TokenBatches", Recorded)
     corpus = ["--data", "small", f"--data.root={tmp_path / 'root'}", "--model.vocab_size=300"]
     rc, results = sweep(tmp_path, "--variants", "naive", "--layers", "1", *corpus)
     assert rc == 0 and results["rows"][0]["status"] == "ok"
@@ -2185,7 +2186,7 @@ def test_meta_flop_count_equals_a_real_naive_steps(
         s._build(cell)
         real = count_flops(cell.step)
         ran_on.clear()
-        assert s._model_flops(n_layer) == (sum(real.values()), real["aten.bmm"])
+        assert step_flops(s.config, n_layer) == (sum(real.values()), real["aten.bmm"])
         assert set(ran_on) == {"meta"}
         # Attention's T x T products: 12 B T^2 C per layer and micro-batch (B=2, T=32, C=32).
         assert real["aten.bmm"] == 2 * 12 * 2 * 32**2 * 32 * n_layer
