@@ -27,9 +27,13 @@ def labels(rows: list[dict[str, Any]]) -> list[str]:
     return list(dict.fromkeys(label(r["variant"], r["compile"]) for r in rows))
 
 
-def baselines(rows: list[dict[str, Any]], baseline: str = "naive") -> dict[str, str]:
-    """Each label's reference: `baseline` in the same compile mode, like against like."""
-    return {label(r["variant"], r["compile"]): label(baseline, r["compile"]) for r in rows}
+# What every saving is measured against: the hand-written reference, the tests' oracle too
+BASELINE = "naive"
+
+
+def baselines(rows: list[dict[str, Any]]) -> dict[str, str]:
+    """Each label's reference: BASELINE in the same compile mode, like against like."""
+    return {label(r["variant"], r["compile"]): label(BASELINE, r["compile"]) for r in rows}
 
 
 def fit_line(xs: list[float], ys: list[float]) -> dict[str, float | None] | None:
@@ -138,17 +142,15 @@ def median_interval(values: list[float], level: float = 0.95) -> tuple[float, fl
     return ordered[k - 1], ordered[n - k]
 
 
-def paired_savings(
-    rows: list[dict[str, Any]], baseline: str = "naive"
-) -> dict[str, dict[int, dict[str, Any]]]:
-    """label -> n_layer -> the saving against baseline (like against like, as in savings)
+def paired_savings(rows: list[dict[str, Any]]) -> dict[str, dict[int, dict[str, Any]]]:
+    """label -> n_layer -> the saving against BASELINE (like against like, as in savings)
     from the timed rounds: each round runs every cell of a depth once, so round i's baseline
     step less the variant's round-i step is one paired difference, free of drift slower than
     a round. Their median (ms), its 95% interval (median_interval; None below 6 rounds) and
     the number of rounds. Only cells that measured (ok) and recorded their times, in round
     order (`times_ms`), of the same number of rounds."""
     by = {(label(r["variant"], r["compile"]), r["n_layer"]): r for r in ok_rows(rows)}
-    reference_of = baselines(rows, baseline)
+    reference_of = baselines(rows)
     out: dict[str, dict[int, dict[str, Any]]] = {}
     for (name, n_layer), row in by.items():
         reference = by.get((reference_of[name], n_layer))
@@ -166,12 +168,11 @@ def paired_savings(
     return out
 
 
-def savings(
-    rows: list[dict[str, Any]], baseline: str = "naive", metric: str = "step_ms"
-) -> dict[str, dict[str, Any]]:
-    """Per-layer saving of each label against baseline, +- its standard error, and the saving
-    the two fitted lines project at 12, 24 and 48 layers. Compiled labels are compared with the
-    compiled baseline ('sdpa+compile' with 'naive+compile'): like against like.
+def savings(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per-layer step-time saving of each label against BASELINE, +- its standard error, and
+    the saving the two fitted lines project at 12, 24 and 48 layers. Compiled labels are
+    compared with the compiled baseline ('sdpa+compile' with 'naive+compile'): like against
+    like.
 
     Both lines are fitted over the depths the two measured (`depths`): a step's cost is not
     exactly linear in depth, so slopes over different depths (a sweep stopped part-way, a cell
@@ -187,8 +188,8 @@ def savings(
     common with its baseline is left out. Where either line projects a time of zero or less
     (noisy fits over few depths), the projection is None throughout, with `why_none`.
     """
-    points = {name: by_metric[metric] for name, by_metric in points_by_label(rows).items()}
-    reference_of = baselines(rows, baseline)
+    points = {name: by_metric["step_ms"] for name, by_metric in points_by_label(rows).items()}
+    reference_of = baselines(rows)
     out = {}
     for name, these in points.items():
         reference = reference_of[name]
@@ -212,7 +213,7 @@ def savings(
                     "saving_se": None,
                     "percent_se": None,
                     "why_none": (
-                        f"{worse}'s fitted {metric} is {min(ref, this):.1f} at {layers} layers"
+                        f"{worse}'s fitted step_ms is {min(ref, this):.1f} at {layers} layers"
                     ),
                 }
                 continue

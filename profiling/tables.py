@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 from profiling.analysis import (
+    BASELINE,
     REGIONS,
     baselines,
     label,
@@ -136,12 +137,18 @@ def headline_table(results: dict[str, Any]) -> list[str]:
         lines.append("| " + " | ".join(cells) + " |")
     lines += _se_note(fits, saved)
     lines += _fewer_depths(saved, layers, reference_of)
-    if not any(r["variant"] == "naive" for r in ok_rows(rows)):
-        lines += ["", "No `naive` cell measured here: the savings are against it, so they read –."]
+    if not any(r["variant"] == BASELINE for r in ok_rows(rows)):
+        lines += [
+            "",
+            f"No `{BASELINE}` cell measured here: the savings are against it, so they read –.",
+        ]
     # Said where it applies: naive+compile measured, and another compiled label set against it
     compiled = {r["variant"] for r in ok_rows(rows) if r["compile"]}
-    if "naive" in compiled and len(compiled) > 1:
-        lines += ["", "`+compile` rows are compared with `naive+compile`, like against like."]
+    if BASELINE in compiled and len(compiled) > 1:
+        lines += [
+            "",
+            f"`+compile` rows are compared with `{BASELINE}+compile`, like against like.",
+        ]
     if any(f.get("step_ms", {}).get("slope", 0) < 0 for f in fits.values()):
         lines += [
             "",
