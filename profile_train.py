@@ -260,14 +260,7 @@ def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
         config = load_config(args.config, overrides)
         default_out = args.out is None
         args.out = args.out or _default_out(args.config)
-        if (args.out / "results.json").exists():
-            raise ConfigError(f"--out {args.out} holds an earlier sweep; choose another folder")
-        if args.out.is_file():
-            raise ConfigError(f"--out {args.out} is a file; give a folder")
-        if args.out.exists() and not (args.out.is_dir() and not any(args.out.iterdir())):
-            raise ConfigError(f"--out {args.out} exists and is not an empty folder; choose another")
-        if not is_utf8(str(args.out)):  # the report and results.json name it
-            raise ConfigError(f"--out {str(args.out)!r}: not valid UTF-8; give another folder")
+        _check_new_out(args.out)
         out_existed = args.out.exists()
         # The folders the sweep will make above --out: an interruption before the first cell
         # removes them too, where still empty
@@ -308,16 +301,7 @@ def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
         if ours is not None and (ours / "results.json").exists():
             print(f"interrupted; the cells measured so far are in {ours}", file=sys.stderr)
         elif ours is not None and ours.is_dir():
-            # What is in it now is this sweep's (traces, no results); a folder the user made
-            # stays, emptied.
-            for path in ours.iterdir() if out_existed else [ours]:
-                if path.is_dir():
-                    shutil.rmtree(path)
-                else:
-                    path.unlink()
-            for parent in made_above:  # innermost first
-                with contextlib.suppress(OSError):  # not empty: another process wrote there
-                    parent.rmdir()
+            _remove_unmeasured(ours, out_existed, made_above)
             print(
                 f"interrupted before the first cell was measured; "
                 f"{'the files written in ' if out_existed else ''}{ours} removed",
@@ -332,6 +316,32 @@ def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
         print("error: no cell was measured; the reasons are above", file=sys.stderr)
         return 1
     return 0
+
+
+def _check_new_out(out: Path) -> None:
+    """--out for a new sweep: a folder that does not exist yet, or an empty one."""
+    if (out / "results.json").exists():
+        raise ConfigError(f"--out {out} holds an earlier sweep; choose another folder")
+    if out.is_file():
+        raise ConfigError(f"--out {out} is a file; give a folder")
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+        raise ConfigError(f"--out {out} exists and is not an empty folder; choose another")
+    if not is_utf8(str(out)):  # the report and results.json name it
+        raise ConfigError(f"--out {str(out)!r}: not valid UTF-8; give another folder")
+
+
+def _remove_unmeasured(out: Path, out_existed: bool, made_above: list[Path]) -> None:
+    """What a sweep interrupted before its first cell wrote: all of it is this sweep's
+    (traces, no results). A folder the user made stays, emptied; those the sweep made above
+    it go where still empty."""
+    for path in out.iterdir() if out_existed else [out]:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    for parent in made_above:  # innermost first
+        with contextlib.suppress(OSError):  # not empty: another process wrote there
+            parent.rmdir()
 
 
 def _sweep_flags(args: argparse.Namespace, overrides: list[str]) -> tuple[list[int], set[int]]:
