@@ -31,7 +31,7 @@ from checkpoint import (
     restore_rng,
     restoring,
 )
-from config import Config, ConfigError, fields_help
+from config import Config, ConfigError, TrainConfig, fields_help
 from console import cli_path, first_line, one_line
 from cpu_linear import LINEAR_PATHS, wants_onednn
 from data.loader import TokenBatches
@@ -343,7 +343,7 @@ def _failed_to_compile(e: BaseException) -> bool:
     return dynamo is not None and isinstance(e, dynamo.BackendCompilerFailed)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -371,7 +371,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="stop (and save) after N more steps, e.g. to split a run across sessions",
     )
-    args, overrides = parser.parse_known_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = _parser().parse_known_args(argv)
     out: Path | None = None
     try:
         if args.stop_after is not None and args.stop_after < 1:
@@ -390,26 +394,10 @@ def main(argv: list[str] | None = None) -> int:
         _say_error(f"error: {e}")
         return 2
     except (torch.OutOfMemoryError, RuntimeError, MemoryError) as e:
-        cause = getattr(e, "inner_exception", None) or e  # a compile's: the backend's own
-        if _failed_to_compile(e) and not out_of_memory(cause):
-            if os.environ.get("TORCHDYNAMO_VERBOSE") == "1":  # torch's knob for its traceback
-                raise
-            _say_error(
-                f"error: train.compile=true, and torch.compile failed: "
-                f"{one_line(cause)[:200]}; train without it "
-                "(--train.compile=false), or fix what it names (TORCHDYNAMO_VERBOSE=1 shows "
-                "torch's traceback); the last checkpoint, if any, is as it was"
-            )
-            return 2
-        if not out_of_memory(cause):  # out of memory while compiling too (autotuning)
+        said = _compile_or_memory_error(e)
+        if said is None:  # a bug, here or in torch: its traceback
             raise
-        _say_error(
-            f"error: out of memory ({first_line(cause)[:200]}); "
-            "lower train.batch_size (raise train.grad_accum to keep the tokens per step; with "
-            "train.global_batch_size set, that is derived), or the "
-            "model's size (model.block_size, n_layer, n_embd); the last checkpoint, if any, is "
-            "as it was"
-        )
+        _say_error(said)
         return 2
     except OSError as e:  # a full disk, a run folder made read-only: not this program's bug
         what, fix = describe_os_error(e)
@@ -434,23 +422,51 @@ def main(argv: list[str] | None = None) -> int:
     # A sample only when the run has just reached its end: not after a split.
     finished = end.steps_taken > 0 and end.step == tc.max_steps
     if finished and tc.sample_tokens > 0 and launched_ranks()[0] == 0:
-        print(f"\n--- sample from {end.run_dir} (prompt {tc.sample_prompt!r}) ---")
-        try:
-            import sample  # here: it needs `tokenizers`, training does not
-        except ImportError as e:
-            print(f"error: no sample ({e}); the run is saved in {end.run_dir}", file=sys.stderr)
-            return 2
-        try:
-            text = sample.sample_run(
-                end.run_dir, tc.sample_prompt, tc.sample_tokens, device=tc.device
-            )
-        except KeyboardInterrupt:
-            print("sample interrupted; the run is saved", file=sys.stderr)
-            return 130
-        except (*sample.USER_ERRORS, ValueError) as e:
-            print(f"error: no sample ({e}); the run is saved in {end.run_dir}", file=sys.stderr)
-            return 2
-        print(text)
+        return _sample_at_end(end.run_dir, tc)
+    return 0
+
+
+def _compile_or_memory_error(e: BaseException) -> str | None:
+    """What to tell the user of a failed torch.compile or of running out of memory (while
+    compiling too: autotuning); None for any other error, a bug whose traceback shows."""
+    cause = getattr(e, "inner_exception", None) or e  # a compile's: the backend's own
+    if _failed_to_compile(e) and not out_of_memory(cause):
+        if os.environ.get("TORCHDYNAMO_VERBOSE") == "1":  # torch's knob for its traceback
+            return None
+        return (
+            f"error: train.compile=true, and torch.compile failed: "
+            f"{one_line(cause)[:200]}; train without it "
+            "(--train.compile=false), or fix what it names (TORCHDYNAMO_VERBOSE=1 shows "
+            "torch's traceback); the last checkpoint, if any, is as it was"
+        )
+    if not out_of_memory(cause):
+        return None
+    return (
+        f"error: out of memory ({first_line(cause)[:200]}); "
+        "lower train.batch_size (raise train.grad_accum to keep the tokens per step; with "
+        "train.global_batch_size set, that is derived), or the "
+        "model's size (model.block_size, n_layer, n_embd); the last checkpoint, if any, is "
+        "as it was"
+    )
+
+
+def _sample_at_end(run_dir: Path, tc: TrainConfig) -> int:
+    """A finished run's sample (train.sample_tokens of it), printed; the exit status."""
+    print(f"\n--- sample from {run_dir} (prompt {tc.sample_prompt!r}) ---")
+    try:
+        import sample  # here: it needs `tokenizers`, training does not
+    except ImportError as e:
+        print(f"error: no sample ({e}); the run is saved in {run_dir}", file=sys.stderr)
+        return 2
+    try:
+        text = sample.sample_run(run_dir, tc.sample_prompt, tc.sample_tokens, device=tc.device)
+    except KeyboardInterrupt:
+        print("sample interrupted; the run is saved", file=sys.stderr)
+        return 130
+    except (*sample.USER_ERRORS, ValueError) as e:
+        print(f"error: no sample ({e}); the run is saved in {run_dir}", file=sys.stderr)
+        return 2
+    print(text)
     return 0
 
 
