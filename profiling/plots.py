@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -70,44 +71,7 @@ def plot_results(out: Path, results: dict[str, Any], setup: str) -> None:
     ]
     for filename, metric, ylabel, values, scale in specs:
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        drawn: list[float] = []  # medians and fitted lines: what the axis must show
-        bar_tops: list[float] = []
-        fitted = False  # whether any line was drawn, for the note under the plot
-        for i, name in enumerate(names):
-            pts = sorted(
-                (r["n_layer"], values(r)) for r in rows if label(r["variant"], r["compile"]) == name
-            )
-            pts = [(x, v) for x, v in pts if v is not None]
-            if not pts:
-                continue
-            # A small sideways shift per variant, so that equal values (sdpa and the backend
-            # it picked) stay visible; the fitted lines use the true n_layer.
-            shift = 0.06 * (i - (len(names) - 1) / 2)
-            xs = [x + shift for x, _ in pts]
-            mid = [v[0] * scale for _, v in pts]
-            # One peak per cell has no spread: no bars, and none in its legend either
-            err = [[(v[0] - v[1]) * scale for _, v in pts], [(v[2] - v[0]) * scale for _, v in pts]]
-            spread = metric == "step_ms"
-            color, marker = style[name]
-            ax.errorbar(
-                xs,
-                mid,
-                yerr=err if spread else None,
-                fmt=marker,
-                color=color,
-                label=name,
-                capsize=3,
-            )
-            drawn += mid
-            bar_tops += [v[2] * scale for _, v in pts]
-            fit = fits.get(name, {}).get(metric)
-            if fit:
-                line_x = [min(xs) - shift, max(xs) - shift]
-                line_y = [(fit["intercept"] + fit["slope"] * x) * scale for x in line_x]
-                dashes = ":" if marker == "s" else "--"  # compiled: dotted, as its squares differ
-                ax.plot(line_x, line_y, dashes, color=color, linewidth=1, gid=f"fit {name}")
-                drawn += line_y
-                fitted = True
+        drawn, bar_tops, fitted = _draw_series(ax, rows, fits, style, metric, values, scale)
         top = axis_top(drawn, bar_tops)
         if top is not None:
             ax.set_ylim(0, top)  # from 0: the long bar would otherwise push it below
@@ -150,3 +114,56 @@ def plot_results(out: Path, results: dict[str, Any], setup: str) -> None:
             raise OSError(e.errno, e.strerror or str(e), str(out / filename)) from e
         finally:
             plt.close(fig)
+
+
+def _draw_series(
+    ax: Any,
+    rows: list[dict[str, Any]],
+    fits: dict[str, Any],
+    style: dict[str, tuple[str, str]],
+    metric: str,
+    values: Callable[[dict[str, Any]], tuple[float, float, float] | None],
+    scale: float,
+) -> tuple[list[float], list[float], bool]:
+    """Each label's points (with p10-p90 bars for step time) and fitted line on `ax`; what the
+    axis must show (medians and lines), the bars' tops, and whether any line was drawn."""
+    names = labels(rows)
+    drawn: list[float] = []
+    bar_tops: list[float] = []
+    fitted = False
+    for i, name in enumerate(names):
+        pts = sorted(
+            (r["n_layer"], values(r)) for r in rows if label(r["variant"], r["compile"]) == name
+        )
+        pts = [(x, v) for x, v in pts if v is not None]
+        if not pts:
+            continue
+        # A small sideways shift per variant, so that equal values (sdpa and the backend
+        # it picked) stay visible; the fitted lines use the true n_layer.
+        shift = 0.06 * (i - (len(names) - 1) / 2)
+        xs = [x + shift for x, _ in pts]
+        mid = [v[0] * scale for _, v in pts]
+        # One peak per cell has no spread: no bars, and none in its legend either
+        err = [[(v[0] - v[1]) * scale for _, v in pts], [(v[2] - v[0]) * scale for _, v in pts]]
+        spread = metric == "step_ms"
+        color, marker = style[name]
+        ax.errorbar(
+            xs,
+            mid,
+            yerr=err if spread else None,
+            fmt=marker,
+            color=color,
+            label=name,
+            capsize=3,
+        )
+        drawn += mid
+        bar_tops += [v[2] * scale for _, v in pts]
+        fit = fits.get(name, {}).get(metric)
+        if fit:
+            line_x = [min(xs) - shift, max(xs) - shift]
+            line_y = [(fit["intercept"] + fit["slope"] * x) * scale for x in line_x]
+            dashes = ":" if marker == "s" else "--"  # compiled: dotted, as its squares differ
+            ax.plot(line_x, line_y, dashes, color=color, linewidth=1, gid=f"fit {name}")
+            drawn += line_y
+            fitted = True
+    return drawn, bar_tops, fitted
