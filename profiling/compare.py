@@ -158,43 +158,15 @@ def compare_text(sweeps: list[tuple[Path, dict[str, Any]]]) -> str:
         f"{meta['torch_version']}, {meta['dtype']}, n_layer {','.join(map(str, layers))}.",
         "",
     ]
-    top_peak = max(r["meta"].get("peak_flops") or 0 for _, r in sweeps)  # one unit for all
-    for i, (path, results) in enumerate(sweeps, 1):
-        m = results["meta"]
-        stopped = (
-            f", stopped after {cells_done(results['rows'])} of {m['cells_planned']} cells"
-            if _stopped(results)
-            else ""
-        )
-        peak = (
-            f", matmul peak {rate_text(m['peak_flops'], top_peak)}" if m.get("peak_flops") else ""
-        )
-        if m.get("other_cpu_share") is not None:
-            peak += f", other processes {m['other_cpu_share']:.0%} of the CPUs"
-            peak += " §" * busy[i - 1]
-        lines.append(
-            f"{i}. `{path}`: {_started(m)}, commit {m.get('commit') or 'unknown'}{peak}{stopped}"
-        )
+    lines += _sweep_list(sweeps, busy)
     lines += ["", "## Step time across the sweeps (ms): median (lowest–highest)", ""]
     lines += _step_time_table(names, layers, [results["rows"] for _, results in sweeps])
-    head = [str(i) for i in range(1, len(sweeps) + 1)] + ["median", "quartiles", "range"]
     for title, table, se in (
         ("Saving per layer against naive, fitted (ms/layer ± se)", fitted, True),
         (f"Saving at n_layer={layers[-1]}, measured (ms)", measured, False),
     ):
-        rows = []
-        for name in names:
-            if all(name not in by_label for by_label in table):
-                continue
-            values = [_value(by_label.get(name)) for by_label in table]
-            cells = [_cell(by_label.get(name), se) for by_label in table]
-            rows.append(f"| {name} | " + " | ".join(cells + _spread(values)) + " |")
         lines += ["", f"## {title}", ""]
-        if rows:
-            lines += ["| variant | " + " | ".join(head) + " |", "|" + "---|" * (len(head) + 1)]
-            lines += rows
-        else:
-            lines.append("(none: a fit needs two depths, and a saving naive and another variant)")
+        lines += _saving_table(names, table, se)
     shown_se = any(s["per_layer_se"] is not None for by in fitted for s in by.values())
     lines += [
         "",
@@ -220,6 +192,47 @@ def compare_text(sweeps: list[tuple[Path, dict[str, Any]]]) -> str:
             "quartiles and range.",
         ]
     return "\n".join(lines) + "\n"
+
+
+def _sweep_list(sweeps: list[tuple[Path, dict[str, Any]]], busy: list[bool]) -> list[str]:
+    """One numbered line per sweep: its folder, when, the commit, its matmul peak (in one
+    unit for all), the share of the CPUs others took (§ where it slowed the sweep), and
+    whether it stopped early."""
+    top_peak = max(r["meta"].get("peak_flops") or 0 for _, r in sweeps)
+    lines = []
+    for i, (path, results) in enumerate(sweeps, 1):
+        m = results["meta"]
+        stopped = (
+            f", stopped after {cells_done(results['rows'])} of {m['cells_planned']} cells"
+            if _stopped(results)
+            else ""
+        )
+        peak = (
+            f", matmul peak {rate_text(m['peak_flops'], top_peak)}" if m.get("peak_flops") else ""
+        )
+        if m.get("other_cpu_share") is not None:
+            peak += f", other processes {m['other_cpu_share']:.0%} of the CPUs"
+            peak += " §" * busy[i - 1]
+        lines.append(
+            f"{i}. `{path}`: {_started(m)}, commit {m.get('commit') or 'unknown'}{peak}{stopped}"
+        )
+    return lines
+
+
+def _saving_table(names: list[str], table: list[dict[str, dict[str, Any]]], se: bool) -> list[str]:
+    """A saving per label (rows) and sweep (columns: `table` holds one dict per sweep), then
+    their median, quartiles and range; with `se`, each cell's standard error."""
+    head = [str(i) for i in range(1, len(table) + 1)] + ["median", "quartiles", "range"]
+    rows = []
+    for name in names:
+        if all(name not in by_label for by_label in table):
+            continue
+        values = [_value(by_label.get(name)) for by_label in table]
+        cells = [_cell(by_label.get(name), se) for by_label in table]
+        rows.append(f"| {name} | " + " | ".join(cells + _spread(values)) + " |")
+    if not rows:
+        return ["(none: a fit needs two depths, and a saving naive and another variant)"]
+    return ["| variant | " + " | ".join(head) + " |", "|" + "---|" * (len(head) + 1), *rows]
 
 
 def _step_time_table(
