@@ -94,7 +94,7 @@ def check_attention(
         ) from None
 
 
-def linear_path(config: Config, device: torch.device, amp_dtype: torch.dtype | None) -> bool:
+def uses_onednn(config: Config, device: torch.device, amp_dtype: torch.dtype | None) -> bool:
     """Whether nn.Linear goes through oneDNN (cpu_linear.py), as train.cpu_linear asks; an
     error naming the field where it asks for what cannot run here."""
     try:
@@ -220,7 +220,7 @@ def _train(
     meta = corpus_meta(config, out_dir, resume)
     data_dir = config.data.dir
     check_attention(config, device, amp_dtype, resume)
-    onednn = linear_path(config, device, amp_dtype)
+    onednn = uses_onednn(config, device, amp_dtype)
 
     # A resume's corpus prepared again since, with another vocabulary, is told as such here,
     # before the model's vocab_size is checked against it: that advice is for new runs.
