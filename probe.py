@@ -120,14 +120,21 @@ def unavailable_reason(
             "y of q's shape, (B, H, T, D)"
         )
     if traced and variant.backend is not None:
-        ran = {event.name for event in trace.events()}
-        if not ran.intersection(BACKEND_OPS[variant.backend.name]):
-            sdpa = sorted(op for op in ran if "scaled_dot_product" in op)
+        instead = sdpa_ops_instead(variant.backend.name, {e.name for e in trace.events()})
+        if instead is not None:
             return (
                 f"PyTorch does not honour a pin to SDPBackend.{variant.backend.name} here: "
-                f"it ran {', '.join(sdpa) or 'no SDPA op'} instead"
+                f"it ran {', '.join(instead) or 'no SDPA op'} instead"
             )
     return None
+
+
+def sdpa_ops_instead(backend: str, ran: set[str]) -> list[str] | None:
+    """None if the ATen ops in `ran` show `backend` ran (BACKEND_OPS); otherwise the SDPA ops
+    they show instead, if any."""
+    if ran.intersection(BACKEND_OPS[backend]):
+        return None
+    return sorted(op for op in ran if "scaled_dot_product" in op)
 
 
 def _same_shape(out: object, q: torch.Tensor) -> bool:

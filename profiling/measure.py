@@ -27,7 +27,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from cpu_linear import onednn_unavailable_reason
 from model.attention import VARIANTS, AttentionFn
 from model.gpt import CausalSelfAttention
-from probe import BACKEND_OPS
+from probe import BACKEND_OPS, sdpa_ops_instead
 from profiling.analysis import REGIONS
 from profiling.method import PROFILE_WAIT, PROFILE_WARMUP
 from profiling.names import (
@@ -411,11 +411,10 @@ def verify_backend(
     `kernels` maps any grouping (regions, and the unattributed ones) to kernel names: a
     kernel counts wherever it was launched from.
     """
-    seen_ops = {name for region in ops.values() for name in region}
-    wanted = BACKEND_OPS[backend]
-    if not seen_ops.intersection(wanted):
-        sdpa_ops = sorted(n for n in seen_ops if "scaled_dot_product" in n)
-        return f"trace lacks {' or '.join(wanted)} (SDPA ops seen: {', '.join(sdpa_ops) or 'none'})"
+    instead = sdpa_ops_instead(backend, {name for region in ops.values() for name in region})
+    if instead is not None:
+        wanted = " or ".join(BACKEND_OPS[backend])
+        return f"trace lacks {wanted} (SDPA ops seen: {', '.join(instead) or 'none'})"
     pattern = BACKEND_KERNELS.get(backend)
     if device.type == "cuda" and pattern is not None:
         seen_kernels = {name for region in kernels.values() for name in region}
