@@ -22,6 +22,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.flop_counter import register_flop_formula
 
+from config import ConfigError
+
 LINEAR_PATHS = {"onednn": "oneDNN", "torch": "PyTorch BLAS"}  # the CPU nn.Linear paths, by name
 
 
@@ -45,7 +47,7 @@ def onednn_unavailable_reason() -> str | None:
 
 
 def wants_onednn(choice: str, device: torch.device, autocast: bool) -> bool:
-    """Resolve `train.cpu_linear` for a run; raises ValueError where 'onednn' cannot apply.
+    """Resolve `train.cpu_linear` for a run; a ConfigError where 'onednn' cannot apply.
 
     'auto' takes oneDNN for fp32 CPU runs on AMD processors with AVX-512, where it was
     measured at about twice MKL's matmul rate (oneDNN at AVX-512, MKL at AVX2). Elsewhere it
@@ -61,11 +63,11 @@ def wants_onednn(choice: str, device: torch.device, autocast: bool) -> bool:
         avx512 = "avx512f" in (cpu_field("flags") or "").split()
         return device.type == "cpu" and not autocast and reason is None and amd and avx512
     if device.type != "cpu":
-        raise ValueError(f"train.cpu_linear='onednn' is for CPU runs; this one is on {device}")
+        raise ConfigError(f"train.cpu_linear='onednn' is for CPU runs; this one is on {device}")
     if reason is not None:
-        raise ValueError(f"train.cpu_linear='onednn': {reason}")
+        raise ConfigError(f"train.cpu_linear='onednn': {reason}")
     if autocast:
-        raise ValueError("train.cpu_linear='onednn' runs fp32 only; set train.dtype=float32")
+        raise ConfigError("train.cpu_linear='onednn' runs fp32 only; set train.dtype=float32")
     return True
 
 

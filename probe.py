@@ -22,7 +22,8 @@ class VariantUnavailable(RuntimeError):
 
 
 # The ATen op by which a trace shows each SDPA backend ran: how a pinned variant's profiled
-# cell is checked, and its probe off CUDA. On MPS the math backend is a kernel of its own.
+# cell is checked, and its probe where the device may ignore a pin (not in PINS_RAISE). On
+# MPS the math backend is a kernel of its own.
 BACKEND_OPS = {
     "MATH": (
         "aten::_scaled_dot_product_attention_math",

@@ -263,7 +263,7 @@ def run_config(out: Path, config_file: Path | None, overrides: list[str], resume
     # Read before torchrun's process group exists: rank 0 alone says what it resumes with
     master = launched_ranks()[0] == 0
     recorded = _recorded_config(out / CHECKPOINT)  # None: no readable run here; open_run says
-    raw = saved_config(out, recorded, "resume")  # read once: compared with the checkpoint's, used
+    raw = saved_config(out, recorded, to="resume")  # read once, compared, used
     if raw is None:
         if not (out / CHECKPOINT).is_file():  # no run here (a mistyped --out): say so first
             raise no_checkpoint(out / CHECKPOINT)
@@ -314,7 +314,9 @@ def run_config(out: Path, config_file: Path | None, overrides: list[str], resume
     return config
 
 
-def saved_config(run_dir: Path, recorded: dict[str, Any] | None, to: str) -> dict[str, Any] | None:
+def saved_config(
+    run_dir: Path, recorded: dict[str, Any] | None, *, to: str
+) -> dict[str, Any] | None:
     """The fields of the run's config.toml, or None where it has none; `to` is what the caller
     does with them ("resume", "sample").
 

@@ -127,7 +127,7 @@ def load_run(
     config_path = run_dir / "config.toml"
     recorded = ckpt.get("config")
     recorded = recorded if isinstance(recorded, dict) else None
-    raw = saved_config(run_dir, recorded, "sample")
+    raw = saved_config(run_dir, recorded, to="sample")
     if raw is None:  # as resuming does: the config the checkpoint records
         if recorded is None:
             raise SampleError(f"{run_dir} has no config.toml, and {ckpt_path} records no config")

@@ -94,15 +94,6 @@ def check_attention(
         ) from None
 
 
-def uses_onednn(config: Config, device: torch.device, amp_dtype: torch.dtype | None) -> bool:
-    """Whether nn.Linear goes through oneDNN (cpu_linear.py), as train.cpu_linear asks; an
-    error naming the field where it asks for what cannot run here."""
-    try:
-        return wants_onednn(config.train.cpu_linear, device, amp_dtype is not None)
-    except ValueError as e:
-        raise TrainError(str(e)) from None
-
-
 def token_batches(
     config: Config,
     data_dir: Path,
@@ -220,7 +211,7 @@ def _train(
     meta = corpus_meta(config, out_dir, resume)
     data_dir = config.data.dir
     check_attention(config, device, amp_dtype, resume)
-    onednn = uses_onednn(config, device, amp_dtype)
+    onednn = wants_onednn(tc.cpu_linear, device, amp_dtype is not None)
 
     # A resume's corpus prepared again since, with another vocabulary, is told as such here,
     # before the model's vocab_size is checked against it: that advice is for new runs.
@@ -395,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except (torch.OutOfMemoryError, RuntimeError, MemoryError) as e:
         said = _compile_or_memory_error(e)
-        if said is None:  # a bug, here or in torch: its traceback
+        if said is None:
             raise
         _say_error(said)
         return 2
@@ -428,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _compile_or_memory_error(e: BaseException) -> str | None:
     """What to tell the user of a failed torch.compile or of running out of memory (while
-    compiling too: autotuning); None for any other error, a bug whose traceback shows."""
+    compiling too: autotuning); None where the traceback should show instead: any other
+    error (a bug, here or in torch), or a failed compile under TORCHDYNAMO_VERBOSE=1."""
     cause = getattr(e, "inner_exception", None) or e  # a compile's: the backend's own
     if _failed_to_compile(e) and not out_of_memory(cause):
         if os.environ.get("TORCHDYNAMO_VERBOSE") == "1":  # torch's knob for its traceback

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from profiling.analysis import (
+    BASELINE,
     baselines,
     cells_done,
     labels,
@@ -162,7 +163,7 @@ def compare_text(sweeps: list[tuple[Path, dict[str, Any]]]) -> str:
     lines += ["", "## Step time across the sweeps (ms): median (lowest–highest)", ""]
     lines += _step_time_table(names, layers, [results["rows"] for _, results in sweeps])
     for title, table, se in (
-        ("Saving per layer against naive, fitted (ms/layer ± se)", fitted, True),
+        (f"Saving per layer against {BASELINE}, fitted (ms/layer ± se)", fitted, True),
         (f"Saving at n_layer={layers[-1]}, measured (ms)", measured, False),
     ):
         lines += ["", f"## {title}", ""]
@@ -231,7 +232,7 @@ def _saving_table(names: list[str], table: list[dict[str, dict[str, Any]]], se: 
         cells = [_cell(by_label.get(name), se) for by_label in table]
         rows.append(f"| {name} | " + " | ".join(cells + _spread(values)) + " |")
     if not rows:
-        return ["(none: a fit needs two depths, and a saving naive and another variant)"]
+        return [f"(none: a fit needs two depths, and a saving {BASELINE} and another variant)"]
     return ["| variant | " + " | ".join(head) + " |", "|" + "---|" * (len(head) + 1), *rows]
 
 

@@ -12,10 +12,11 @@ import os
 import re
 import shutil
 import statistics
+import sys
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,10 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function, schedule
 from torch.utils.flop_counter import FlopCounterMode
+from tqdm import tqdm
 
+from config import Config
+from console import one_line
 from cpu_linear import onednn_unavailable_reason
 from model.attention import VARIANTS, AttentionFn
 from model.gpt import CausalSelfAttention
@@ -38,6 +42,7 @@ from profiling.names import (
     shares,
     time_category,
 )
+from step import build_model, train_step
 
 TRACE_WARN_BYTES = 50 * 2**20
 TOP_TIMES = 12  # ops or kernels listed by name in "where the time goes"
@@ -120,6 +125,40 @@ def count_flops(step: Callable[[], object]) -> dict[str, int]:
     with counter:
         step()
     return {str(op): n for op, n in counter.get_flop_counts().get("Global", {}).items()}
+
+
+def step_flops(config: Config, n_layer: int) -> tuple[int, int]:
+    """FLOPs of one step at this depth, counted on an eager `naive` model, and the part of
+    them in attention's (B, H, T, T) products (naive's batched matmuls, `aten.bmm`).
+
+    Every variant computes the same function, so all share this count: MFU then compares
+    variants by one measure of work, not by what each implementation happens to do. As in
+    nanoGPT's and PaLM's MFU, attention counts over the full T x T; the report also gives
+    MFU with only the causal half of that part counted.
+
+    The step runs on the meta device, shapes without data: no memory and no compute, so a
+    depth where naive, the variant that needs the most memory, would not fit on the device
+    still gets its count.
+    """
+    mc, tc = config.model, config.train
+    meta = torch.device("meta")
+    try:
+        with meta:
+            model_cfg = replace(mc, attention="naive", n_layer=n_layer)
+            model, optimizer = build_model(model_cfg, tc, meta, onednn=False, compile=False)
+            x = torch.zeros(tc.batch_size, mc.block_size, dtype=torch.long)  # ids, targets
+        # The real step's count, as the tests check: FLOPs depend on neither the dtype (so
+        # no autocast) nor the Linear path (cpu_linear.py counts the oneDNN op as
+        # nn.Linear). Clipping is in it, and adds none: flop_counter counts matmuls only.
+        micro = [(x, x)] * tc.grad_accum
+        by_op = count_flops(lambda: train_step(model, optimizer, micro, tc.grad_clip))
+    except Exception as e:  # not KeyboardInterrupt: Ctrl-C stops the sweep
+        tqdm.write(
+            f"warning: no FLOP count at n_layer={n_layer} ({one_line(e)}); no MFU there",
+            file=sys.stderr,
+        )
+        return 0, 0
+    return sum(by_op.values()), by_op.get("aten.bmm", 0)
 
 
 def resident_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:

@@ -7,7 +7,15 @@ from pathlib import Path
 from typing import Any
 
 from checkpoint import write_atomically
-from profiling.analysis import PROJECT_AT, baselines, cell_name, cells_done, label, savings
+from profiling.analysis import (
+    BASELINE,
+    PROJECT_AT,
+    baselines,
+    cell_name,
+    cells_done,
+    label,
+    savings,
+)
 from profiling.findings import findings, where_time_goes
 from profiling.method import (
     KERNEL_LABELS,
@@ -297,7 +305,7 @@ def _report_md(results: dict[str, Any], plots: tuple[str, ...] = tuple(PLOTS)) -
             "## Findings: what each variant changes, per layer per step",
             "",
             *([f"> {doubled}", ""] if meta.get("autocast") and doubled else []),
-            *(found or ["- (needs `naive` and at least one other variant in the sweep)"]),
+            *(found or [f"- (needs `{BASELINE}` and at least one other variant in the sweep)"]),
             "",
             "## Where the time goes",
             "",
@@ -307,8 +315,8 @@ def _report_md(results: dict[str, Any], plots: tuple[str, ...] = tuple(PLOTS)) -
             "",
             *(
                 [
-                    "## Saving per step at each depth, paired by round (against naive; "
-                    "`+compile` rows: against naive+compile)",
+                    f"## Saving per step at each depth, paired by round (against {BASELINE}; "
+                    f"`+compile` rows: against {BASELINE}+compile)",
                     "",
                     *paired,
                     "",
@@ -400,7 +408,7 @@ def _projections(rows: list[dict[str, Any]]) -> list[str]:
         for name, s in saved.items()
     ]
     if not lines:
-        table = ["(needs `naive` and another variant measured at two depths or more)"]
+        table = [f"(needs `{BASELINE}` and another variant measured at two depths or more)"]
     else:
         table = [
             "| variant | " + " | ".join(f"at {n} layers" for n in PROJECT_AT) + " |",
@@ -414,8 +422,8 @@ def _projections(rows: list[dict[str, Any]]) -> list[str]:
                 "widely while timed): less certain than shown.",
             ]
     return [
-        "## Projected savings against naive (`+compile` rows: against naive+compile; from "
-        "the fitted lines)",
+        f"## Projected savings against {BASELINE} (`+compile` rows: against {BASELINE}+compile; "
+        "from the fitted lines)",
         "",
         "± the standard error of the fitted line of per-depth differences at that depth. It says "
         "how well the line is pinned down there, not whether a layer's cost stays the same "

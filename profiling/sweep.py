@@ -52,13 +52,14 @@ from profiling.measure import (
     matmul_peaks,
     peak_memory,
     profiled_steps,
+    step_flops,
     synchronize,
     timed,
 )
 from profiling.method import METHOD, MIN_TIMED_STEPS, PROFILE_LEAD_STEPS, STARTUP
 from profiling.progress import Progress
 from profiling.results import render_results, write_json
-from profiling.shared import BATCH_POOL, batch_pool, device_name, pay_startup, step_flops
+from profiling.startup import BATCH_POOL, batch_pool, device_name, warm_up
 from rundir import sweep_lock
 from runtime import (
     autocast_dtype,
@@ -129,12 +130,7 @@ class Sweep:
         self.dtype = self.amp_dtype or torch.float32
         # tf32: fp32 tensors, TF32 matmuls; the peak is measured with them too
         self.dtype_name = dtype_name(config.train.dtype, self.amp_dtype)
-        try:
-            self.onednn = wants_onednn(
-                config.train.cpu_linear, self.device, self.amp_dtype is not None
-            )
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        self.onednn = wants_onednn(config.train.cpu_linear, self.device, self.amp_dtype is not None)
         self.host_memory = "release"
         if options.host_memory == "keep" and self.device.type == "cpu" and keep_freed_host_memory():
             self.host_memory = "keep"
@@ -308,7 +304,7 @@ class Sweep:
                 " would balance them)",
                 file=sys.stderr,
             )
-        seconds = pay_startup(
+        seconds = warm_up(
             self.config, self.device, self.onednn, self.amp_dtype, compiled=any(compile_modes)
         )
         if seconds is not None:

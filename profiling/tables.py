@@ -96,7 +96,7 @@ def headline_table(results: dict[str, Any]) -> list[str]:
         + [f"ms @L{n}" for n in layers]
         + [
             "ms/layer (±se)",
-            "saving/layer vs naive",
+            f"saving/layer vs {BASELINE}",
             f"saving @L{layers[-1]}, measured",
             f"MFU @L{layers[-1]}",
             "ops/layer",
@@ -346,8 +346,8 @@ def paired_deepest(rows: list[dict[str, Any]]) -> list[str]:
         return []
     return [
         "",
-        f"Saving per step at L{deepest} against naive"
-        + (" (+compile rows: naive+compile)" if any("+compile" in n for n, _ in at) else "")
+        f"Saving per step at L{deepest} against {BASELINE}"
+        + (f" (+compile rows: {BASELINE}+compile)" if any("+compile" in n for n, _ in at) else "")
         + ", paired by round (ms, median [95% interval]; report.md has every depth):",
         *(f"  {name}: {_paired_text(s)}" for name, s in at),
     ]

@@ -49,9 +49,8 @@ from profiling.analysis import (
     savings,
 )
 from profiling.cells import Cell
-from profiling.measure import count_flops, parse_events, verify_backend
+from profiling.measure import count_flops, parse_events, step_flops, verify_backend
 from profiling.results import results_problem
-from profiling.shared import step_flops
 from profiling.sweep import KEPT_ON_WRONG_BACKEND, Sweep
 from profiling.tables import headline_table, paired_deepest, paired_table
 
@@ -169,7 +168,7 @@ def test_more_profiled_steps_count_the_same_per_step(
 
 def test_data_sweeps_the_named_corpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """--data NAME steps on batches of that corpus's train split, not random tokens."""
-    import profiling.shared
+    import profiling.startup
     from data.prepare import prepare
 
     docs = tmp_path / "docs"
@@ -179,12 +178,12 @@ def test_data_sweeps_the_named_corpus(tmp_path: Path, monkeypatch: pytest.Monkey
     prepare("small", files=[str(docs / "*.py")], vocab_size=300, out_root=tmp_path / "root")
     opened: list[Path] = []
 
-    class Recorded(profiling.shared.TokenBatches):
+    class Recorded(profiling.startup.TokenBatches):
         def __init__(self, path: Path, *args: object, **kwargs: object) -> None:
             opened.append(Path(path))
             super().__init__(path, *args, **kwargs)
 
-    monkeypatch.setattr(profiling.shared, "TokenBatches", Recorded)
+    monkeypatch.setattr(profiling.startup, "TokenBatches", Recorded)
     corpus = ["--data", "small", f"--data.root={tmp_path / 'root'}", "--model.vocab_size=300"]
     rc, results = sweep(tmp_path, "--variants", "naive", "--layers", "1", *corpus)
     assert rc == 0 and results["rows"][0]["status"] == "ok"

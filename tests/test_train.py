@@ -1129,6 +1129,18 @@ def test_a_resume_with_the_same_split_in_other_fields_says_nothing(
     assert capsys.readouterr().err == ""
 
 
+def test_onednn_linears_where_they_cannot_run_are_a_config_error(
+    data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """train.cpu_linear='onednn' insists: with bf16 autocast, which it cannot run, the run
+    stops before writing, naming the field and the fix."""
+    out = tmp_path / "run"
+    assert run(data_root, out, "--train.cpu_linear=onednn", "--train.dtype=bfloat16") == 2
+    err = error_of(capsys.readouterr().err)
+    assert err.startswith("train.cpu_linear='onednn' runs fp32 only; set train.dtype=float32")
+    assert not out.exists()
+
+
 def test_resume_through_another_linear_path_says_so(
     base_run: Path, data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -1,6 +1,5 @@
-"""What every cell of a sweep shares, made once before any is measured: the batches each
-steps on, the FLOP count of a step at each depth, the process's one-time start-up, paid, and
-the device's name for the record."""
+"""What a sweep does once, before its first cell: it draws the batches every cell steps on,
+pays the process's one-time costs on a tiny model, and names the device for the record."""
 
 from __future__ import annotations
 
@@ -17,15 +16,15 @@ from console import one_line
 from cpu_linear import cpu_field
 from data.loader import TokenBatches
 from data.meta import check_vocab, load_meta
-from profiling.measure import count_flops, synchronize
+from profiling.measure import synchronize
 from step import build_model, train_step
 
 BATCH_POOL = 4  # distinct batches cycled through, drawn before timing so no I/O is timed
 
-Batch = list[tuple[torch.Tensor, torch.Tensor]]  # one step's micro-batches, (x, y) each
+StepBatches = list[tuple[torch.Tensor, torch.Tensor]]  # one step's micro-batches, (x, y) each
 
 
-def batch_pool(config: Config, device: torch.device) -> list[Batch]:
+def batch_pool(config: Config, device: torch.device) -> list[StepBatches]:
     """BATCH_POOL steps' batches from config.data.name: a prepared corpus's train split, or
     random tokens ("synthetic") whose targets are still the next input token."""
     mc, tc = config.model, config.train
@@ -49,41 +48,7 @@ def batch_pool(config: Config, device: torch.device) -> list[Batch]:
     return [[source.next() for _ in range(tc.grad_accum)] for _ in range(BATCH_POOL)]
 
 
-def step_flops(config: Config, n_layer: int) -> tuple[int, int]:
-    """FLOPs of one step at this depth, counted on an eager `naive` model, and the part of
-    them in attention's (B, H, T, T) products (naive's batched matmuls, `aten.bmm`).
-
-    Every variant computes the same function, so all share this count: MFU then compares
-    variants by one measure of work, not by what each implementation happens to do. As in
-    nanoGPT's and PaLM's MFU, attention counts over the full T x T; the report also gives
-    MFU with only the causal half of that part counted.
-
-    The step runs on the meta device, shapes without data: no memory and no compute, so a
-    depth where naive, the variant that needs the most memory, would not fit on the device
-    still gets its count.
-    """
-    mc, tc = config.model, config.train
-    meta = torch.device("meta")
-    try:
-        with meta:
-            model_cfg = dataclasses.replace(mc, attention="naive", n_layer=n_layer)
-            model, optimizer = build_model(model_cfg, tc, meta, onednn=False, compile=False)
-            x = torch.zeros(tc.batch_size, mc.block_size, dtype=torch.long)  # ids, targets
-        # The real step's count, as the tests check: FLOPs depend on neither the dtype (so
-        # no autocast) nor the Linear path (cpu_linear.py counts the oneDNN op as
-        # nn.Linear). Clipping is in it, and adds none: flop_counter counts matmuls only.
-        micro = [(x, x)] * tc.grad_accum
-        by_op = count_flops(lambda: train_step(model, optimizer, micro, tc.grad_clip))
-    except Exception as e:  # not KeyboardInterrupt: Ctrl-C stops the sweep
-        tqdm.write(
-            f"warning: no FLOP count at n_layer={n_layer} ({one_line(e)}); no MFU there",
-            file=sys.stderr,
-        )
-        return 0, 0
-    return sum(by_op.values()), by_op.get("aten.bmm", 0)
-
-
-def pay_startup(
+def warm_up(
     config: Config,
     device: torch.device,
     onednn: bool,
