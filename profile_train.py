@@ -25,14 +25,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
-import json
 import math
 import shutil
 import signal
 import sys
-import traceback
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -50,12 +47,11 @@ from data.meta import CORPUS_NAME, CORPUS_NAME_RULE
 from model import VARIANTS, GPTConfig, unknown_variant
 from probe import available_variants, unavailable_reason
 from profiling.analysis import fits_by_label
-from profiling.compare import comparable, compare_text
+from profiling.compare import compare_folders
 from profiling.findings import diff_text
 from profiling.method import MIN_TIMED_STEPS
-from profiling.results import render_results, results_problem
+from profiling.results import cannot_read, load_results, render_results
 from profiling.sweep import COMPILE_MODES, Sweep, SweepOptions
-from rundir import lock_holder
 from runtime import SignalScope, autocast_dtype, pick_device
 from train import USER_ERRORS
 
@@ -256,7 +252,8 @@ def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
             return _rerender(args)
         if args.compare is not None:
             _alone(args, overrides, "--compare", ("compare",), "reads the sweeps as measured")
-            return _compare(args.compare)
+            say(compare_folders(args.compare), end="")
+            return 0
         config = load_config(args.config, overrides)
         default_out = args.out is None
         args.out = args.out or _default_out(args.config)
@@ -427,94 +424,9 @@ def _alone(
         )
 
 
-def _load_results(folder: Path, flag: str) -> dict:
-    """A sweep's results.json, or an error naming the folder and what is wrong with it."""
-    path = folder / "results.json"
-    if not folder.exists():
-        raise ConfigError(f"{flag} {folder}: no such folder; give a sweep's --out folder")
-    if not folder.is_dir():
-        raise ConfigError(
-            f"{flag} {folder}: a file, not a folder; give the sweep's folder"
-            + (f" ({folder.parent})" if folder.name == "results.json" else "")
-        )
-    running = lock_holder(folder)
-    if running is not None:  # its files are rewritten after every cell, and it has not ended
-        raise ConfigError(
-            f"{flag} {folder}: a sweep (pid {running}) is still writing there; its report.md "
-            "is redrawn after every cell: read that, or wait for it to end"
-        )
-    if not path.is_file():
-        raise ConfigError(f"{flag} {folder}: no results.json there")
-    try:
-        results = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path} is not valid JSON ({e}); was it edited by hand?") from None
-    if not (isinstance(results, dict) and isinstance(results.get("meta"), dict)):
-        raise ConfigError(f"{path} has no 'meta' object: not a results.json of profile_train.py")
-    if not results.get("rows"):
-        raise ConfigError(
-            f"{path} has no rows: no cell was measured, so there is nothing to report"
-        )
-    problem = results_problem(results)
-    if problem is not None:
-        raise ConfigError(f"{path}: {problem}; was it edited by hand?")
-    return results
-
-
-def _compare(given: list[Path]) -> int:
-    # profiles/<config>/* names each sweep and `latest`, a link to the newest: once each
-    folders: dict[Path, Path] = {}
-    for folder in given:
-        if folder.is_dir() and not (folder / "results.json").exists():
-            print(
-                f"--compare: {folder} holds no results.json (a sweep stopped before its first "
-                "cell?): left out",
-                file=sys.stderr,
-            )
-            continue
-        real = folder.resolve()
-        if real in folders:
-            same = "given twice" if folder == folders[real] else f"is {folders[real]}"
-            print(f"--compare: {folder} {same}, counted once", file=sys.stderr)
-            continue
-        folders[real] = folder
-    if len(folders) < 2:
-        raise ConfigError("--compare: give two sweep folders or more")
-    sweeps = [(folder, _load_results(folder, "--compare")) for folder in folders.values()]
-    seen: dict[tuple, Path] = {}
-    for folder, results in sweeps:
-        key = (results["meta"].get("started_at"), results["meta"].get("out"))
-        if key in seen:
-            raise ConfigError(f"--compare: {folder} and {seen[key]} hold the same sweep")
-        seen[key] = folder
-    try:
-        differ = comparable(sweeps)
-        text = None if differ else compare_text(sweeps)
-    except (KeyError, TypeError, AttributeError, ValueError) as e:  # parsed, but hand-edited
-        # Which: the first that fails set beside itself
-        what = next(
-            (str(f / "results.json") for f, r in sweeps if not _compares([(f, r), (f, r)])),
-            "a results.json",
-        )
-        raise ConfigError(f"--compare: {_cannot_read(what, e)}") from None
-    if differ:
-        raise ConfigError(f"--compare: {differ}")
-    say(text, end="")
-    return 0
-
-
-def _compares(sweeps: list[tuple[Path, dict[str, Any]]]) -> bool:
-    try:
-        comparable(sweeps)
-        compare_text(sweeps)
-    except (KeyError, TypeError, AttributeError, ValueError):
-        return False
-    return True
-
-
 def _rerender(args: argparse.Namespace) -> int:
     path = args.report / "results.json"
-    results = _load_results(args.report, "--report")
+    results = load_results(args.report, "--report")
     if args.diff is not None:
         labels = _csv_list(args.diff, str, "--diff")
         if len(labels) != 2:
@@ -525,7 +437,7 @@ def _rerender(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         except (KeyError, TypeError, AttributeError) as e:
-            raise ConfigError(_cannot_read(str(path), e)) from None
+            raise ConfigError(cannot_read(str(path), e)) from None
         return 0
     try:
         # results.json is the record of what was measured: left as it is. The fits are
@@ -538,24 +450,9 @@ def _rerender(args: argparse.Namespace) -> int:
             "--diff reads only"
         ) from None
     except (KeyError, TypeError, AttributeError, ValueError) as e:  # parsed, but hand-edited
-        raise ConfigError(_cannot_read(str(path), e)) from None
+        raise ConfigError(cannot_read(str(path), e)) from None
     say((args.report / "summary.txt").read_text(encoding="utf-8"))
     return 0
-
-
-def _cannot_read(what: str, e: Exception) -> str:
-    """A results.json that parsed but lacks what the report reads: edited by hand, most
-    likely, or a bug here; the line that failed tells which."""
-    frames = traceback.extract_tb(e.__traceback__)
-    here = Path(__file__).resolve().parent
-    ours = [f for f in frames if Path(f.filename).resolve().is_relative_to(here)] or frames
-    where = (
-        f"{Path(ours[-1].filename).name}:{ours[-1].lineno}"  # the project's line, not a library's
-    )
-    return (
-        f"{what} lacks what the report reads ({type(e).__name__}: {e}, at {where}): was it "
-        "edited by hand? If not, that line has a bug"
-    )
 
 
 if __name__ == "__main__":

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import datetime as dt
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
+from config import ConfigError
 from profiling.analysis import (
     BASELINE,
     baselines,
@@ -23,6 +25,7 @@ from profiling.analysis import (
 )
 from profiling.method import METHOD
 from profiling.report import BUSY_SHARE, rate_text
+from profiling.results import cannot_read, load_results
 
 # What must be the same for savings to be one quantity, from each sweep's results.json, and
 # the depths (see comparable); the sweep's own knobs (steps, warm-up, commit) may differ, and
@@ -318,3 +321,55 @@ def _started(meta: dict[str, Any]) -> str:
         return "start unknown"
     at = dt.datetime.fromisoformat(started).astimezone(dt.UTC)
     return at.strftime("started %Y-%m-%d %H:%M UTC")
+
+
+def compare_folders(given: list[Path]) -> str:
+    """--compare: the sweeps in these folders side by side (compare_text), each read once
+    (profiles/<config>/* names each sweep and `latest`, a link to the newest); a ConfigError
+    where they cannot be compared."""
+    folders: dict[Path, Path] = {}
+    for folder in given:
+        if folder.is_dir() and not (folder / "results.json").exists():
+            print(
+                f"--compare: {folder} holds no results.json (a sweep stopped before its first "
+                "cell?): left out",
+                file=sys.stderr,
+            )
+            continue
+        real = folder.resolve()
+        if real in folders:
+            same = "given twice" if folder == folders[real] else f"is {folders[real]}"
+            print(f"--compare: {folder} {same}, counted once", file=sys.stderr)
+            continue
+        folders[real] = folder
+    if len(folders) < 2:
+        raise ConfigError("--compare: give two sweep folders or more")
+    sweeps = [(folder, load_results(folder, "--compare")) for folder in folders.values()]
+    seen: dict[tuple, Path] = {}
+    for folder, results in sweeps:
+        key = (results["meta"].get("started_at"), results["meta"].get("out"))
+        if key in seen:
+            raise ConfigError(f"--compare: {folder} and {seen[key]} hold the same sweep")
+        seen[key] = folder
+    try:
+        differ = comparable(sweeps)
+        text = "" if differ else compare_text(sweeps)
+    except (KeyError, TypeError, AttributeError, ValueError) as e:  # parsed, but hand-edited
+        # Which: the first that fails set beside itself
+        what = next(
+            (str(f / "results.json") for f, r in sweeps if not _compares([(f, r), (f, r)])),
+            "a results.json",
+        )
+        raise ConfigError(f"--compare: {cannot_read(what, e)}") from None
+    if differ:
+        raise ConfigError(f"--compare: {differ}")
+    return text
+
+
+def _compares(sweeps: list[tuple[Path, dict[str, Any]]]) -> bool:
+    try:
+        comparable(sweeps)
+        compare_text(sweeps)
+    except (KeyError, TypeError, AttributeError, ValueError):
+        return False
+    return True

@@ -6,12 +6,15 @@ from __future__ import annotations
 import csv
 import io
 import json
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from config import ConfigError
 from profiling.analysis import cell_name, fits_by_label
 from profiling.report import replace_file, write_report
+from rundir import lock_holder
 
 
 def render_results(out: Path, results: dict[str, Any], plots: bool = True) -> None:
@@ -241,3 +244,52 @@ def _csv_text(rows: list[dict[str, Any]]) -> str:
             ]
         )
     return f.getvalue()
+
+
+def load_results(folder: Path, flag: str) -> dict:
+    """A sweep's results.json, or an error naming the folder and what is wrong with it."""
+    path = folder / "results.json"
+    if not folder.exists():
+        raise ConfigError(f"{flag} {folder}: no such folder; give a sweep's --out folder")
+    if not folder.is_dir():
+        raise ConfigError(
+            f"{flag} {folder}: a file, not a folder; give the sweep's folder"
+            + (f" ({folder.parent})" if folder.name == "results.json" else "")
+        )
+    running = lock_holder(folder)
+    if running is not None:  # its files are rewritten after every cell, and it has not ended
+        raise ConfigError(
+            f"{flag} {folder}: a sweep (pid {running}) is still writing there; its report.md "
+            "is redrawn after every cell: read that, or wait for it to end"
+        )
+    if not path.is_file():
+        raise ConfigError(f"{flag} {folder}: no results.json there")
+    try:
+        results = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not valid JSON ({e}); was it edited by hand?") from None
+    if not (isinstance(results, dict) and isinstance(results.get("meta"), dict)):
+        raise ConfigError(f"{path} has no 'meta' object: not a results.json of profile_train.py")
+    if not results.get("rows"):
+        raise ConfigError(
+            f"{path} has no rows: no cell was measured, so there is nothing to report"
+        )
+    problem = results_problem(results)
+    if problem is not None:
+        raise ConfigError(f"{path}: {problem}; was it edited by hand?")
+    return results
+
+
+def cannot_read(what: str, e: Exception) -> str:
+    """A results.json that parsed but lacks what the report reads: edited by hand, most
+    likely, or a bug here; the line that failed tells which."""
+    frames = traceback.extract_tb(e.__traceback__)
+    here = Path(__file__).resolve().parents[1]  # the project's root
+    ours = [f for f in frames if Path(f.filename).resolve().is_relative_to(here)] or frames
+    where = (
+        f"{Path(ours[-1].filename).name}:{ours[-1].lineno}"  # the project's line, not a library's
+    )
+    return (
+        f"{what} lacks what the report reads ({type(e).__name__}: {e}, at {where}): was it "
+        "edited by hand? If not, that line has a bug"
+    )
