@@ -79,7 +79,6 @@ import argparse
 import contextlib
 import hashlib
 import itertools
-import json
 import math
 import os
 import signal
@@ -109,7 +108,11 @@ from data.corpus import (
 )
 from data.meta import CORPUS_NAME, CORPUS_NAME_RULE, EOT, EOT_ID, MIN_VOCAB_SIZE, file_sha256
 from data.store import (
+    OUTPUT_FILES,
     ScratchFolder,
+    cannot_write,
+    check_out_dir,
+    check_writable,
     content_hash,
     is_complete,
     one_at_a_time,
@@ -130,7 +133,6 @@ DEFAULT_VAL_FRACTION = 0.1
 DEFAULT_OUT_ROOT = Path("data")  # relative to the working directory, as data.root is
 # Bump when the files written, or how they are derived, change, so old data is rebuilt.
 FORMAT_VERSION = 2  # 2: train/val chosen by content hash, meta.json duplicate_documents
-OUTPUT_FILES = ("tokenizer.json", "train.bin", "val.bin")
 HF_CACHE_DIR = ".hf_cache"
 LOCAL_HUB = "(a local folder)"  # meta.json settings.hub for one; no Hub name has a space
 _stdout_status: int | None = None  # stdout's exit status once a line could not be written
@@ -159,7 +161,7 @@ def prepare(
     kind = _check_arguments(name, stdlib, files, hub, hub_config, split, text_column)
     _check_settings(vocab_size, val_fraction, max_bytes, encoding_errors, seed, kind)
     out_dir = Path(out_root if out_root is not None else DEFAULT_OUT_ROOT) / name
-    _check_out_dir(out_dir)
+    check_out_dir(out_dir)
     settings: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "tokenizers_version": tokenizers.__version__,
@@ -188,10 +190,10 @@ def prepare(
             corpus = hub_corpus(hub, hub_config, split, text_column, max_bytes, hub_cache)
         content_sha256 = content_hash(settings, corpus.digest)
         # The out-root, then the reuse check and the writing: one prepare at a time in it.
-        try:  # failing as _check_out_dir cannot foresee (root ignores permissions; /proc)
+        try:  # failing as check_out_dir cannot foresee (root ignores permissions; /proc)
             out_dir.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise _cannot_write(out_dir, e, "give another --out-root") from None
+            raise cannot_write(out_dir, e, "give another --out-root") from None
         with one_at_a_time(out_dir.parent):
             remove_stale_scratch(out_dir.parent)
             # A killed prepare's files (each as big as a split), whether this one reuses or not
@@ -201,7 +203,7 @@ def prepare(
                 record_source(out_dir, corpus.source)
                 return out_dir
             if out_dir.exists():  # not reused: it will be written, before the tokenizer is trained
-                _check_writable(out_dir, out_dir)
+                check_writable(out_dir, out_dir)
             meta = _build(out_dir, name, corpus, settings, content_sha256)
         counts = meta["splits"]
         _say(
@@ -237,14 +239,14 @@ def _build(
     try:
         scratch = ScratchFolder(out_dir.parent)
     except OSError as e:
-        raise _cannot_write(out_dir.parent, e, "nothing was changed") from None
+        raise cannot_write(out_dir.parent, e, "nothing was changed") from None
     with scratch as cache_dir:
         documents = corpus.documents
         if documents is None:
             try:
                 documents = load_text_files(corpus, Path(cache_dir))
             except OSError as e:  # a full disk
-                raise _cannot_write(Path(cache_dir), e, "nothing was changed") from None
+                raise cannot_write(Path(cache_dir), e, "nothing was changed") from None
         texts = itertools.chain.from_iterable(_text_batches(documents))
         assignment = split_documents(texts, settings["val_fraction"], settings["seed"])
         # Once the documents are known to make a corpus, not before an error about them.
@@ -272,7 +274,7 @@ def _build(
                 assignment.duplicates,
             )
         except OSError as e:  # a full disk, a folder made read-only meanwhile
-            raise _cannot_write(out_dir, e, _what_is_left(out_dir, meta_before)) from None
+            raise cannot_write(out_dir, e, _what_is_left(out_dir, meta_before)) from None
 
 
 def _meta_bytes(out_dir: Path) -> bytes | None:
@@ -383,65 +385,6 @@ def _check_arguments(
         verb = "applies" if len(misused) == 1 else "apply"
         raise PrepareError(f"{', '.join(misused)} only {verb} to --hub")
     return given[0]
-
-
-def _check_out_dir(out_dir: Path) -> None:
-    """Fail before any work if out_dir cannot be a corpus folder."""
-    for path in (out_dir, *out_dir.parents):
-        if path.exists():
-            if not path.is_dir():
-                raise PrepareError(f"cannot write {out_dir}: {path} is a file, not a folder")
-            if path != out_dir:  # one there already may be a read-only corpus to reuse
-                _check_writable(out_dir, path)
-            break
-    run_files = [n for n in ("ckpt.pt", "metrics.jsonl") if (out_dir / n).exists()]
-    if run_files:
-        # Its tokenizer.json is the one its checkpoint was trained with.
-        raise PrepareError(
-            f"{out_dir} holds a training run ({', '.join(run_files)}); give the corpus another "
-            "--name or --out-root"
-        )
-    others = _not_a_corpus(out_dir)
-    if others:
-        listed = ", ".join(others[:3]) + f" and {len(others) - 3} more" * (len(others) > 3)
-        raise PrepareError(
-            f"{out_dir} holds files no prepare wrote ({listed}) beside token files, and no "
-            "corpus's meta.json: they may be another tool's, and would be overwritten; give "
-            "the corpus another --name or --out-root (or, if a prepare left them, delete "
-            f"{', '.join(OUTPUT_FILES)} there)"
-        )
-
-
-def _not_a_corpus(out_dir: Path) -> list[str]:
-    """The names in out_dir that show that the token files there are someone else's (nanoGPT's
-    train.bin and val.bin beside its meta.pkl): any but a prepare's own and hidden ones, where
-    files a prepare writes are there and no meta.json of a corpus. A prepare stopped between its
-    renames (its meta.json removed first) leaves only its own names, and is rebuilt."""
-    if not any((out_dir / name).exists() for name in OUTPUT_FILES):
-        return []  # nothing there to overwrite
-    try:
-        json.loads((out_dir / "meta.json").read_text())["content_sha256"]
-        return []  # a corpus: files added beside it are kept, never written
-    except (OSError, ValueError, TypeError, KeyError):
-        pass
-    try:
-        names = [p.name for p in out_dir.iterdir()]
-    except OSError:  # unreadable: the writes say so
-        return []
-    ours = {*OUTPUT_FILES, "meta.json"}  # a damaged meta.json is rebuilt, as before
-    return sorted(n for n in names if n not in ours and not n.startswith("."))
-
-
-def _check_writable(out_dir: Path, folder: Path) -> None:
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise PrepareError(
-            f"cannot write {out_dir}: no permission to write in {folder}; give another --out-root"
-        )
-
-
-def _cannot_write(out_dir: Path, e: OSError, then: str) -> PrepareError:
-    where = f": {e.filename}" if e.filename else ""
-    return PrepareError(f"cannot write {out_dir} ({e.strerror or e}{where}); {then}")
 
 
 def _check_settings(

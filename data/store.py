@@ -1,6 +1,7 @@
-"""A corpus folder as data/prepare.py writes it: one prepare at a time per out-root, the check
-that what is there is whole and of these inputs (reuse), what a replacement loses, and files
-moved into place whole (meta.json last, see _write_outputs in prepare.py).
+"""A corpus folder as data/prepare.py writes it: whether it can be one (a folder, writable,
+not a run's or another tool's), one prepare at a time per out-root, the check that what is
+there is whole and of these inputs (reuse), what a replacement loses, and files moved into
+place whole (meta.json last, see _write_outputs in prepare.py).
 
 Imports only the standard library, data.meta and data.corpus (whose `datasets` is imported
 only where a corpus is read).
@@ -19,8 +20,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from data.corpus import sha256_text
+from data.corpus import PrepareError, sha256_text
 from data.meta import file_sha256, token_file_problem
+
+OUTPUT_FILES = ("tokenizer.json", "train.bin", "val.bin")  # meta.json is written last
 
 
 @contextlib.contextmanager
@@ -206,3 +209,65 @@ def sync(path: Path) -> None:
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
+
+
+def check_out_dir(out_dir: Path) -> None:
+    """Fail before any work if out_dir cannot be a corpus folder."""
+    for path in (out_dir, *out_dir.parents):
+        if path.exists():
+            if not path.is_dir():
+                raise PrepareError(f"cannot write {out_dir}: {path} is a file, not a folder")
+            if path != out_dir:  # one there already may be a read-only corpus to reuse
+                check_writable(out_dir, path)
+            break
+    run_files = [n for n in ("ckpt.pt", "metrics.jsonl") if (out_dir / n).exists()]
+    if run_files:
+        # Its tokenizer.json is the one its checkpoint was trained with.
+        raise PrepareError(
+            f"{out_dir} holds a training run ({', '.join(run_files)}); give the corpus another "
+            "--name or --out-root"
+        )
+    others = _not_a_corpus(out_dir)
+    if others:
+        listed = ", ".join(others[:3]) + f" and {len(others) - 3} more" * (len(others) > 3)
+        raise PrepareError(
+            f"{out_dir} holds files no prepare wrote ({listed}) beside token files, and no "
+            "corpus's meta.json: they may be another tool's, and would be overwritten; give "
+            "the corpus another --name or --out-root (or, if a prepare left them, delete "
+            f"{', '.join(OUTPUT_FILES)} there)"
+        )
+
+
+def _not_a_corpus(out_dir: Path) -> list[str]:
+    """The names in out_dir that show that the token files there are someone else's (nanoGPT's
+    train.bin and val.bin beside its meta.pkl): any but a prepare's own and hidden ones, where
+    files a prepare writes are there and no meta.json of a corpus. A prepare stopped between its
+    renames (its meta.json removed first) leaves only its own names, and is rebuilt."""
+    if not any((out_dir / name).exists() for name in OUTPUT_FILES):
+        return []  # nothing there to overwrite
+    try:
+        json.loads((out_dir / "meta.json").read_text())["content_sha256"]
+        return []  # a corpus: files added beside it are kept, never written
+    except (OSError, ValueError, TypeError, KeyError):
+        pass
+    try:
+        names = [p.name for p in out_dir.iterdir()]
+    except OSError:  # unreadable: the writes say so
+        return []
+    ours = {*OUTPUT_FILES, "meta.json"}  # a damaged meta.json is rebuilt, as before
+    return sorted(n for n in names if n not in ours and not n.startswith("."))
+
+
+def check_writable(out_dir: Path, folder: Path) -> None:
+    """An error before any work where `folder` (out_dir, or the nearest folder above it that
+    exists) cannot be written in."""
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise PrepareError(
+            f"cannot write {out_dir}: no permission to write in {folder}; give another --out-root"
+        )
+
+
+def cannot_write(out_dir: Path, e: OSError, then: str) -> PrepareError:
+    """A failed write as one line: the folder, the OS's reason, and what is left (`then`)."""
+    where = f": {e.filename}" if e.filename else ""
+    return PrepareError(f"cannot write {out_dir} ({e.strerror or e}{where}); {then}")
