@@ -1,7 +1,8 @@
 """The run directory: where a run's files go (config.toml, metrics.jsonl, tokenizer.json,
 ckpt.pt), the lock a run holds on it, the config a run resumes with, and the files beside the
-checkpoint that a run writes before its first step; and the same kind of lock on a sweep's
-folder (profile_train.py), which sample.py and --report read to know a folder is in use.
+checkpoint that a run writes before its first step; and a sweep's folder (profile_train.py):
+made, the same kind of lock on it, which sample.py and --report read to know a folder is in
+use, and the `latest` link to a default one.
 
 train.py calls these before its first step; errors name the directory or file at fault
 (a RunDirError, or a ConfigError for the config a run resumes with).
@@ -14,12 +15,14 @@ import fcntl
 import os
 import shlex
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from checkpoint import (
     CHECKPOINT,
@@ -146,6 +149,27 @@ def run_lock(out_dir: Path) -> Iterator[None]:
         yield
 
 
+def make_sweep_folder(out: Path, exclusive: bool) -> None:
+    """A sweep's --out folder, made (`exclusive`: one that exists is another sweep's, an error),
+    and checked writable before anything is measured."""
+    try:
+        out.mkdir(parents=True, exist_ok=not exclusive)
+    except FileExistsError:
+        if out.is_symlink() and not out.exists():  # mkdir says "exists" of it
+            raise ConfigError(
+                f"--out {out} is a link to {os.readlink(out)}, which does not exist"
+            ) from None
+        raise ConfigError(
+            f"{out} was taken by another sweep started at the same time; run again"
+        ) from None
+    except OSError as e:  # a file on the path, a dangling link, no permission
+        raise ConfigError(f"--out {out}: cannot make the folder ({e.strerror})") from None
+    try:  # an empty folder that exists may still be read-only: know before measuring
+        tempfile.TemporaryFile(dir=out).close()
+    except OSError as e:
+        raise ConfigError(f"--out {out}: cannot write there ({e.strerror})") from None
+
+
 @contextlib.contextmanager
 def sweep_lock(out: Path) -> Iterator[None]:
     """Hold `out`/.lock while a sweep writes there: a second sweep given the same --out is
@@ -162,6 +186,22 @@ def sweep_lock(out: Path) -> Iterator[None]:
             yield
         finally:
             lock.unlink(missing_ok=True)
+
+
+def point_latest(out: Path) -> None:
+    """Point profiles/<config>/latest at out (best effort: where there are no symlinks, none).
+    A `latest` that is not a link, a file or folder someone put there, is left as it is."""
+    latest = out.parent / "latest"
+    if latest.exists() and not latest.is_symlink():
+        tqdm.write(
+            f"warning: {latest} is not a link (a file or folder put there?): left as it is, "
+            f"so it does not point at this sweep, {out.name}",
+            file=sys.stderr,
+        )
+        return
+    with contextlib.suppress(OSError):
+        latest.unlink(missing_ok=True)
+        latest.symlink_to(out.name)
 
 
 def _take_lock(f: TextIO) -> tuple[str | None, str | None]:

@@ -17,7 +17,6 @@ import os
 import platform
 import shlex
 import sys
-import tempfile
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -60,7 +59,7 @@ from profiling.method import METHOD, MIN_TIMED_STEPS, PROFILE_LEAD_STEPS, STARTU
 from profiling.progress import Progress
 from profiling.results import render_results, write_json
 from profiling.startup import BATCH_POOL, batch_pool, device_name, warm_up
-from rundir import sweep_lock
+from rundir import make_sweep_folder, point_latest, sweep_lock
 from runtime import (
     autocast_dtype,
     dtype_name,
@@ -242,7 +241,9 @@ class Sweep:
     # --- the sweep ------------------------------------------------------------------------------
 
     def run(self, variants: list[str], layers: list[int], compile_modes: list[bool]) -> None:
-        self._make_out()
+        # A default folder is this sweep's alone: one started in the same second may have taken
+        # the name since main chose it.
+        make_sweep_folder(self.out, exclusive=self.options.link_latest)
         with sweep_lock(self.out):
             # Checked empty by main, before the lock: a sweep that ended meanwhile may have
             # written there, and its files are not this one's to overwrite.
@@ -254,27 +255,6 @@ class Sweep:
                 )
             self.held_out = True
             self._run(variants, layers, compile_modes)
-
-    def _make_out(self) -> None:
-        """The --out folder, made, and checked writable before anything is measured."""
-        try:
-            # A default folder is this sweep's alone: one started in the same second may have
-            # taken the name since main chose it.
-            self.out.mkdir(parents=True, exist_ok=not self.options.link_latest)
-        except FileExistsError:
-            if self.out.is_symlink() and not self.out.exists():  # mkdir says "exists" of it
-                raise ConfigError(
-                    f"--out {self.out} is a link to {os.readlink(self.out)}, which does not exist"
-                ) from None
-            raise ConfigError(
-                f"{self.out} was taken by another sweep started at the same time; run again"
-            ) from None
-        except OSError as e:  # a file on the path, a dangling link, no permission
-            raise ConfigError(f"--out {self.out}: cannot make the folder ({e.strerror})") from None
-        try:  # an empty folder that exists may still be read-only: know before measuring
-            tempfile.TemporaryFile(dir=self.out).close()
-        except OSError as e:
-            raise ConfigError(f"--out {self.out}: cannot write there ({e.strerror})") from None
 
     def _run(self, variants: list[str], layers: list[int], compile_modes: list[bool]) -> None:
         self.other_load = OtherLoad(running=False)  # counts in the timed rounds only
@@ -577,7 +557,7 @@ class Sweep:
         self.meta["other_cpu_share"] = self.other_load.share()
         results = write_json(self.out, self.meta, self.rows)
         if self.latest_pending:
-            _point_latest(self.out)
+            point_latest(self.out)
             self.latest_pending = False
         try:
             render_results(self.out, results, plots)
@@ -602,19 +582,3 @@ def _take_eager_excess(cells: list[Cell]) -> None:
     for cell in cells:
         if cell.compiled:
             cell.eager_excess_s = excess.get(cell.variant)
-
-
-def _point_latest(out: Path) -> None:
-    """Point profiles/<config>/latest at out (best effort: where there are no symlinks, none).
-    A `latest` that is not a link, a file or folder someone put there, is left as it is."""
-    latest = out.parent / "latest"
-    if latest.exists() and not latest.is_symlink():
-        tqdm.write(
-            f"warning: {latest} is not a link (a file or folder put there?): left as it is, "
-            f"so it does not point at this sweep, {out.name}",
-            file=sys.stderr,
-        )
-        return
-    with contextlib.suppress(OSError):
-        latest.unlink(missing_ok=True)
-        latest.symlink_to(out.name)

@@ -803,12 +803,12 @@ def test_an_out_folder_that_cannot_be_written_is_refused_before_measuring(
 ) -> None:
     """An existing empty folder passes main's checks; a read-only one (a read-only mount, where
     root's writes fail too) is refused before the peak is measured, not after a depth."""
-    import profiling.sweep
+    import rundir
 
     def read_only(*args, **kwargs):
         raise OSError(errno.EROFS, "Read-only file system")
 
-    monkeypatch.setattr(profiling.sweep.tempfile, "TemporaryFile", read_only)
+    monkeypatch.setattr(rundir.tempfile, "TemporaryFile", read_only)
     out = tmp_path / "ro"
     out.mkdir()
     assert profile_train.main(["--variants", "naive", "--layers", "1", "--out", str(out)]) == 2
@@ -1076,7 +1076,7 @@ def test_ctrl_c_before_any_cell_leaves_no_half_sweep(
     assert (tmp_path / "runs" / "new").exists() == made_by_user
 
 
-@pytest.mark.parametrize("stopped_in", ["__init__", "_make_out"])
+@pytest.mark.parametrize("stopped_in", ["__init__", "make_sweep_folder"])
 def test_ctrl_c_before_a_sweep_holds_its_out_leaves_another_sweeps_files_there(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -1086,19 +1086,22 @@ def test_ctrl_c_before_a_sweep_holds_its_out_leaves_another_sweeps_files_there(
     """Two sweeps given one new --out a moment apart: the second, interrupted while it sets up
     (probing its variants, or making the folder the first has just made), has written nothing
     there, so it removes nothing of the first's."""
+    import profiling.sweep
+
     out = tmp_path / "sweep"
     held = []
-    real = getattr(Sweep, stopped_in)
+    where = Sweep if stopped_in == "__init__" else profiling.sweep
+    real = getattr(where, stopped_in)
 
-    def first_sweep_then_interrupt(self: Sweep, *args: object, **kwargs: object) -> None:
-        real(self, *args, **kwargs)
+    def first_sweep_then_interrupt(*args: object, **kwargs: object) -> None:
+        real(*args, **kwargs)
         # Meanwhile the first sweep made the folder, holds it and wrote a trace
         (out / "traces").mkdir(parents=True)
         held.append(open(out / ".lock", "a+"))  # noqa: SIM115 (closed below)
         fcntl.flock(held[0], fcntl.LOCK_EX | fcntl.LOCK_NB)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(Sweep, stopped_in, first_sweep_then_interrupt)
+    monkeypatch.setattr(where, stopped_in, first_sweep_then_interrupt)
     try:
         rc = profile_train.main(["--out", str(out), "--variants", "naive", "--layers", "1", *TINY])
     finally:
@@ -1113,15 +1116,17 @@ def test_a_sweep_that_ended_in_the_folder_meanwhile_is_not_overwritten(
 ) -> None:
     """--out is checked empty before the sweep sets up; one that ran and ended there since
     (its lock released) keeps its files, and this sweep is refused."""
-    out = tmp_path / "sweep"
-    real = Sweep._make_out
+    import profiling.sweep
 
-    def another_sweep_ends_there(self: Sweep) -> None:
-        real(self)
+    out = tmp_path / "sweep"
+    real = profiling.sweep.make_sweep_folder
+
+    def another_sweep_ends_there(folder: Path, exclusive: bool) -> None:
+        real(folder, exclusive)
         for name in ("results.json", "report.md"):
             (out / name).write_text("the other sweep's")
 
-    monkeypatch.setattr(Sweep, "_make_out", another_sweep_ends_there)
+    monkeypatch.setattr(profiling.sweep, "make_sweep_folder", another_sweep_ends_there)
     argv = ["--out", str(out), "--variants", "naive", "--layers", "1", *TINY]
     assert profile_train.main(argv) == 2
     assert (
