@@ -173,11 +173,9 @@ class Run:
 
     def signalled(self, stop: StopSignal) -> bool:
         """Whether any rank has had a signal, asked after an evaluation (every rank evaluates
-        at the same steps): a single process knows at once; ranks agree through one small
-        collective, where between steps they learn of each other's through the next step's
-        flags, read a step late, and would train two steps more."""
-        if self.world_size == 1:
-            return stop.received is not None
+        at the same steps): ranks agree through one small collective, where between steps they
+        learn of each other's through the next step's flags, read a step late, and would train
+        two steps more."""
         return agreed_signal(stop.received, self.device, self.world_size) is not None
 
     def stopped(self, stop: StopSignal, first_step: int, other_load: OtherLoad) -> RunEnd:

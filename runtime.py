@@ -277,10 +277,12 @@ class StopSignal(SignalScope):
 def agreed_signal(received: str | None, device: torch.device, world_size: int) -> str | None:
     """The signal any rank received (None: none did), the same on every rank (a collective
     under DDP, which every rank calls at the same point), so that all stop together and exit
-    with one status: ranks a signal did not reach take the others'."""
+    with one status: ranks a signal did not reach take the others'. A single process knows at
+    once, without touching the device."""
+    if world_size == 1:
+        return received
     signum = torch.tensor(signal.Signals[received] if received else 0, device=device)
-    if world_size > 1:
-        dist.all_reduce(signum, op=dist.ReduceOp.MAX)
+    dist.all_reduce(signum, op=dist.ReduceOp.MAX)
     return signal.Signals(int(signum)).name if int(signum) else None
 
 
