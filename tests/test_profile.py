@@ -3723,6 +3723,31 @@ def test_op_diff_script_refuses_one_variant_twice_and_says_when_nothing_differs(
     assert "no op count differs" in out
 
 
+def test_after_profiler_script_times_steps_around_each_session(
+    run_script: Callable[..., tuple[int, str, str]],
+) -> None:
+    """scripts/after_profiler.py, the check behind profiling.md's "a depth's timed steps run
+    after the previous depth's profiled steps": each session's steps timed before and after it,
+    on the model and step a cell uses; a bad count or config is a one-line error."""
+    tiny = str(ROOT / "configs" / "tiny.toml")
+    status, out, err = run_script(
+        "after_profiler", "--config", tiny, "--steps", "2", "--sessions", "2"
+    )
+    assert status == 0, err
+    head, *sessions = out.splitlines()
+    assert head.startswith("sdpa, n_layer=2, B=") and "median of 2 steps" in head
+    assert [s.split(":")[0] for s in sessions] == ["session 1", "session 2"]
+    for line in sessions:
+        timing = re.fullmatch(r"session \d: ([\d.]+) ms per step before, ([\d.]+) after", line)
+        assert timing and float(timing[1]) > 0 and float(timing[2]) > 0, line
+    for bad, named in [
+        (["--steps", "0"], "--steps=0: must be >= 1"),
+        (["--model.attention=sdpa-flsh"], "sdpa-flsh"),
+    ]:
+        status, _, err = run_script("after_profiler", "--config", tiny, *bad)
+        assert status == 2 and named in err and "Traceback" not in err, err
+
+
 def test_a_running_sweep_holds_its_folder(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
