@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# The GPU check, in one go (about 8 minutes at most: each part has a time limit; a sweep that
+# The GPU check, in one go (about 9 minutes at most: each part has a time limit; a sweep that
 # `timeout` stops with SIGTERM keeps the cells it finished, with their report and plots):
 #   1. the CUDA-marked tests;
 #   2. profile_train.py over every variant in the registry (eight) at GPT-2-small width,
 #      n_layer 1, 4, 12, bf16 (one that cannot run on this GPU is recorded with its reason);
-#      then naive, sdpa and flex compiled and not, at n_layer 1 and 12 (each depth compiles
-#      anew, and the first pays every cold compile before any cell is recorded);
-#   3. the report, results.json, plots and traces, in OUT_DIR, and all of it in
-#      OUT_DIR/gpu_check.tar.gz.
+#   3. naive, sdpa and flex compiled and not, at n_layer 1 and 12 (each depth compiles anew,
+#      and the first pays every cold compile before any cell is recorded);
+#   4. scripts/after_profiler.py: whether a profiler session (CUPTI left attached) slows the
+#      steps timed after it, at the sweeps' shape with 2 layers;
+# then the reports, results.json, plots and traces are in OUT_DIR, and all of it in
+# OUT_DIR/gpu_check.tar.gz.
 # Uses whatever python3 has torch (PYTHON=... to choose); needs no network, no prepared corpus
 # and no `datasets`. If the machine's python lacks tqdm/pytest/matplotlib/numpy, point WHEELS at a
 # folder of wheels (make gpu-wheels GPU_PY=<its version>) and they are installed from there,
@@ -108,7 +110,12 @@ timeout -k 10 150 "$PY" profile_train.py --config configs/profile-gpu.toml --out
   --variants naive,sdpa,flex --layers "$COMPILED_LAYERS" --steps "$COMPILED_STEPS" --compile both --no-traces
 compiled_rc=$(sweep_status "$OUT/compiled" $?)
 
-echo "== $(date -u +%FT%TZ) done: tests rc=$tests_rc, eager sweep rc=$eager_rc, compiled sweep rc=$compiled_rc"
+echo "== 4. steps timed before and after profiler sessions"
+timeout -k 10 60 "$PY" scripts/after_profiler.py --config configs/profile-gpu.toml \
+  2>&1 | tee "$OUT/after_profiler.txt"
+after_rc=${PIPESTATUS[0]}
+
+echo "== $(date -u +%FT%TZ) done: tests rc=$tests_rc, eager sweep rc=$eager_rc, compiled sweep rc=$compiled_rc, after_profiler rc=$after_rc"
 # Everything in one file too, to carry off the machine: the log closed first, so it is whole;
 # the archive made beside the folder, then moved in.
 exec 1>&3 2>&4 3>&- 4>&-
@@ -117,4 +124,4 @@ packed=$(mktemp "$OUT.tar.gz.XXXXXX") && chmod 644 "$packed" \
   && tar czf "$packed" -C "$OUT" . && mv "$packed" "$OUT/gpu_check.tar.gz" \
   && echo "gpu_check: all of it in $OUT/gpu_check.tar.gz" \
   || { rm -f "${packed:-}"; echo "gpu_check: could not pack $OUT into one archive" >&2; }
-[ "$tests_rc" -eq 0 ] && [ "$eager_rc" -eq 0 ] && [ "$compiled_rc" -eq 0 ]
+[ "$tests_rc" -eq 0 ] && [ "$eager_rc" -eq 0 ] && [ "$compiled_rc" -eq 0 ] && [ "$after_rc" -eq 0 ]
