@@ -3,7 +3,7 @@
     python profile_train.py --config configs/profile.toml [--variants a,b,...] [--layers 1,2,4,8]
         [--compile off|on|both] [--steps N] [--data synthetic|NAME] [--out DIR]
     python profile_train.py --report DIR [--diff A,B]     # re-render a report, or diff two variants
-    python profile_train.py --compare DIR DIR ...         # several sweeps' savings side by side
+    python profile_train.py --compare DIR DIR ...         # several sweeps side by side
 
 For every cell of variants x n_layer x compile it measures, each in its own steps:
   1. step time without the profiler: warm-up excluded, device synchronised, variants of one
@@ -173,7 +173,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         type=cli_path,
         nargs="+",
         metavar="DIR",
-        help="print the savings of several sweeps of one setup side by side, with their median",
+        help="print the step times, costs and savings per layer of several sweeps of one setup "
+        "side by side, with their median",
     )
     return p.parse_known_args(argv)
 

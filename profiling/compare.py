@@ -1,4 +1,5 @@
-"""Several sweeps of one setup side by side: each label's saving in each, and their median.
+"""Several sweeps of one setup side by side: each label's cost and saving per layer in each,
+and their median.
 
 One sweep's standard errors say how well its lines fit; they do not say what the machine does
 between sweeps (a shared host's slow periods last minutes, longer than a sweep). Rerunning the
@@ -18,6 +19,7 @@ from profiling.analysis import (
     BASELINE,
     baselines,
     cells_done,
+    fit_line,
     labels,
     measured_saving,
     points_by_label,
@@ -134,8 +136,8 @@ def _layers(results: dict[str, Any]) -> list[int]:
 
 def compare_text(sweeps: list[tuple[Path, dict[str, Any]]]) -> str:
     """Markdown: per label, the median step time at each depth across the sweeps; then the
-    fitted per-layer saving (± se) and the saving measured at the deepest depth in each sweep,
-    with their median, quartiles (from four sweeps) and range."""
+    fitted cost per layer and per-layer saving (± se) and the saving measured at the deepest
+    depth in each sweep, with their median, quartiles (from four sweeps) and range."""
     layers = _depths(sweeps)
     names = list(dict.fromkeys(n for _, results in sweeps for n in labels(results["rows"])))
     # A saving fitted over fewer depths (a cell failed, or the sweep stopped before it) is
@@ -143,6 +145,10 @@ def compare_text(sweeps: list[tuple[Path, dict[str, Any]]]) -> str:
     # So is one from a sweep that other processes slowed (its report warns): shown, marked §,
     # and left out, as what they did is not the machine's own variation.
     busy = [_slowed(r["meta"]) for _, r in sweeps]
+    costs = [
+        {name: {**c, "partial": c["depths"] != layers, "busy": slowed} for name, c in _costs(r)}
+        for (_, r), slowed in zip(sweeps, busy, strict=True)
+    ]
     fitted = [
         {
             name: {**s, "partial": s["depths"] != layers, "busy": slowed}
@@ -165,13 +171,14 @@ def compare_text(sweeps: list[tuple[Path, dict[str, Any]]]) -> str:
     lines += _sweep_list(sweeps, busy)
     lines += ["", "## Step time across the sweeps (ms): median (lowest–highest)", ""]
     lines += _step_time_table(names, layers, [results["rows"] for _, results in sweeps])
-    for title, table, se in (
-        (f"Saving per layer against {BASELINE}, fitted (ms/layer ± se)", fitted, True),
-        (f"Saving at n_layer={layers[-1]}, measured (ms)", measured, False),
+    for title, table, se, signed in (
+        ("Cost per layer, fitted (ms/layer ± se)", costs, True, False),
+        (f"Saving per layer against {BASELINE}, fitted (ms/layer ± se)", fitted, True, True),
+        (f"Saving at n_layer={layers[-1]}, measured (ms)", measured, False, True),
     ):
         lines += ["", f"## {title}", ""]
-        lines += _saving_table(names, table, se)
-    shown_se = any(s["per_layer_se"] is not None for by in fitted for s in by.values())
+        lines += _sweeps_table(names, table, se, signed)
+    shown_se = any(s["per_layer_se"] is not None for by in costs for s in by.values())
     lines += [
         "",
         ("Each sweep's ± is its fit's standard error. " if shown_se else "")
@@ -187,7 +194,7 @@ def compare_text(sweeps: list[tuple[Path, dict[str, Any]]]) -> str:
             "timed steps (its report warns of it): its savings say what they did, not what the "
             "machine does, and are left out of the median, quartiles and range.",
         ]
-    if any(s["partial"] for by_label in fitted for s in by_label.values()):
+    if any(s["partial"] for by_label in costs + fitted for s in by_label.values()):
         lines += [
             "",
             "‡ Fitted over fewer depths than those compared (a cell failed, or the sweep "
@@ -223,18 +230,24 @@ def _sweep_list(sweeps: list[tuple[Path, dict[str, Any]]], busy: list[bool]) -> 
     return lines
 
 
-def _saving_table(names: list[str], table: list[dict[str, dict[str, Any]]], se: bool) -> list[str]:
-    """A saving per label (rows) and sweep (columns: `table` holds one dict per sweep), then
-    their median, quartiles and range; with `se`, each cell's standard error."""
+def _sweeps_table(
+    names: list[str], table: list[dict[str, dict[str, Any]]], se: bool, signed: bool
+) -> list[str]:
+    """A per-layer figure per label (rows) and sweep (columns: `table` holds one dict per
+    sweep), then their median, quartiles and range; with `se`, each cell's standard error;
+    `signed`, a saving's sign shown (+ where the label is faster)."""
     head = [str(i) for i in range(1, len(table) + 1)] + ["median", "quartiles", "range"]
+    form = "+.2f" if signed else ".2f"
     rows = []
     for name in names:
         if all(name not in by_label for by_label in table):
             continue
         values = [_value(by_label.get(name)) for by_label in table]
-        cells = [_cell(by_label.get(name), se) for by_label in table]
-        rows.append(f"| {name} | " + " | ".join(cells + _spread(values)) + " |")
+        cells = [_cell(by_label.get(name), se, form) for by_label in table]
+        rows.append(f"| {name} | " + " | ".join(cells + _spread(values, form)) + " |")
     if not rows:
+        if not signed:
+            return ["(none: a fit needs two depths)"]
         return [f"(none: a fit needs two depths, and a saving {BASELINE} and another variant)"]
     return ["| variant | " + " | ".join(head) + " |", "|" + "---|" * (len(head) + 1), *rows]
 
@@ -266,6 +279,19 @@ def _step_time_table(
     return lines
 
 
+def _costs(results: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """Each label's step time per layer, the slope of its line over the depths it measured (in
+    the shape of a fitted saving)."""
+    out = []
+    for name, by_metric in points_by_label(results["rows"]).items():
+        depths = sorted(by_metric["step_ms"])
+        fit = fit_line(depths, [by_metric["step_ms"][n] for n in depths])
+        if fit is not None:
+            cost = {"per_layer": fit["slope"], "per_layer_se": fit["slope_se"], "depths": depths}
+            out.append((name, cost))
+    return out
+
+
 def _measured(rows: list[dict[str, Any]], deepest: int) -> dict[str, dict[str, Any]]:
     """Each label's saving against its reference measured at the deepest depth, where both
     measured there (in the shape of a fitted saving, with no error)."""
@@ -290,10 +316,10 @@ def _value(s: dict[str, Any] | None) -> float | None:
     return None if s is None or s.get("partial") or s.get("busy") else s["per_layer"]
 
 
-def _cell(s: dict[str, Any] | None, se: bool) -> str:
+def _cell(s: dict[str, Any] | None, se: bool, form: str) -> str:
     if s is None:
         return "–"
-    text = f"{s['per_layer']:+.2f}"
+    text = f"{s['per_layer']:{form}}"
     if se and s["per_layer_se"] is not None:
         text += f" ± {s['per_layer_se']:.2f}"
     if s.get("partial"):
@@ -303,7 +329,7 @@ def _cell(s: dict[str, Any] | None, se: bool) -> str:
     return text
 
 
-def _spread(values: list[float | None]) -> list[str]:
+def _spread(values: list[float | None], form: str) -> list[str]:
     """Median, quartiles (four values or more) and range of the values present."""
     got = sorted(v for v in values if v is not None)
     if len(got) < 2:
@@ -311,8 +337,9 @@ def _spread(values: list[float | None]) -> list[str]:
     quartiles = "–"
     if len(got) >= 4:
         q1, _, q3 = statistics.quantiles(got, n=4, method="inclusive")
-        quartiles = f"{q1:+.2f}, {q3:+.2f}"
-    return [f"{statistics.median(got):+.2f}", quartiles, f"{got[0]:+.2f} to {got[-1]:+.2f}"]
+        quartiles = f"{q1:{form}}, {q3:{form}}"
+    median = statistics.median(got)
+    return [f"{median:{form}}", quartiles, f"{got[0]:{form}} to {got[-1]:{form}}"]
 
 
 def _started(meta: dict[str, Any]) -> str:

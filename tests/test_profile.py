@@ -1968,7 +1968,8 @@ def test_compare_reads_the_savings_of_several_sweeps(
     naive_vs_inplace: dict, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     """Four sweeps whose inplace saves 1, 2, 3 and 4 ms a layer: each column, then the median,
-    numpy's quartiles and the range across them; a setup that differs is refused by name."""
+    numpy's quartiles and the range across them, of each label's cost per layer and of its
+    saving; a setup that differs is refused by name."""
     folders = []
     for i, per_layer in enumerate([1.0, 4.0, 2.0, 3.0]):
         results = copy.deepcopy(naive_vs_inplace)
@@ -1982,10 +1983,24 @@ def test_compare_reads_the_savings_of_several_sweeps(
         (folders[-1] / "results.json").write_text(json.dumps(results))
     assert profile_train.main(["--compare", *map(str, folders)]) == 0
     printed = capsys.readouterr().out
-    step_times, fitted, measured = printed.split("## ")[1:]
+    step_times, costs, fitted, measured = printed.split("## ")[1:]
     # inplace at L2: 5 + (10 - s) * 2 + 0.1 with s = 1, 4, 2, 3: 23.1, 17.1, 21.1, 19.1
     assert "| inplace | 12.5 (11.0–14.0) | 20.1 (17.1–23.1) |" in step_times
     assert "| naive | 15.0 (15.0–15.0) | 25.1 (25.1–25.1) | 35.0 (35.0–35.0) |" in step_times
+    # Cost per layer: naive's slope is 10 in every sweep, inplace's 10 - s; no sign, as a cost
+    assert costs.startswith("Cost per layer, fitted (ms/layer ± se)")
+    rows = {
+        line.split("|")[1].strip(): line for line in costs.splitlines() if line.startswith("| ")
+    }
+    naive = [c.strip() for c in rows["naive"].strip("|").split("|")]
+    assert all(c.startswith("10.00 ± ") for c in naive[1:5]) and naive[5:] == [
+        "10.00",
+        "10.00, 10.00",
+        "10.00 to 10.00",
+    ]
+    cells = [c.strip() for c in rows["inplace"].strip("|").split("|")]
+    assert [c.split(" ± ")[0] for c in cells[1:5]] == ["9.00", "6.00", "8.00", "7.00"]
+    assert cells[5:] == ["7.50", "6.75, 8.25", "6.00 to 9.00"]
     inplace = next(line for line in fitted.splitlines() if line.startswith("| inplace |"))
     cells = [c.strip() for c in inplace.strip("|").split("|")]
     assert [c.split(" ± ")[0] for c in cells[1:5]] == ["+1.00", "+4.00", "+2.00", "+3.00"]
@@ -2004,7 +2019,7 @@ def test_compare_reads_the_savings_of_several_sweeps(
     assert profile_train.main(["--compare", *map(str, folders)]) == 0
     printed = capsys.readouterr().out
     assert f"`{folders[1]}`: " in printed and ", other processes 28% of the CPUs §" in printed
-    inplace = next(line for line in printed.split("## ")[2].splitlines() if "| inplace |" in line)
+    inplace = next(line for line in printed.split("## ")[3].splitlines() if "| inplace |" in line)
     cells = [c.strip() for c in inplace.strip("|").split("|")]
     assert cells[2].startswith("+4.00 ± ") and cells[2].endswith(" §")
     assert cells[5:] == ["+2.00", "–", "+1.00 to +3.00"]  # the other three: 1, 2, 3
@@ -2014,7 +2029,7 @@ def test_compare_reads_the_savings_of_several_sweeps(
     (folders[1] / "results.json").write_text(json.dumps(busy))
     assert profile_train.main(["--compare", *map(str, folders)]) == 0
     printed = capsys.readouterr().out
-    inplace = next(line for line in printed.split("## ")[2].splitlines() if "| inplace |" in line)
+    inplace = next(line for line in printed.split("## ")[3].splitlines() if "| inplace |" in line)
     assert [c.strip() for c in inplace.strip("|").split("|")][5:] == [
         "+2.00",
         "–",
@@ -2049,6 +2064,7 @@ def test_compare_reads_the_savings_of_several_sweeps(
     assert profile_train.main(["--compare", *map(str, folders)]) == 0
     printed = capsys.readouterr().out
     assert "| inplace | +1.00 ‡ (L1,2) | +4.00 ± " in printed
+    assert "| naive | 10.10 ‡ (L1,2) | 10.00 ± " in printed  # its cost, over those two as well
     assert "| +3.00 | – | +2.00 to +4.00 |" in printed and "‡ Fitted over fewer depths" in printed
     assert "| naive | 15.0 (15.0–15.0) | 25.1 (25.1–25.1) | 35.0 (35.0–35.0), 3 of 4 |" in printed
 
