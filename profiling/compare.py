@@ -191,8 +191,8 @@ def compare_text(sweeps: list[tuple[Path, dict[str, Any]]]) -> str:
         lines += [
             "",
             f"§ Other processes used more than {BUSY_SHARE:.0%} of the CPUs during that sweep's "
-            "timed steps (its report warns of it): its savings say what they did, not what the "
-            "machine does, and are left out of the median, quartiles and range.",
+            "timed steps (its report warns of it): its costs and savings say what they did, not "
+            "what the machine does, and are left out of the median, quartiles and range.",
         ]
     if any(s["partial"] for by_label in costs + fitted for s in by_label.values()):
         lines += [

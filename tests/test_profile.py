@@ -2023,6 +2023,10 @@ def test_compare_reads_the_savings_of_several_sweeps(
     cells = [c.strip() for c in inplace.strip("|").split("|")]
     assert cells[2].startswith("+4.00 ± ") and cells[2].endswith(" §")
     assert cells[5:] == ["+2.00", "–", "+1.00 to +3.00"]  # the other three: 1, 2, 3
+    inplace = next(line for line in printed.split("## ")[2].splitlines() if "| inplace |" in line)
+    cells = [c.strip() for c in inplace.strip("|").split("|")]  # its cost: 6 marked, left out
+    assert cells[2].startswith("6.00 ± ") and cells[2].endswith(" §")
+    assert cells[5:] == ["8.00", "–", "7.00 to 9.00"]
     assert "§ Other processes used more than 10% of the CPUs" in printed
     # They slow the matmul peak too: a busy sweep's is not another machine's
     busy["meta"].update(peak_flops=busy["meta"]["peak_flops"] / 2)
