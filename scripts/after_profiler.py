@@ -15,6 +15,7 @@ after each session. On CUDA this is the check for CUPTI staying attached after a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import gc
 import statistics
@@ -29,12 +30,18 @@ from config import load_config
 from console import quiet_profiler_start
 from cpu_linear import wants_onednn
 from host import keep_freed_host_memory
-from profiling.measure import profiled_steps, timed
+from probe import VariantUnavailable, check_variant
+from profiling.measure import profiled_steps, synchronize, timed
 from profiling.method import PROFILE_WAIT, PROFILE_WARMUP
 from profiling.startup import batch_pool
 from runtime import autocast_dtype, pick_device, set_fp32_matmul_precision
 from step import build_model, train_step
 from train import USER_ERRORS
+
+
+def say(line: str) -> None:
+    """A line out at once: under gpu_check.sh's time limit, what a killed run printed stays."""
+    print(line, flush=True)
 
 
 def main() -> int:
@@ -49,21 +56,26 @@ def main() -> int:
     defaults = ["--model.n_layer=2", "--model.attention=sdpa", "--data.name=synthetic"]
     try:
         config = load_config(args.config, [*defaults, *overrides])  # the last given wins
+        # One process: a global batch size is grad_accum micro-batches here, as in a sweep
+        accum = config.train.micro_batches(world_size=1)
+        train = dataclasses.replace(config.train, grad_accum=accum, global_batch_size=0)
+        config = dataclasses.replace(config, train=train)
         device = pick_device(config.train.device)
-    except USER_ERRORS as e:
+        set_fp32_matmul_precision(config.train.dtype, device)
+        amp = autocast_dtype(config.train.dtype, device)
+        mc = config.model
+        check_variant(mc.attention, device, amp or torch.float32, mc.head_size, mc.dropout)
+        onednn = wants_onednn(config.train.cpu_linear, device, amp is not None)
+        batches = batch_pool(config, device)
+    except (*USER_ERRORS, VariantUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    set_fp32_matmul_precision(config.train.dtype, device)
-    amp = autocast_dtype(config.train.dtype, device)
     if device.type == "cpu":
         keep_freed_host_memory()  # as a sweep's default --host-memory keep
-    quiet_profiler_start()
+        quiet_profiler_start()  # on CUDA, kineto's lines explain a CUPTI error: kept
     torch.manual_seed(config.train.seed)
-    onednn = wants_onednn(config.train.cpu_linear, device, amp is not None)
     model, optimizer = build_model(config.model, config.train, device, onednn=onednn, compile=False)
-    batches = batch_pool(config, device)
-    mc = config.model
-    print(
+    say(
         f"{mc.attention}, n_layer={mc.n_layer}, B={config.train.batch_size} T={mc.block_size} "
         f"C={mc.n_embd}, {amp or torch.float32} on {device}, torch {torch.__version__}; "
         f"median of {args.steps} steps"
@@ -85,9 +97,10 @@ def main() -> int:
         with profiled_steps(device, active=1, trace_path=None) as (advance, counted):
             for i in range(PROFILE_WAIT + PROFILE_WARMUP + 1):
                 step(i)
+                synchronize(device)  # as a cell's profiled steps
                 advance()
         assert len(counted) == 1, "the profiled step's events were not counted"
-        print(f"session {session}: {before:.1f} ms per step before, {median_ms():.1f} after")
+        say(f"session {session}: {before:.1f} ms per step before, {median_ms():.1f} after")
     return 0
 
 

@@ -3763,6 +3763,9 @@ def test_after_profiler_script_times_steps_around_each_session(
     for bad, named in [
         (["--steps", "0"], "--steps=0: must be >= 1"),
         (["--model.attention=sdpa-flsh"], "sdpa-flsh"),
+        (["--model.attention=sdpa-cudnn"], "'sdpa-cudnn' cannot run on cpu"),
+        (["--train.dtype=tf32"], "train.dtype='tf32'"),
+        (["--data.name=nosuch"], "no prepared corpus at data/nosuch/"),
     ]:
         status, _, err = run_script("after_profiler", "--config", tiny, *bad)
         assert status == 2 and named in err and "Traceback" not in err, err
