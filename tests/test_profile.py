@@ -2935,6 +2935,28 @@ def test_compare_of_sweeps_stopped_in_their_first_depth_says_so(
     assert "--compare: no depth to compare: every sweep stopped" in capsys.readouterr().err
 
 
+def test_compare_of_sweeps_of_one_depth_fits_nothing_and_says_why(
+    naive_vs_inplace: dict, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Sweeps of one depth each: their step times side by side, and in place of each fitted
+    table the reason it is empty, rather than a header with no rows."""
+    folders = []
+    for i in range(2):
+        results = copy.deepcopy(naive_vs_inplace)
+        results["meta"]["started_at"] = f"2026-12-0{i + 1}T10:00:00+00:00"
+        results["meta"]["other_cpu_share"] = 0.0
+        results["rows"] = [r for r in results["rows"] if r["n_layer"] == 1]
+        results["meta"]["cells_planned"] = len(results["rows"])
+        folders.append(tmp_path / f"s{i}")
+        folders[-1].mkdir()
+        (folders[-1] / "results.json").write_text(json.dumps(results))
+    assert profile_train.main(["--compare", *map(str, folders)]) == 0
+    _, step_times, costs, fitted, measured = capsys.readouterr().out.split("## ")
+    assert "| naive | " in step_times and "n_layer=1" in measured
+    assert costs.splitlines()[2] == "(none: a fit needs two depths)"
+    assert fitted.splitlines()[2].startswith("(none: a fit needs two depths, and a saving naive")
+
+
 def test_time_categories_compare_across_variants() -> None:
     """'Where the time goes' puts naive's batched matmuls and softmax in attention, as it does
     SDPA's fused kernel, and every linear-layer path (BLAS, the oneDNN custom op) in linear."""
