@@ -53,6 +53,10 @@ SAME = {
     ),
     "data (--data)": lambda r: r["meta"].get("data"),
     "host memory (--host-memory)": lambda r: r["meta"].get("host_memory"),
+    # How far the heap is grown before each depth's timed steps decides which cells page-fault
+    "heap reserve": lambda r: (
+        None if (b := r["meta"].get("heap_reserve_bytes")) is None else f"{b / 2**20:.0f} MiB"
+    ),
 }
 
 

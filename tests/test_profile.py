@@ -2076,6 +2076,7 @@ def test_compare_reads_the_savings_of_several_sweeps(
         (lambda m: m["config"]["model"].update(n_embd=256), "model"),
         (lambda m: m["config"]["train"].update(grad_accum=2), "micro-batches"),
         (lambda m: m.update(host_memory="release"), "host memory"),
+        (lambda m: m.update(heap_reserve_bytes=1 << 30), "heap reserve"),
         (lambda m: m["config"]["train"].update(grad_clip=0.0), "the optimizer step"),
         (lambda m: m["config"]["train"].update(weight_decay=0.0), "the optimizer step"),
         (lambda m: m.update(data="stdlib"), "data"),
