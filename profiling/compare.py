@@ -19,7 +19,7 @@ from profiling.analysis import (
     BASELINE,
     baselines,
     cells_done,
-    fit_line,
+    fits_by_label,
     labels,
     measured_saving,
     points_by_label,
@@ -284,13 +284,13 @@ def _step_time_table(
 
 
 def _costs(results: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    """Each label's step time per layer, the slope of its line over the depths it measured (in
-    the shape of a fitted saving)."""
+    """Each label's step time per layer, the slope of its fit (the report's) over the depths it
+    measured, in the shape of a fitted saving."""
+    points = points_by_label(results["rows"])
     out = []
-    for name, by_metric in points_by_label(results["rows"]).items():
-        depths = sorted(by_metric["step_ms"])
-        fit = fit_line(depths, [by_metric["step_ms"][n] for n in depths])
-        if fit is not None:
+    for name, by_metric in fits_by_label(results["rows"]).items():
+        if (fit := by_metric.get("step_ms")) is not None:
+            depths = sorted(points[name]["step_ms"])
             cost = {"per_layer": fit["slope"], "per_layer_se": fit["slope_se"], "depths": depths}
             out.append((name, cost))
     return out
