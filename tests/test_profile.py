@@ -35,7 +35,7 @@ from torch.autograd import DeviceType
 
 import probe
 import profile_train
-from config import ConfigError, load_config
+from config import Config, ConfigError, load_config
 from cpu_linear import onednn_unavailable_reason
 from host import OtherLoad
 from model import GPT, VARIANTS, attention
@@ -111,6 +111,45 @@ def quick_peak(monkeypatch: pytest.MonkeyPatch) -> None:
         )
 
     monkeypatch.setattr(profiling.sweep, "matmul_peaks", peaks)
+
+
+_FLOPS: dict[tuple[str, int], tuple[int, int]] = {}  # (config, n_layer): step_flops' count
+
+
+@pytest.fixture(autouse=True)
+def flops_counted_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sweep counts each depth's FLOPs on the meta device (0.15 s each on a slow machine);
+    the sweeps here share a few configs, so each (config, depth) is counted once, for real, and
+    reused (64 counts were 9 s of this file). A failed count (0, 0) is not kept."""
+    import profiling.sweep
+
+    def counted_once(config: Config, n_layer: int) -> tuple[int, int]:
+        key = (repr(config), n_layer)
+        if key not in _FLOPS:
+            flops = step_flops(config, n_layer)
+            if not flops[0]:
+                return flops
+            _FLOPS[key] = flops
+        return _FLOPS[key]
+
+    monkeypatch.setattr(profiling.sweep, "step_flops", counted_once)
+
+
+@pytest.fixture(autouse=True)
+def plots_unrendered(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sweeps here draw their plots, every artist from the rows as a sweep does, but do not lay
+    them out or rasterise them: a sweep's two PNGs cost 0.5 s on a slow 2-core machine, ~40 s
+    over this file. A stand-in file takes each PNG's place. The module's naive_vs_inplace sweep
+    (a wider scope) renders for real, and so do tests marked `png`."""
+    if "png" in request.keywords:
+        return
+    import matplotlib.figure
+
+    def unrendered(fig: object, path: object, **kwargs: object) -> None:
+        Path(str(path)).write_bytes(b"drawn, not rendered (tests/test_profile.py)")
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "tight_layout", lambda fig, **kwargs: None)
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", unrendered)
 
 
 @pytest.fixture(scope="module")
@@ -3241,6 +3280,7 @@ def test_headline_marks_cells_timed_on_a_busy_machine() -> None:
     assert "A layer cannot cost less than nothing" in table
 
 
+@pytest.mark.png
 def test_plots_draw_each_variant_and_its_fitted_line(
     naive_vs_inplace: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
