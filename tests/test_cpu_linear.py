@@ -181,20 +181,32 @@ def test_matmul_peaks_time_each_path() -> None:
         assert peaks["oneDNN"] > 1e8
 
 
-def run_in_a_process(script: str, mode: str) -> str:
-    """A malloc setting is process-wide: each check runs in its own process. Exit status 3:
-    this malloc is not glibc's, and the check does not apply."""
-    done = subprocess.run(
-        [sys.executable, "-c", script, mode],
-        capture_output=True,
-        text=True,
-        cwd=Path(__file__).parents[1],
-        timeout=120,
-    )
-    if done.returncode == 3:
+def run_in_processes(script: str, *modes: str) -> list[str]:
+    """A malloc setting is process-wide: each check runs in its own process, one per mode, all
+    started at once (each imports torch, ~2.5 s on a slow machine). Exit status 3: this malloc
+    is not glibc's, and the check does not apply."""
+    root = Path(__file__).parents[1]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, mode],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=root,
+        )
+        for mode in modes
+    ]
+    try:
+        outputs = [proc.communicate(timeout=120) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()  # where one timed out: the others too
+            proc.wait()
+    if any(proc.returncode == 3 for proc in procs):
         pytest.skip("malloc here is not glibc's")
-    assert done.returncode == 0, done.stderr
-    return done.stdout
+    for proc, (_, err) in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, err
+    return [out for out, _ in outputs]
 
 
 WHERE_A_BIG_BLOCK_LIVES = """
@@ -225,11 +237,12 @@ def test_kept_host_memory_stays_for_reuse() -> None:
     step faults its pages in again; after keep_freed_host_memory it comes from the heap, and
     the heap keeps it after the free. Each in its own process: the setting is process-wide."""
 
-    def run(mode: str) -> tuple[bool, int]:
-        in_heap, heap_bytes = run_in_a_process(WHERE_A_BIG_BLOCK_LIVES, mode).split()
+    def parse(out: str) -> tuple[bool, int]:
+        in_heap, heap_bytes = out.split()
         return in_heap == "True", int(heap_bytes)
 
-    (released_in_heap, released_heap), (kept_in_heap, kept_heap) = run("release"), run("keep")
+    outputs = run_in_processes(WHERE_A_BIG_BLOCK_LIVES, "release", "keep")
+    (released_in_heap, released_heap), (kept_in_heap, kept_heap) = map(parse, outputs)
     assert not released_in_heap and kept_in_heap
     assert kept_heap - released_heap > 60 * 2**20  # freed, and still there for the next step
 
@@ -253,8 +266,7 @@ def test_a_reserved_heap_serves_new_blocks_without_page_faults() -> None:
     for 32 MiB); after reserve_heap, the heap's top already holds faulted pages for it. So the
     profiler's timed steps do not pay for the heap's growth."""
 
-    fresh = int(run_in_a_process(FAULTS_OF_A_FRESH_BLOCK, "fresh"))
-    reserved = int(run_in_a_process(FAULTS_OF_A_FRESH_BLOCK, "reserve"))
+    fresh, reserved = map(int, run_in_processes(FAULTS_OF_A_FRESH_BLOCK, "fresh", "reserve"))
     assert fresh > 6000  # most of its 8192 pages (the heap top may hold a few)
     assert reserved < 500
 
@@ -282,4 +294,5 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 def test_kept_host_memory_stays_after_a_peak_over_a_gib() -> None:
     """Trimming is off, not merely raised: a step finds the 1.2 GiB the one before freed still in
     the heap (at a 1 GiB trim threshold all 300,000 pages were faulted in again, every step)."""
-    assert int(run_in_a_process(FAULTS_AFTER_A_LARGE_PEAK, "keep")) < 1000
+    (faults,) = run_in_processes(FAULTS_AFTER_A_LARGE_PEAK, "keep")
+    assert int(faults) < 1000

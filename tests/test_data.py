@@ -1030,27 +1030,40 @@ def test_a_stdout_that_fails_costs_its_lines_not_the_corpus(corpus: Path, tmp_pa
     """`> file` on a full disk: one error line and status 2; a reader that has gone (`| head`):
     the shell's SIGPIPE status, quietly; a stderr gone or full costs the progress bars. Every
     way the corpus is made, whole."""
-    command = [sys.executable, str(ROOT / "data" / "prepare.py"), "--files", str(corpus / "*.txt")]
-    command += ["--out-root", str(tmp_path), "--vocab-size", str(VOCAB)]
+
+    def command(name: str) -> list[str]:
+        # Each in an out-root of its own: the four run at once (each imports torch and trains
+        # a tokenizer, ~1.5 s on a slow machine), and an out-root takes one prepare at a time.
+        argv = [sys.executable, str(ROOT / "data" / "prepare.py"), "--files", str(corpus / "*.txt")]
+        return [
+            *argv,
+            "--out-root",
+            str(tmp_path / name),
+            "--name",
+            name,
+            "--vocab-size",
+            str(VOCAB),
+        ]
+
     with open("/dev/full", "w") as full:
-        done = subprocess.run([*command, "--name", "full"], stdout=full, stderr=subprocess.PIPE)
-    err = done.stderr.decode()
+        # `> file` on a full disk
+        done = subprocess.Popen(command("full"), stdout=full, stderr=subprocess.PIPE)
+        # stderr, where the progress bars go: `2>/dev/full`
+        bars = subprocess.Popen(command("bars"), stdout=subprocess.PIPE, stderr=full)
+    gone = subprocess.Popen(command("gone"), stdout=subprocess.PIPE)
+    # stderr too: `2>&1 | head`
+    both = subprocess.Popen(command("both"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    for proc in (gone, both):
+        assert proc.stdout is not None
+        proc.stdout.close()  # before its first line
+    err = done.communicate(timeout=120)[1].decode()
     assert done.returncode == 2 and "Traceback" not in err, err
     assert err.count("error: cannot write to stdout (No space left on device)") == 1, err
-    gone = subprocess.Popen([*command, "--name", "gone"], stdout=subprocess.PIPE)
-    assert gone.stdout is not None
-    gone.stdout.close()  # before its first line
     assert gone.wait(timeout=120) == 128 + signal.SIGPIPE
-    # stderr too, where the progress bars go: `2>&1 | head`, and `2>/dev/full`
-    both = subprocess.Popen(
-        [*command, "--name", "both"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
-    assert both.stdout is not None
-    both.stdout.close()
     assert both.wait(timeout=120) == 128 + signal.SIGPIPE
-    with open("/dev/full", "w") as full:
-        bars = subprocess.run([*command, "--name", "bars"], stdout=subprocess.PIPE, stderr=full)
-    assert bars.returncode == 0 and b"prepared " in bars.stdout
+    out = bars.communicate(timeout=120)[0]
+    assert bars.returncode == 0 and b"prepared " in out
     for name in ("full", "gone", "both", "bars"):
-        assert _meta(tmp_path / name)["splits"]["val"]["documents"] >= 1
-        assert is_complete(tmp_path / name, _meta(tmp_path / name)["content_sha256"])
+        folder = tmp_path / name / name
+        assert _meta(folder)["splits"]["val"]["documents"] >= 1
+        assert is_complete(folder, _meta(folder)["content_sha256"])
