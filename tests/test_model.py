@@ -342,9 +342,14 @@ def test_pinned_backend_holds_inside_compiled_blocks(name: str) -> None:
     """torch.compile picks its own SDPA backend; a pinned variant must still run its own."""
     from torch.profiler import profile
 
+    from cpu_linear import use_onednn_linears, wants_onednn
     from probe import BACKEND_OPS
 
-    model = GPT(tiny_config(name, n_head=2))  # the profiler tests' blocks: kernels built once
+    # The profiler tests' blocks, linears included (a sweep's cpu_linear="auto" picks them):
+    # their C++ kernels are built once in a test session.
+    model = GPT(tiny_config(name, n_head=2))
+    if wants_onednn("auto", torch.device("cpu"), autocast=False):
+        use_onednn_linears(model)
     for block in model.blocks:
         block.compile()
     idx = torch.randint(0, 97, (2, 32))
