@@ -125,15 +125,27 @@ def _compiled_flex_attention(dynamic: bool) -> Callable[..., Tensor]:
     return torch.compile(flex_attention, dynamic=dynamic)
 
 
+# flex's block: its masks are made of (BLOCK, BLOCK) tiles
+FLEX_BLOCK = 128
+
+
 @functools.cache
 def causal_block_mask(T: int, device: torch.device) -> BlockMask:
     """flex's causal mask for length T, built once per (T, device) and reused.
 
     Called by the model in eager code: inside a compiled region Dynamo would trace through
     the cache and rebuild the mask on every call.
+
+    On a CPU it covers T rounded up to whole blocks, and flex pads q, k and v to that length:
+    Inductor's C++ kernel for flex (PyTorch 2.13) returned wrong rows, NaN at times and
+    different from run to run, at lengths that end in a part-filled block (seen at 8, 24, 40,
+    56, 72 and 104, against SDPA); at whole blocks it matched at every length tried. Causal,
+    the padding is never attended by a real row, so the rows kept are exact.
     """
     from torch.nn.attention.flex_attention import create_block_mask
 
+    if device.type == "cpu":
+        T = -(-T // FLEX_BLOCK) * FLEX_BLOCK
     return create_block_mask(_causal, B=None, H=None, Q_LEN=T, KV_LEN=T, device=device)
 
 
@@ -146,7 +158,14 @@ def flex(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask, dropout_p: float) -> 
     per length until Dynamo's recompile limit sent flex to its slow eager reference. Grad
     mode, not a shape change, decides: the check that a variant runs calls it at a small
     shape first, and a shape change would make the training kernel symbolic too.
+
+    A mask longer than q (a CPU's, see causal_block_mask) runs on q, k and v padded to its
+    length, and returns q's rows.
     """
+    T, padded = q.shape[-2], mask.seq_lengths[0]
+    if padded != T:
+        q, k, v = (F.pad(x, (0, 0, 0, padded - T)) for x in (q, k, v))
+        return flex(q, k, v, mask, dropout_p)[:, :, :T]
     if torch.compiler.is_compiling():  # inside a compiled block: that graph holds it
         from torch.nn.attention.flex_attention import flex_attention
 

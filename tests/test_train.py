@@ -2568,7 +2568,7 @@ def test_flex_samples_on_a_cpu_with_naives_logits(base_run: Path) -> None:
     assert flex.config.attention == "flex"
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for length in (7, config.model.block_size):
+        for length in (7, 24, config.model.block_size):
             # One sequence, as sampling runs it: the kernel sampling compiles serves this too
             ids = torch.randint(config.model.vocab_size, (1, length), generator=generator)
             torch.testing.assert_close(flex(ids)[0], naive(ids)[0], rtol=1e-5, atol=1e-5)
