@@ -129,9 +129,8 @@ def _compiled_flex_attention(dynamic: bool) -> Callable[..., Tensor]:
 FLEX_BLOCK = 128
 
 
-@functools.cache
 def causal_block_mask(T: int, device: torch.device) -> BlockMask:
-    """flex's causal mask for length T, built once per (T, device) and reused.
+    """flex's causal mask for length T, built once per length and device, and reused.
 
     Called by the model in eager code: inside a compiled region Dynamo would trace through
     the cache and rebuild the mask on every call.
@@ -142,10 +141,15 @@ def causal_block_mask(T: int, device: torch.device) -> BlockMask:
     56, 72 and 104, against SDPA); at whole blocks it matched at every length tried. Causal,
     the padding is never attended by a real row, so the rows kept are exact.
     """
-    from torch.nn.attention.flex_attention import create_block_mask
-
     if device.type == "cpu":
         T = -(-T // FLEX_BLOCK) * FLEX_BLOCK
+    return _causal_block_mask(T, device)
+
+
+@functools.cache
+def _causal_block_mask(T: int, device: torch.device) -> BlockMask:
+    from torch.nn.attention.flex_attention import create_block_mask
+
     return create_block_mask(_causal, B=None, H=None, Q_LEN=T, KV_LEN=T, device=device)
 
 
@@ -163,7 +167,7 @@ def flex(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask, dropout_p: float) -> 
     length, and returns q's rows.
     """
     T, padded = q.shape[-2], mask.seq_lengths[0]
-    if padded != T:
+    if padded > T:
         q, k, v = (F.pad(x, (0, 0, 0, padded - T)) for x in (q, k, v))
         return flex(q, k, v, mask, dropout_p)[:, :, :T]
     if torch.compiler.is_compiling():  # inside a compiled block: that graph holds it
@@ -183,6 +187,7 @@ class Variant:
     cuda_only_reason: str | None = None  # why it cannot train off CUDA, if it cannot
     forward_off_cuda: bool = False  # its forward alone runs off CUDA all the same
     # Builds the variant's own mask for (T, device); None: the model's boolean causal mask.
+    # (flex's, on a CPU, is for T rounded up to whole blocks: see causal_block_mask.)
     make_mask: Callable[[int, torch.device], Mask] | None = None
 
     def __post_init__(self) -> None:
