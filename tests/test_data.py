@@ -1053,16 +1053,21 @@ def test_a_stdout_that_fails_costs_its_lines_not_the_corpus(corpus: Path, tmp_pa
     gone = subprocess.Popen(command("gone"), stdout=subprocess.PIPE)
     # stderr too: `2>&1 | head`
     both = subprocess.Popen(command("both"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    for proc in (gone, both):
-        assert proc.stdout is not None
-        proc.stdout.close()  # before its first line
-    err = done.communicate(timeout=120)[1].decode()
-    assert done.returncode == 2 and "Traceback" not in err, err
-    assert err.count("error: cannot write to stdout (No space left on device)") == 1, err
-    assert gone.wait(timeout=120) == 128 + signal.SIGPIPE
-    assert both.wait(timeout=120) == 128 + signal.SIGPIPE
-    out = bars.communicate(timeout=120)[0]
-    assert bars.returncode == 0 and b"prepared " in out
+    try:
+        for proc in (gone, both):
+            assert proc.stdout is not None
+            proc.stdout.close()  # before its first line
+        err = done.communicate(timeout=120)[1].decode()
+        assert done.returncode == 2 and "Traceback" not in err, err
+        assert err.count("error: cannot write to stdout (No space left on device)") == 1, err
+        assert gone.wait(timeout=120) == 128 + signal.SIGPIPE
+        assert both.wait(timeout=120) == 128 + signal.SIGPIPE
+        out = bars.communicate(timeout=120)[0]
+        assert bars.returncode == 0 and b"prepared " in out
+    finally:  # a failure or time-out leaves none running into later tests
+        for proc in (done, bars, gone, both):
+            proc.kill()
+            proc.wait()
     for name in ("full", "gone", "both", "bars"):
         folder = tmp_path / name / name
         assert _meta(folder)["splits"]["val"]["documents"] >= 1

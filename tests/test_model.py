@@ -324,7 +324,7 @@ def flex_graphs(lengths: Iterable[int], grad: bool) -> int:
 
 @pytest.mark.slow
 @pytest.mark.cxx
-def test_flex_compiles_once_for_every_length_without_gradients() -> None:
+def test_flex_without_gradients_does_not_compile_per_length() -> None:
     """generate() calls attention at a new length each token; a CPU pads it to whole blocks,
     a new length each FLEX_BLOCK tokens. Over 13 lengths of 2 to 7 blocks: a graph for the
     first block count, then one symbolic graph for the rest (the BlockMask's tensors, sized by

@@ -3301,13 +3301,17 @@ def test_the_demo_steps_every_variant_that_runs_here_to_one_loss() -> None:
         subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as done,
         subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as head,
     ):
-        assert head.stdout is not None and head.stderr is not None
-        assert head.stdout.readline().startswith(b"one training step per variant")
-        head.stdout.close()
-        err = head.stderr.read().decode()
-        # quiet, with the shell's status for SIGPIPE
-        assert head.wait(timeout=120) == 128 + signal.SIGPIPE, err
-        stdout, stderr = done.communicate(timeout=120)
+        try:
+            assert head.stdout is not None and head.stderr is not None
+            assert head.stdout.readline().startswith(b"one training step per variant")
+            head.stdout.close()
+            err = head.stderr.read().decode()
+            # quiet, with the shell's status for SIGPIPE
+            assert head.wait(timeout=120) == 128 + signal.SIGPIPE, err
+            stdout, stderr = done.communicate(timeout=120)
+        finally:  # a failure or time-out leaves neither running (the with waits for both)
+            done.kill()
+            head.kill()
     assert done.returncode == 0, stderr
     losses = {line.split()[0]: line.split()[2] for line in stdout.splitlines() if " loss " in line}
     cuda_only = [name for name, v in VARIANTS.items() if v.cuda_only_reason]
