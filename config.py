@@ -167,6 +167,12 @@ class TrainConfig:
             )
         return derived
 
+    def in_one_process(self) -> TrainConfig:
+        """This config as one process runs it (a sweep's cell): a global batch size becomes
+        its grad_accum micro-batches, recorded as such."""
+        accum = self.micro_batches(world_size=1)
+        return dataclasses.replace(self, grad_accum=accum, global_batch_size=0)
+
 
 @dataclass
 class Config:

@@ -103,8 +103,7 @@ class Sweep:
         unavailable: dict[str, str | None] | None = None,
         raise_if_interrupted: Callable[[], None] = lambda: None,
     ) -> None:
-        # One process: a global batch size is grad_accum micro-batches here, recorded as such
-        grad_accum = config.train.micro_batches(world_size=1)
+        train = config.train.in_one_process()
         # --compile off|on|both, by default as the config's train.compile says; train.compile
         # then records whether any cell compiles (meta.compile says which).
         self.compile_mode = options.compile or ("on" if config.train.compile else "off")
@@ -114,12 +113,7 @@ class Sweep:
             )
         config = dataclasses.replace(
             config,
-            train=dataclasses.replace(
-                config.train,
-                grad_accum=grad_accum,
-                global_batch_size=0,
-                compile=self.compile_mode != "off",
-            ),
+            train=dataclasses.replace(train, compile=self.compile_mode != "off"),
             data=dataclasses.replace(config.data, name=options.data),  # what the sweep reads
         )
         self.config, self.options = config, options

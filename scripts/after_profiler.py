@@ -56,10 +56,7 @@ def main() -> int:
     defaults = ["--model.n_layer=2", "--model.attention=sdpa", "--data.name=synthetic"]
     try:
         config = load_config(args.config, [*defaults, *overrides])  # the last given wins
-        # One process: a global batch size is grad_accum micro-batches here, as in a sweep
-        accum = config.train.micro_batches(world_size=1)
-        train = dataclasses.replace(config.train, grad_accum=accum, global_batch_size=0)
-        config = dataclasses.replace(config, train=train)
+        config = dataclasses.replace(config, train=config.train.in_one_process())  # a sweep's
         device = pick_device(config.train.device)
         set_fp32_matmul_precision(config.train.dtype, device)
         amp = autocast_dtype(config.train.dtype, device)
