@@ -578,6 +578,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     out_dir = Path(args.out_root or DEFAULT_OUT_ROOT) / args.name
     meta_before = _meta_bytes(out_dir)
+    # A stderr gone (`2>&1 | head`) or full costs its lines (a note, "waiting for another
+    # prepare"), not the corpus; stdout's lines decide the status (_say).
+    stderr, sys.stderr = sys.stderr, Droppable(sys.stderr)
     try:
         prepare(
             args.name,
@@ -603,6 +606,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{how}; {_what_is_left(out_dir, meta_before)}", file=sys.stderr)
         return 128 + (signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT)
     finally:
+        sys.stderr = stderr
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     return _stdout_status or 0  # the corpus is whole; its lines were not all shown

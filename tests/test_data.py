@@ -1,5 +1,6 @@
 """data/prepare.py on tiny corpora written into tmp_path: outputs, reuse, sources, bad input."""
 
+import contextlib
 import errno
 import fcntl
 import gzip
@@ -1025,14 +1026,17 @@ def test_the_prepare_hint_asks_for_the_models_vocab_where_a_tokenizer_can_have_i
     assert prepare_command(Path("data/x")) == "python data/prepare.py --name x --stdlib"
 
 
-@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs Linux's /dev/full")
+@pytest.mark.skipif(
+    not Path("/dev/full").exists() or not Path("/proc/locks").exists(),
+    reason="needs Linux's /dev/full and /proc/locks",
+)
 def test_a_stdout_that_fails_costs_its_lines_not_the_corpus(corpus: Path, tmp_path: Path) -> None:
     """`> file` on a full disk: one error line and status 2; a reader that has gone (`| head`):
-    the shell's SIGPIPE status, quietly; a stderr gone or full costs the progress bars. Every
-    way the corpus is made, whole."""
+    the shell's SIGPIPE status, quietly; a stderr gone or full costs the progress bars, and
+    the line that says it waits for another prepare. Every way the corpus is made, whole."""
 
     def command(name: str) -> list[str]:
-        # Each in an out-root of its own: the four run at once (each imports torch and trains
+        # Each in an out-root of its own: the five run at once (each imports torch and trains
         # a tokenizer, ~1.5 s on a slow machine), and an out-root takes one prepare at a time.
         argv = [sys.executable, str(ROOT / "data" / "prepare.py"), "--files", str(corpus / "*.txt")]
         return [
@@ -1053,22 +1057,37 @@ def test_a_stdout_that_fails_costs_its_lines_not_the_corpus(corpus: Path, tmp_pa
     gone = subprocess.Popen(command("gone"), stdout=subprocess.PIPE)
     # stderr too: `2>&1 | head`
     both = subprocess.Popen(command("both"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    # ... where another prepare holds the out-root: "waiting for another prepare" cannot be said
+    (tmp_path / "waits").mkdir()
+    holder = os.open(tmp_path / "waits", os.O_RDONLY)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    waits = subprocess.Popen(command("waits"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        for proc in (gone, both):
+        for proc in (gone, both, waits):
             assert proc.stdout is not None
             proc.stdout.close()  # before its first line
+        deadline = time.monotonic() + 120  # it says it waits, then waits for the lock
+        blocked = re.compile(rf"-> FLOCK +ADVISORY +WRITE +{waits.pid} ")
+        while not blocked.search(Path("/proc/locks").read_text()):
+            assert waits.poll() is None, f"it ended ({waits.returncode}) instead of waiting"
+            assert time.monotonic() < deadline, "it did not wait for the lock"
+            time.sleep(0.05)
+        os.close(holder)
         err = done.communicate(timeout=120)[1].decode()
         assert done.returncode == 2 and "Traceback" not in err, err
         assert err.count("error: cannot write to stdout (No space left on device)") == 1, err
         assert gone.wait(timeout=120) == 128 + signal.SIGPIPE
         assert both.wait(timeout=120) == 128 + signal.SIGPIPE
+        assert waits.wait(timeout=120) == 128 + signal.SIGPIPE
         out = bars.communicate(timeout=120)[0]
         assert bars.returncode == 0 and b"prepared " in out
     finally:  # a failure or time-out leaves none running into later tests
-        for proc in (done, bars, gone, both):
+        with contextlib.suppress(OSError):  # closed already
+            os.close(holder)
+        for proc in (done, bars, gone, both, waits):
             proc.kill()
             proc.wait()
-    for name in ("full", "gone", "both", "bars"):
+    for name in ("full", "gone", "both", "waits", "bars"):
         folder = tmp_path / name / name
         assert _meta(folder)["splits"]["val"]["documents"] >= 1
         assert is_complete(folder, _meta(folder)["content_sha256"])
