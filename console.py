@@ -10,6 +10,7 @@ import contextlib
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -52,26 +53,37 @@ def is_utf8(text: str) -> bool:
 class Droppable:
     """A stream whose failed writes are dropped, not raised, and after the first, not tried:
     for progress bars, which must not stop the work they show where stderr is gone
-    (`2>&1 | head`) or full (`2>/dev/full`)."""
+    (`2>&1 | head`) or full (`2>/dev/full`). `error` is the first failure (None: none yet);
+    `on_failure`, if set, is called once, then."""
 
     def __init__(self, stream: TextIO) -> None:
         self.stream = stream
-        self.failed = False
+        self.error: OSError | ValueError | None = None  # ValueError: a stream already closed
+        self.on_failure: Callable[[], None] | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
 
     def write(self, text: str) -> int:
         if not self.failed:
             try:
                 self.stream.write(text)
-            except (OSError, ValueError):  # ValueError: a stream already closed
-                self.failed = True
+            except (OSError, ValueError) as e:
+                self._fail(e)
         return len(text)
 
     def flush(self) -> None:
         if not self.failed:
             try:
                 self.stream.flush()
-            except (OSError, ValueError):
-                self.failed = True
+            except (OSError, ValueError) as e:
+                self._fail(e)
+
+    def _fail(self, error: OSError | ValueError) -> None:
+        self.error = error
+        if self.on_failure is not None:
+            self.on_failure()
 
     def __getattr__(self, name: str) -> Any:  # isatty, encoding, fileno: the stream's
         return getattr(self.stream, name)

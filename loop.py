@@ -23,7 +23,7 @@ from metrics import MetricsLog
 from model import GPT
 from optim import lr_at
 from rundir import resume_hint
-from runtime import StepReadout, StopSignal, agreed_signal
+from runtime import StepReadout, StopSignal, agreed_signal, stop_cause
 from step import evaluate, train_step
 
 OTHER_LOAD_NOTE = 0.2  # a CPU run says so when other processes took more of the CPUs
@@ -126,7 +126,7 @@ class Run:
         first_step = self.step
         other_load = OtherLoad()
         with (
-            StopSignal(torchrun="TORCHELASTIC_RUN_ID" in os.environ) as stop,
+            StopSignal(torchrun="TORCHELASTIC_RUN_ID" in os.environ, stdout=sys.stdout) as stop,
             self.bar,
         ):  # the bar closes on errors too, before the message
             if not self.resumed and tc.eval_interval:
@@ -185,7 +185,7 @@ class Run:
         self.note_other_load(other_load)
         if self.master:
             print(
-                f"stopped by {stopped_by} after step {self.step}; resume with "
+                f"stopped by {stop_cause(stopped_by)} after step {self.step}; resume with "
                 f"{resume_hint(self.out_dir)}",
                 file=sys.stderr,
             )
@@ -198,8 +198,8 @@ class Run:
         self.bar.close()
         if self.master:
             print(
-                f"stopped by {stopped_by} before the first step: nothing trained or saved; "
-                "the same command starts the run again",
+                f"stopped by {stop_cause(stopped_by)} before the first step: nothing trained "
+                "or saved; the same command starts the run again",
                 file=sys.stderr,
             )
         return RunEnd(self.out_dir, self.step, 0, stopped_by)

@@ -21,6 +21,7 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from config import NOT_A_DEVICE, ConfigError, TrainConfig, parse_device
+from console import Droppable
 
 
 def out_of_memory(e: BaseException) -> bool:
@@ -254,13 +255,37 @@ class StopSignal(SignalScope):
 
     Under torchrun (`torchrun=True`), the same signal again within FORWARDED_WITHIN_S of the
     first is torchrun forwarding the one the job got, not a second request: it is ignored.
+
+    `stdout`, where it is a Droppable (train.main's), stops the run as SIGPIPE would once a
+    write to it fails, before or while active: its reader has gone (`| head`), or the write
+    failed (`> log` on a full disk). Python ignores SIGPIPE itself, so a program learns of a
+    reader gone from its writes; this one saves and exits with SIGPIPE's status. No repeat of
+    it counts as a second signal: each later write would fail again.
     """
 
-    def __init__(self, torchrun: bool = False) -> None:
+    def __init__(self, torchrun: bool = False, stdout: object = None) -> None:
         super().__init__()
         self.received: str | None = None
         self._first: tuple[int, float] | None = None  # signum, when
         self._torchrun = torchrun
+        self._stdout = stdout if isinstance(stdout, Droppable) else None
+
+    def __enter__(self) -> Self:
+        super().__enter__()
+        if self._stdout is not None:
+            self._stdout.on_failure = self._stdout_failed
+            if self._stdout.failed:  # a line before the loop: the run's first lines, say
+                self._stdout_failed()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._stdout is not None:
+            self._stdout.on_failure = None
+        super().__exit__()
+
+    def _stdout_failed(self) -> None:
+        if self.received is None:
+            self.received = signal.Signals.SIGPIPE.name
 
     def _handle(self, signum: int, frame: Any) -> None:
         now = time.monotonic()
@@ -272,6 +297,14 @@ class StopSignal(SignalScope):
             raise StopNow(signum)
         self._first = signum, now
         self.received = signal.Signals(signum).name
+
+
+def stop_cause(signal_name: str) -> str:
+    """The signal that stopped a run, as its last line says it: SIGPIPE stands for stdout's
+    failure (StopSignal), which no one sent."""
+    if signal_name == "SIGPIPE":
+        return "SIGPIPE (stdout's reader has gone, or writing to it failed)"
+    return signal_name
 
 
 def agreed_signal(received: str | None, device: torch.device, world_size: int) -> str | None:

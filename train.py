@@ -32,7 +32,7 @@ from checkpoint import (
     restoring,
 )
 from config import Config, ConfigError, TrainConfig, fields_help
-from console import cli_path, first_line, one_line
+from console import Droppable, StdoutClosed, cli_path, first_line, one_line, stdout_closed
 from cpu_linear import LINEAR_PATHS, wants_onednn
 from data.loader import TokenBatches
 from data.meta import DataError, check_vocab
@@ -366,6 +366,28 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """train.py's command; its exit status. What it prints is a view of the run, which
+    metrics.jsonl and the checkpoint keep: a stderr gone or full costs its lines (the progress
+    bar, notes), and a stdout that fails stops the run as SIGPIPE would (StopSignal), saved,
+    with stdout's status (console.stdout_closed)."""
+    stdout, stderr = Droppable(sys.stdout), Droppable(sys.stderr)
+    sys.stdout, sys.stderr = stdout, stderr
+    try:
+        status = _main(argv)
+        stdout.flush()  # the last lines: a reader gone since shows here, not at exit
+    finally:
+        sys.stdout, sys.stderr = stdout.stream, stderr.stream
+    if stdout.error is not None and status in (0, 128 + signal.SIGPIPE):
+        failed = stdout.error
+        return stdout_closed(
+            StdoutClosed(None if isinstance(failed, BrokenPipeError) else failed)
+            if isinstance(failed, OSError)
+            else StdoutClosed()
+        )
+    return status
+
+
+def _main(argv: list[str] | None) -> int:
     args, overrides = _parser().parse_known_args(argv)
     out: Path | None = None
     try:

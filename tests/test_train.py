@@ -2796,6 +2796,81 @@ def test_sample_piped_into_a_reader_that_stops_ends_quietly(base_run: Path) -> N
     assert "Traceback" not in err and "error" not in err, err
 
 
+class ReaderTakesLines(io.StringIO):
+    """stdout read by `head -N`: after N lines, a write fails as a closed pipe's (or a full
+    disk's) does."""
+
+    def __init__(self, lines: int, error: OSError) -> None:
+        super().__init__()
+        self.lines, self.error = lines, error
+
+    def write(self, text: str) -> int:
+        if self.getvalue().count("\n") >= self.lines:
+            raise self.error
+        return super().write(text)
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "said"),
+    [
+        (BrokenPipeError(errno.EPIPE, "Broken pipe"), 128 + signal.SIGPIPE, ""),
+        (
+            OSError(errno.ENOSPC, "No space left on device"),
+            2,
+            "error: cannot write to stdout (No space left on device); the output is cut short",
+        ),
+    ],
+    ids=["reader gone", "disk full"],
+)
+def test_a_stdout_that_fails_stops_the_run_saved_as_sigpipe_would(
+    data_root: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    error: OSError,
+    status: int,
+    said: str,
+) -> None:
+    """`train.py | head -3`: its fourth line, at step 10's evaluation, finds the reader gone.
+    The run stops there, saved (resumable, not an error to fix), with the shell's status for
+    SIGPIPE; a write that failed otherwise (a full disk) says why, with status 2."""
+    out = tmp_path / "run"
+    monkeypatch.setattr(sys, "stdout", ReaderTakesLines(3, error))
+    assert run(data_root, out, "--train.max_steps=30", "--train.eval_interval=10") == status
+    err = capsys.readouterr().err
+    cause = "SIGPIPE (stdout's reader has gone, or writing to it failed)"
+    assert f"stopped by {cause} after step 10; resume with " in err, err
+    assert said in err and "Traceback" not in err, err
+    assert load_ckpt(out)["step"] == 10 and train_lines(out)[-1]["step"] == 10
+    printed = sys.stdout.getvalue().splitlines()
+    assert len(printed) == 3 and printed[-1].startswith("step 0: val loss")
+
+
+def test_a_stdout_gone_before_training_stops_before_the_first_step(
+    data_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """`train.py | head -1`: the reader is gone by the end of the run's first lines; the
+    evaluation of the untrained model ends the run, as a signal there does."""
+    out = tmp_path / "run"
+    monkeypatch.setattr(sys, "stdout", ReaderTakesLines(1, BrokenPipeError(errno.EPIPE, "")))
+    assert run(data_root, out, "--train.max_steps=30", "--train.eval_interval=10") == 141
+    assert "before the first step: nothing trained or saved" in capsys.readouterr().err
+    assert not (out / checkpoint.CHECKPOINT).exists() and not train_lines(out)
+
+
+def test_a_stderr_gone_costs_its_lines_not_the_run(
+    data_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """`2>/dev/full`, or stderr's reader gone: the progress bar and the notes are lost, the
+    run is not."""
+    out = tmp_path / "run"
+    monkeypatch.setattr(sys, "stderr", ReaderTakesLines(0, OSError(errno.ENOSPC, "full")))
+    # warmup_steps past the end: a warning on stderr before the first step
+    assert run(data_root, out, "--train.max_steps=12", "--train.warmup_steps=20") == 0
+    assert load_ckpt(out)["step"] == 12
+    assert "step 12: val loss" in capsys.readouterr().out
+
+
 def test_sample_from_a_missing_dir_or_a_file_says_so(
     base_run: Path, data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
