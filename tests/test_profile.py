@@ -10,6 +10,7 @@ import datetime as dt
 import errno
 import fcntl
 import gzip
+import io
 import itertools
 import json
 import math
@@ -1896,6 +1897,25 @@ def rows_of(results: dict, variant: str, n_layer: int) -> dict:
         for r in results["rows"]
         if (r["variant"], r["n_layer"]) == (variant, n_layer) and not r["compile"]
     )
+
+
+class FullStream(io.StringIO):
+    """A stream every write to fails: `2>/dev/full`, or a reader gone."""
+
+    def write(self, text: str) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_stderr_that_fails_costs_its_lines_not_the_sweep(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`profile_train.py 2>/dev/full`: the progress bar and notes are lost, the sweep is not.
+    (A failed write there used to stop the sweep as a full disk for its results does, and
+    its error line then failed too: status 1, nothing written.)"""
+    monkeypatch.setattr(sys, "stderr", FullStream())
+    rc, results = sweep(tmp_path, "--variants", "naive", "--layers", "1", "--no-traces")
+    assert rc == 0 and [r["status"] for r in results["rows"]] == ["ok"]
+    assert "report: " in capsys.readouterr().out
 
 
 def test_a_report_piped_into_a_reader_that_has_gone_ends_quietly(tmp_path: Path) -> None:
