@@ -10,7 +10,7 @@ import contextlib
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -54,12 +54,15 @@ class Droppable:
     """A stream whose failed writes are dropped, not raised, and after the first, not tried:
     for progress bars, which must not stop the work they show where stderr is gone
     (`2>&1 | head`) or full (`2>/dev/full`). `error` is the first failure (None: none yet);
-    `on_failure`, if set, is called once, then."""
+    `on_failure`, if set, is called once, then. `lines`: each line is flushed as it is written
+    (a pipe's stream is otherwise written 8 KiB at a time: `| tee` would show a run's lines
+    late, and a reader gone would be found that late)."""
 
-    def __init__(self, stream: TextIO) -> None:
+    def __init__(self, stream: TextIO, lines: bool = False) -> None:
         self.stream = stream
         self.error: OSError | ValueError | None = None  # ValueError: a stream already closed
         self.on_failure: Callable[[], None] | None = None
+        self._lines = lines
 
     @property
     def failed(self) -> bool:
@@ -69,6 +72,8 @@ class Droppable:
         if not self.failed:
             try:
                 self.stream.write(text)
+                if self._lines and "\n" in text:
+                    self.stream.flush()
             except (OSError, ValueError) as e:
                 self._fail(e)
         return len(text)
@@ -87,6 +92,32 @@ class Droppable:
 
     def __getattr__(self, name: str) -> Any:  # isatty, encoding, fileno: the stream's
         return getattr(self.stream, name)
+
+
+@contextlib.contextmanager
+def dropping(name: str, lines: bool = False) -> Iterator[Droppable]:
+    """sys.stdout or sys.stderr (`name`) written through a Droppable while inside. The stream
+    comes back on the way out, pointed at /dev/null where a write to it failed: the bytes it
+    could not write stay in its buffer, and Python's flush at exit would fail on them again
+    (status 120, and "Exception ignored" on stderr)."""
+    stream = getattr(sys, name)
+    dropped = Droppable(stream, lines)
+    setattr(sys, name, dropped)
+    try:
+        yield dropped
+    finally:
+        setattr(sys, name, stream)
+        if dropped.failed:
+            _to_devnull(stream)
+
+
+def _to_devnull(stream: TextIO) -> None:
+    with contextlib.suppress(OSError, ValueError):  # a replaced stream (a test's): no descriptor
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, stream.fileno())
+        finally:
+            os.close(devnull)
 
 
 class StdoutClosed(Exception):
@@ -114,14 +145,12 @@ def stdout_closed(closed: StdoutClosed | None = None) -> int:
     with an error where a write failed. Where stdout is a file descriptor, it is pointed at
     /dev/null, so Python's flush at exit does not fail again (as Python's signal documentation
     advises)."""
-    with contextlib.suppress(OSError, ValueError):  # a replaced sys.stdout: no descriptor
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        try:
-            os.dup2(devnull, sys.stdout.fileno())
-        finally:
-            os.close(devnull)
+    _to_devnull(sys.stdout)
     if closed is not None and closed.error is not None:
         why = closed.error.strerror or closed.error
-        print(f"error: cannot write to stdout ({why}); the output is cut short", file=sys.stderr)
+        with contextlib.suppress(OSError, ValueError):  # `> log 2>&1` on a full disk: both fail
+            print(
+                f"error: cannot write to stdout ({why}); the output is cut short", file=sys.stderr
+            )
         return 2
     return 128 + signal.SIGPIPE

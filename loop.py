@@ -41,7 +41,9 @@ class RunEnd:
     run_dir: Path
     step: int  # the run's step count now
     steps_taken: int  # optimizer steps taken by this call
-    stopped_by: str | None  # the signal's name (SIGINT, SIGTERM) when stopped before its last step
+    # The signal's name when stopped before its last step: SIGINT, SIGTERM, or SIGPIPE for a
+    # stdout that failed (StopSignal)
+    stopped_by: str | None
 
 
 class Pending(NamedTuple):

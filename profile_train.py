@@ -36,9 +36,9 @@ import torch
 from checkpoint import describe_os_error
 from config import ConfigError, fields_help, load_config
 from console import (
-    Droppable,
     StdoutClosed,
     cli_path,
+    dropping,
     is_utf8,
     quiet_profiler_start,
     say,
@@ -211,14 +211,12 @@ class Interrupts(SignalScope):
 def main(argv: list[str] | None = None) -> int:
     # A stderr gone or full (`2>&1 | head`, `2>/dev/full`) costs its lines (the progress bar,
     # notes, errors), not the sweep
-    stderr, sys.stderr = sys.stderr, Droppable(sys.stderr)
-    try:
-        with Interrupts() as interrupts:
-            return _main(argv, interrupts)
-    except StdoutClosed as e:  # stdout read by `head`, say: what was printed stands
-        return stdout_closed(e)
-    finally:
-        sys.stderr = stderr
+    with dropping("stderr"):
+        try:
+            with Interrupts() as interrupts:
+                return _main(argv, interrupts)
+        except StdoutClosed as e:  # stdout read by `head`, say: what was printed stands
+            return stdout_closed(e)
 
 
 def sweep_options(

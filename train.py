@@ -32,7 +32,7 @@ from checkpoint import (
     restoring,
 )
 from config import Config, ConfigError, TrainConfig, fields_help
-from console import Droppable, StdoutClosed, cli_path, first_line, one_line, stdout_closed
+from console import StdoutClosed, cli_path, dropping, first_line, one_line, stdout_closed
 from cpu_linear import LINEAR_PATHS, wants_onednn
 from data.loader import TokenBatches
 from data.meta import DataError, check_vocab
@@ -370,21 +370,15 @@ def main(argv: list[str] | None = None) -> int:
     metrics.jsonl and the checkpoint keep: a stderr gone or full costs its lines (the progress
     bar, notes), and a stdout that fails stops the run as SIGPIPE would (StopSignal), saved,
     with stdout's status (console.stdout_closed)."""
-    stdout, stderr = Droppable(sys.stdout), Droppable(sys.stderr)
-    sys.stdout, sys.stderr = stdout, stderr
-    try:
+    with dropping("stdout", lines=True) as stdout, dropping("stderr"):
         status = _main(argv)
-        stdout.flush()  # the last lines: a reader gone since shows here, not at exit
-    finally:
-        sys.stdout, sys.stderr = stdout.stream, stderr.stream
-    if stdout.error is not None and status in (0, 128 + signal.SIGPIPE):
         failed = stdout.error
-        return stdout_closed(
-            StdoutClosed(None if isinstance(failed, BrokenPipeError) else failed)
-            if isinstance(failed, OSError)
-            else StdoutClosed()
-        )
-    return status
+        # stdout's status where the run ended as planned or stdout stopped it; a signal's or
+        # an error's stays
+        if failed is not None and status in (0, 128 + signal.SIGPIPE):
+            reader_gone = isinstance(failed, BrokenPipeError) or not isinstance(failed, OSError)
+            return stdout_closed(StdoutClosed(None if reader_gone else failed))
+        return status
 
 
 def _main(argv: list[str] | None) -> int:

@@ -97,7 +97,7 @@ from tqdm import tqdm
 if __package__ in (None, ""):  # run as `python data/prepare.py`: make `data.` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from console import Droppable, StdoutClosed, cli_path, say, stdout_closed
+from console import Droppable, StdoutClosed, cli_path, dropping, say, stdout_closed
 from data.corpus import (
     Corpus,
     PrepareError,
@@ -580,35 +580,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta_before = _meta_bytes(out_dir)
     # A stderr gone (`2>&1 | head`) or full costs its lines (a note, "waiting for another
     # prepare"), not the corpus; stdout's lines decide the status (_say).
-    stderr, sys.stderr = sys.stderr, Droppable(sys.stderr)
-    try:
-        prepare(
-            args.name,
-            stdlib=args.stdlib,
-            files=args.files,
-            hub=args.hub,
-            hub_config=args.hub_config,
-            split=args.split,
-            text_column=args.text_column,
-            vocab_size=args.vocab_size,
-            val_fraction=args.val_fraction,
-            out_root=args.out_root,
-            max_bytes=args.max_bytes,
-            encoding_errors=args.encoding_errors,
-            seed=args.seed,
-        )
-    except PrepareError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt as e:
-        # Outputs go to temporary names first and meta.json comes last (see the docstring).
-        how = "stopped by SIGTERM" if isinstance(e, _Terminated) else "interrupted"
-        print(f"{how}; {_what_is_left(out_dir, meta_before)}", file=sys.stderr)
-        return 128 + (signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT)
-    finally:
-        sys.stderr = stderr
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+    with dropping("stderr"):
+        try:
+            prepare(
+                args.name,
+                stdlib=args.stdlib,
+                files=args.files,
+                hub=args.hub,
+                hub_config=args.hub_config,
+                split=args.split,
+                text_column=args.text_column,
+                vocab_size=args.vocab_size,
+                val_fraction=args.val_fraction,
+                out_root=args.out_root,
+                max_bytes=args.max_bytes,
+                encoding_errors=args.encoding_errors,
+                seed=args.seed,
+            )
+        except PrepareError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt as e:
+            # Outputs go to temporary names first and meta.json comes last (see the docstring).
+            how = "stopped by SIGTERM" if isinstance(e, _Terminated) else "interrupted"
+            print(f"{how}; {_what_is_left(out_dir, meta_before)}", file=sys.stderr)
+            return 128 + (signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT)
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
     return _stdout_status or 0  # the corpus is whole; its lines were not all shown
 
 

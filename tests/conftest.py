@@ -1,5 +1,6 @@
 import gc
 import importlib.util
+import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -9,6 +10,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+# Subprocesses run as from a user's shell, where Python writes a pipe's stdout 8 KiB at a time:
+# CI runners and containers often set PYTHONUNBUFFERED, which would hide what that buffering
+# does to a closed or failing pipe (a test that needs a process's lines at once sets it itself).
+os.environ.pop("PYTHONUNBUFFERED", None)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

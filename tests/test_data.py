@@ -1,6 +1,5 @@
 """data/prepare.py on tiny corpora written into tmp_path: outputs, reuse, sources, bad input."""
 
-import contextlib
 import errno
 import fcntl
 import gzip
@@ -1073,6 +1072,7 @@ def test_a_stdout_that_fails_costs_its_lines_not_the_corpus(corpus: Path, tmp_pa
             assert time.monotonic() < deadline, "it did not wait for the lock"
             time.sleep(0.05)
         os.close(holder)
+        holder = -1  # closed: the finally below must not close a number reused since
         err = done.communicate(timeout=120)[1].decode()
         assert done.returncode == 2 and "Traceback" not in err, err
         assert err.count("error: cannot write to stdout (No space left on device)") == 1, err
@@ -1082,7 +1082,7 @@ def test_a_stdout_that_fails_costs_its_lines_not_the_corpus(corpus: Path, tmp_pa
         out = bars.communicate(timeout=120)[0]
         assert bars.returncode == 0 and b"prepared " in out
     finally:  # a failure or time-out leaves none running into later tests
-        with contextlib.suppress(OSError):  # closed already
+        if holder >= 0:
             os.close(holder)
         for proc in (done, bars, gone, both, waits):
             proc.kill()
