@@ -338,10 +338,19 @@ def test_flex_without_gradients_does_not_compile_per_length() -> None:
 @pytest.mark.cxx
 def test_flex_training_kernel_is_specialised_to_its_shape() -> None:
     """The variant check runs flex at a small shape before training runs it at the real
-    one: that second shape must get a static kernel of its own, not a symbolic one. (Whole
-    blocks: a CPU runs them unpadded, as a GPU runs every length.)"""
-    lengths = [FLEX_BLOCK, 2 * FLEX_BLOCK, 3 * FLEX_BLOCK]
-    assert flex_graphs(lengths, grad=True) >= 3, "a shape change made flex symbolic"
+    one: that second shape must get a static kernel of its own, not a symbolic one, which
+    would serve a third shape without compiling. (Whole blocks: a CPU runs them unpadded, as a
+    GPU runs every length.)"""
+    from model.attention import causal_block_mask, flex
+
+    assert flex_graphs([FLEX_BLOCK, 2 * FLEX_BLOCK], grad=True) == 2
+    T = 3 * FLEX_BLOCK
+    q, k, v = (torch.randn(1, 2, T, 16) for _ in range(3))
+    with (
+        torch.compiler.set_stance("fail_on_recompile"),  # the third shape is not compiled
+        pytest.raises(RuntimeError, match="Detected recompile"),
+    ):
+        flex(q, k, v, causal_block_mask(T, torch.device("cpu")), 0.0)
 
 
 @pytest.mark.cxx
