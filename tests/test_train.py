@@ -2964,11 +2964,6 @@ def torchrun_command(argv: list[str], **env: str) -> dict[str, Any]:
     }
 
 
-def torchrun(argv: list[str]) -> subprocess.CompletedProcess[str]:
-    """train.py on 2 CPU ranks under torchrun, to its end."""
-    return subprocess.run(**torchrun_command(argv), capture_output=True, timeout=180)
-
-
 # Each rank's share and what one process takes for the same step: one micro-batch of twice
 # the rows; or one config whose global batch holds, its 2 micro-batches per rank derived (the
 # ranks then run what an explicit --train.grad_accum=2 runs: test_config.py checks that each
@@ -2987,20 +2982,62 @@ SAME_STEP = {
 }
 
 
+SAME_STEP_COMMON = ["--train.max_steps=3", "--train.eval_interval=0", "--train.eval_batches=1"]
+SAME_STEP_COMMON += ["--train.peak_tflops=1"]
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(
+    data_root: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[Path, subprocess.CompletedProcess[str]]]:
+    """Each SAME_STEP case's run on 2 ranks: its folder and process. The jobs run at once (each
+    starts 3 processes that import torch, ~7 s alone on a slow machine)."""
+    root = tmp_path_factory.mktemp("two_ranks")
+    jobs = {
+        case: (
+            root / case,
+            subprocess.Popen(
+                **torchrun_command(run_argv(data_root, root / case, *SAME_STEP_COMMON, *per_rank)),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            ),
+        )
+        for case, (per_rank, _, _) in SAME_STEP.items()
+    }
+    try:
+        runs = {}
+        for case, (out, proc) in jobs.items():
+            stdout, stderr = proc.communicate(timeout=180)
+            runs[case] = (
+                out,
+                subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr),
+            )
+        return runs
+    finally:  # a failure or time-out leaves none running into later tests
+        for _, proc in jobs.values():
+            proc.kill()
+            proc.wait()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("per_rank", "one_process", "announced"), SAME_STEP.values(), ids=SAME_STEP
+    ("case", "one_process", "announced"),
+    [(case, one, said) for case, (_, one, said) in SAME_STEP.items()],
+    ids=SAME_STEP,
 )
 def test_two_ranks_match_one_process_taking_the_same_rows(
-    data_root: Path, tmp_path: Path, per_rank: list[str], one_process: list[str], announced: str
+    data_root: Path,
+    tmp_path: Path,
+    two_rank_runs: dict[str, tuple[Path, subprocess.CompletedProcess[str]]],
+    case: str,
+    one_process: list[str],
+    announced: str,
 ) -> None:
-    common = ["--train.max_steps=3", "--train.eval_interval=0", "--train.eval_batches=1"]
-    common += ["--train.peak_tflops=1"]
-    ddp, single = tmp_path / "ddp", tmp_path / "single"
-    done = torchrun(run_argv(data_root, ddp, *common, *per_rank))
+    ddp, done = two_rank_runs[case]
+    single = tmp_path / "single"
     assert done.returncode == 0, done.stderr[:6000]
     assert announced in done.stdout
-    assert run(data_root, single, *common, *one_process) == 0
+    assert run(data_root, single, *SAME_STEP_COMMON, *one_process) == 0
 
     # Only rank 0 writes: one line per step and one for the final eval.
     assert [r["step"] for r in read_metrics(ddp)] == [1, 2, 3, 3]
