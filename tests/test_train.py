@@ -3116,6 +3116,30 @@ def test_sigterm_to_one_rank_stops_both_after_rank_0_saved(
     assert train_lines(out)[-1]["step"] == stopped_at
 
 
+def eval_batches_lasting(seconds: float) -> int:
+    """train.eval_batches for an evaluation (val and train losses) of about `seconds` by a rank
+    of tiny.toml's model, which computes on one thread: timed here, so it lasts as long on a
+    slow machine as on a fast one."""
+    config = load_config(TINY)
+    model = GPT(config.model).eval()
+    x = torch.randint(
+        0, config.model.vocab_size, (config.train.batch_size, config.model.block_size)
+    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            for _ in range(3):
+                model(x, x)
+            began = time.perf_counter()
+            for _ in range(20):
+                model(x, x)
+            batch_s = (time.perf_counter() - began) / 20
+    finally:
+        torch.set_num_threads(threads)
+    return math.ceil(seconds / (2 * batch_s))
+
+
 @pytest.mark.slow
 def test_a_signal_during_the_first_evaluation_under_torchrun_saves_nothing(
     data_root: Path, tmp_path: Path
@@ -3125,8 +3149,13 @@ def test_a_signal_during_the_first_evaluation_under_torchrun_saves_nothing(
     used to learn of it from the next step's flags, read a step late: two steps trained, and a
     checkpoint the same command then refused to start over."""
     out = tmp_path / "ddp"
-    # An evaluation of seconds, long enough for the signal to land in it
-    overrides = ["--train.max_steps=20", "--train.eval_interval=10", "--train.eval_batches=1500"]
+    # An evaluation of seconds: the signal, a second after its first line, lands in it
+    batches = eval_batches_lasting(3.0)
+    overrides = [
+        "--train.max_steps=20",
+        "--train.eval_interval=10",
+        f"--train.eval_batches={batches}",
+    ]
     proc = subprocess.Popen(
         **torchrun_command(run_argv(data_root, out, *overrides), PYTHONUNBUFFERED="1"),
         stdout=subprocess.PIPE,
