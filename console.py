@@ -74,6 +74,8 @@ class Droppable:
                 self.stream.write(text)
                 if self._lines and "\n" in text:
                     self.stream.flush()
+            except UnicodeEncodeError:  # the text, not the stream: the caller's to say
+                raise
             except (OSError, ValueError) as e:
                 self._fail(e)
         return len(text)

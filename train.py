@@ -415,6 +415,14 @@ def _main(argv: list[str] | None) -> int:
             f"then {then}"
         )
         return 2
+    except UnicodeEncodeError as e:  # a line stdout's encoding lacks a character of: a path's
+        saved = out is not None and (out / CHECKPOINT).is_file()
+        _say_error(
+            f"error: stdout's encoding, {e.encoding}, cannot show a line of the run "
+            f"({e.object[e.start : e.end]!r}); set PYTHONIOENCODING=utf-8, then "
+            + (f"continue with {resume_hint(out)}" if saved else "run again")
+        )
+        return 2
     except KeyboardInterrupt as e:  # a second SIGTERM too (StopNow): its own status
         _say_error("interrupted: stopped without saving; the last checkpoint, if any, is as it was")
         return 128 + getattr(e, "signum", signal.SIGINT)
@@ -428,7 +436,8 @@ def _main(argv: list[str] | None) -> int:
     tc = config.train
     # A sample only when the run has just reached its end: not after a split.
     finished = end.steps_taken > 0 and end.step == tc.max_steps
-    if finished and tc.sample_tokens > 0 and launched_ranks()[0] == 0:
+    shown = not getattr(sys.stdout, "failed", False)  # no sample into a stdout that failed
+    if finished and shown and tc.sample_tokens > 0 and launched_ranks()[0] == 0:
         return _sample_at_end(end.run_dir, tc)
     return 0
 
