@@ -2727,7 +2727,7 @@ def test_sampled_text_streams_as_it_is_drawn(base_run: Path) -> None:
 
 
 class FullDisk(io.StringIO):
-    """A stdout whose writes fail as `> file` on a full disk does."""
+    """A stream whose writes fail as one on a full disk does (`> file`, `2>/dev/full`)."""
 
     def write(self, text: str) -> int:
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -2917,7 +2917,7 @@ def test_a_stderr_gone_costs_its_lines_not_the_run(
     """`2>/dev/full`, or stderr's reader gone: the progress bar and the notes are lost, the
     run is not."""
     out = tmp_path / "run"
-    monkeypatch.setattr(sys, "stderr", ReaderTakesLines(0, OSError(errno.ENOSPC, "full")))
+    monkeypatch.setattr(sys, "stderr", FullDisk())
     # warmup_steps past the end: a warning on stderr before the first step
     assert run(data_root, out, "--train.max_steps=12", "--train.warmup_steps=20") == 0
     assert load_ckpt(out)["step"] == 12
