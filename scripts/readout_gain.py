@@ -30,6 +30,7 @@ import torch
 import loop
 import runtime
 import train
+from console import Droppable
 
 STARTS: list[float] = []  # when the host began each step of the current run
 
@@ -54,7 +55,9 @@ def run(mode: type[_Timed], args: argparse.Namespace, overrides: list[str]) -> f
     with tempfile.TemporaryDirectory() as out:
         argv = ["--config", str(args.config), "--out", out, f"--train.max_steps={args.steps}"]
         argv += ["--train.eval_interval=0", "--train.sample_tokens=0", *overrides]
-        with contextlib.redirect_stdout(sys.stderr):  # stdout: this script's table alone
+        # stdout: this script's table alone. train.py's lines go to stderr, where a failed
+        # write costs the line (as train.py's own stderr does), not the timed run
+        with contextlib.redirect_stdout(Droppable(sys.stderr)):
             code = train.main(argv)
         if code != 0:  # train.py said why, above; its status is this script's
             raise SystemExit(code)
