@@ -150,9 +150,11 @@ def stdout_closed(closed: StdoutClosed | None = None) -> int:
     _to_devnull(sys.stdout)
     if closed is not None and closed.error is not None:
         why = closed.error.strerror or closed.error
-        with contextlib.suppress(OSError, ValueError):  # `> log 2>&1` on a full disk: both fail
+        try:
             print(
                 f"error: cannot write to stdout ({why}); the output is cut short", file=sys.stderr
             )
+        except (OSError, ValueError):  # `> log 2>&1` on a full disk: stderr fails too
+            _to_devnull(sys.stderr)  # its line waits in its buffer, to fail again at exit
         return 2
     return 128 + signal.SIGPIPE

@@ -2785,16 +2785,26 @@ def test_sampling_on_a_gpu_without_bf16_or_tf32_tensor_cores(
     assert sample.sampling_precision(float32, cuda, "bfloat16").train.dtype == "bfloat16"
 
 
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs Linux's /dev/full")
 def test_sample_piped_into_a_reader_that_stops_ends_quietly(base_run: Path) -> None:
     """`sample.py | head`: once the reader has gone, sampling stops with the shell's status
-    for SIGPIPE (128 + 13) and no traceback."""
+    for SIGPIPE (128 + 13) and no traceback. Beside it, `> log 2>&1` on a full disk: status 2,
+    though the error line cannot be written either (not 120, Python's for a flush that fails
+    at exit)."""
     argv = [sys.executable, str(ROOT / "sample.py"), "--run", str(base_run), "--tokens", "3000"]
+    with open("/dev/full", "w") as full:
+        both = subprocess.Popen(argv, stdout=full, stderr=full)
     with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
-        assert proc.stdout is not None and proc.stderr is not None
-        assert proc.stdout.read(1)  # the prompt, then the stream: the reader has its line
-        proc.stdout.close()
-        err = proc.stderr.read().decode()
-        assert proc.wait(timeout=120) == 128 + signal.SIGPIPE, err
+        try:
+            assert proc.stdout is not None and proc.stderr is not None
+            assert proc.stdout.read(1)  # the prompt, then the stream: the reader has its line
+            proc.stdout.close()
+            err = proc.stderr.read().decode()
+            assert proc.wait(timeout=120) == 128 + signal.SIGPIPE, err
+            assert both.wait(timeout=120) == 2
+        finally:  # a failure or time-out leaves neither running
+            both.kill()
+            both.wait()
     assert "Traceback" not in err and "error" not in err, err
 
 
