@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from config import TrainConfig
-from console import quiet_profiler_start
+from console import StdoutClosed, quiet_profiler_start, say, stdout_closed
 from model import GPTConfig
 from probe import VariantUnavailable, check_variant
 from step import build_model, train_step
@@ -79,16 +79,19 @@ def main() -> int:
         return 2
     quiet_profiler_start()
     a, b = (op_counts(dataclasses.replace(config, attention=v)) for v in variants)
-    print(
-        f"ATen ops in one training step at n_layer={args.layers}, {variants[0]} against "
-        f"{variants[1]}: {variants[1]}'s count -> {variants[0]}'s"
-    )
-    differ = [key for key in sorted(a.keys() | b.keys()) if a[key] != b[key]]
-    for region, op in differ:
-        change = a[region, op] - b[region, op]
-        print(f"  {region:9s} {op:48s} {b[region, op]:4d} -> {a[region, op]:4d}  {change:+d}")
-    if not differ:
-        print("  no op count differs: the same ATen ops in every region")
+    try:
+        say(
+            f"ATen ops in one training step at n_layer={args.layers}, {variants[0]} against "
+            f"{variants[1]}: {variants[1]}'s count -> {variants[0]}'s"
+        )
+        differ = [key for key in sorted(a.keys() | b.keys()) if a[key] != b[key]]
+        for region, op in differ:
+            change = a[region, op] - b[region, op]
+            say(f"  {region:9s} {op:48s} {b[region, op]:4d} -> {a[region, op]:4d}  {change:+d}")
+        if not differ:
+            say("  no op count differs: the same ATen ops in every region")
+    except StdoutClosed as e:  # `| head`, or a full disk: what was printed stands
+        return stdout_closed(e)
     return 0
 
 
