@@ -130,16 +130,21 @@ class StdoutClosed(Exception):
         super().__init__(error)
         self.error = error
 
+    @classmethod
+    def after(cls, failed: OSError | ValueError) -> StdoutClosed:
+        """The one a failed write to stdout means: a broken pipe, or a stream already closed
+        (ValueError), is a reader gone; any other error is said."""
+        gone = isinstance(failed, BrokenPipeError) or not isinstance(failed, OSError)
+        return cls(None if gone else failed)
+
 
 def say(text: str = "", end: str = "\n") -> None:
     """print() to stdout, flushed, where a failed write raises StdoutClosed: only stdout's,
     not a worker process's broken pipe."""
     try:
         print(text, end=end, flush=True)
-    except BrokenPipeError:
-        raise StdoutClosed from None
     except OSError as e:
-        raise StdoutClosed(e) from None
+        raise StdoutClosed.after(e) from None
 
 
 def stdout_closed(closed: StdoutClosed | None = None) -> int:

@@ -376,8 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         # stdout's status where the run ended as planned or stdout stopped it; a signal's or
         # an error's stays
         if failed is not None and status in (0, 128 + signal.SIGPIPE):
-            reader_gone = isinstance(failed, BrokenPipeError) or not isinstance(failed, OSError)
-            return stdout_closed(StdoutClosed(None if reader_gone else failed))
+            return stdout_closed(StdoutClosed.after(failed))
         return status
 
 
