@@ -1,14 +1,17 @@
 """A sweep's cells (variant x n_layer x compile) and what is worked out from each one's steps:
-compile time, page faults, allocator calls and failures, and the row each one gets in
-results.json.
+compile time, page faults, garbage collections, allocator calls and failures, and the row each
+one gets in results.json.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import resource
 import statistics
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +54,8 @@ class Cell:
     optimizer: torch.optim.Optimizer | None = None
     times: list[float] = dataclasses.field(default_factory=list)
     page_faults: int = 0  # minor page faults of this process during the timed steps
+    # The collector's runs that landed in the timed steps: (generation, seconds) each
+    collections: list[tuple[int, float]] = dataclasses.field(default_factory=list)
     # CUDA (None elsewhere): the caching allocator's calls to allocate and free device memory
     # during the timed steps, and its retries then (see allocator_counts)
     device_allocs: int | None = None
@@ -103,6 +108,8 @@ class Cell:
             "kernels_per_step": None,
             "kernels_unattributed_per_step": None,
             "page_faults_per_step": None,
+            "gc_collections": None,
+            "gc_longest_ms": None,
             "compiles_while_timed": None,
             "allocator_calls_per_step": None,
             "alloc_retries": None,
@@ -123,6 +130,11 @@ class Cell:
             "times_ms": [t * 1e3 for t in self.times],
             "tokens_per_s": tokens_per_step / (stats["median"] / 1e3),
             "page_faults_per_step": self.page_faults / len(self.times),
+            # Over all the timed steps, by generation (2: a full collection)
+            "gc_collections": [
+                sum(g == generation for g, _ in self.collections) for generation in range(3)
+            ],
+            "gc_longest_ms": max((s * 1e3 for _, s in self.collections), default=0.0),
             "compiles_while_timed": self.compiles_while_timed,
         }
         if self.device_allocs is not None:
@@ -170,6 +182,29 @@ def compile_seconds(
 def minor_faults() -> int:
     """Minor page faults of this process so far: pages the OS had to map in and zero."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+class Collections:
+    """The garbage collector's runs while inside `watching()`: (generation, seconds) each, in
+    order, read from gc.callbacks, which Python calls as each run starts and stops."""
+
+    def __init__(self) -> None:
+        self.runs: list[tuple[int, float]] = []
+        self._started = 0.0
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.runs.append((info["generation"], time.perf_counter() - self._started))
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[Collections]:
+        gc.callbacks.append(self._callback)
+        try:
+            yield self
+        finally:
+            gc.callbacks.remove(self._callback)
 
 
 def allocator_counts(stats: dict[str, int]) -> tuple[int, int]:

@@ -23,6 +23,7 @@ from profiling.method import (
     PROFILE_WAIT,
     PROFILE_WARMUP,
     causal_note,
+    collection_lines,
     device_memory_lines,
     doubled_ops,
     eager_excess_text,
@@ -450,6 +451,7 @@ def _method(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
         + ". Median with 10th/90th percentiles over the timed steps.",
         *(_compile_time_lines(meta, rows) if any(r["compile"] for r in rows) else []),
         *host_memory_lines(meta, rows),
+        *collection_lines(rows),
         *device_memory_lines(rows),
         "- **Ops and kernels**: separate steps under torch.profiler with a "
         f"wait={PROFILE_WAIT}/warmup={PROFILE_WARMUP}/active schedule; "

@@ -111,6 +111,8 @@ ROW_FIELDS: dict[str, Check] = {
     "backend": _TEXT,
     "kernels_unattributed_per_step": _BY_NAME,
     "page_faults_per_step": _NUMBER,
+    "gc_collections": _each(_COUNT, list),
+    "gc_longest_ms": _NUMBER,
     "compiles_while_timed": _COUNT,
     "allocator_calls_per_step": _NUMBER,
     "alloc_retries": _COUNT,
@@ -200,6 +202,8 @@ def _csv_text(rows: list[dict[str, Any]]) -> str:
         "compile_s",
         "compile_cache",
         "page_faults_per_step",
+        "gc_collections",
+        "gc_longest_ms",
         "allocator_calls_per_step",
         "alloc_retries",
         "ops_per_step",
@@ -234,6 +238,8 @@ def _csv_text(rows: list[dict[str, Any]]) -> str:
                 r["compile_s"],
                 r.get("compile_cache"),  # absent in sweeps written before it
                 r.get("page_faults_per_step"),
+                None if r.get("gc_collections") is None else sum(r["gc_collections"]),
+                r.get("gc_longest_ms"),  # absent in sweeps written before they were counted
                 r.get("allocator_calls_per_step"),  # CUDA, and absent in older sweeps
                 r.get("alloc_retries"),
                 total(r["ops_per_step"]),

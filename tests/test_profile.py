@@ -9,6 +9,7 @@ import dataclasses
 import datetime as dt
 import errno
 import fcntl
+import gc
 import gzip
 import io
 import itertools
@@ -3207,6 +3208,77 @@ def test_a_sweep_records_the_allocator_calls_and_page_faults_of_the_timed_steps_
     assert next(fault_readings) == 5 * 2 * 2 * 2
     report = (tmp_path / "sweep" / "report.md").read_text()
     assert "per timed step: median 3, at most 3 over the cells (naive L1)." in report
+
+
+def test_collections_are_timed_by_generation_while_watched_only() -> None:
+    from profiling.cells import Collections
+
+    collections = Collections()
+    gc.collect()  # before watching: not seen
+    with collections.watching() as watched:
+        gc.collect(0)
+        gc.collect(2)
+    gc.collect(1)  # after: not seen, and the callback is gone
+    assert [g for g, _ in watched.runs] == [0, 2]
+    assert all(s >= 0 for _, s in watched.runs)
+    assert collections._callback not in gc.callbacks
+
+
+def test_a_sweep_counts_the_collections_that_land_in_its_timed_steps_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every step (first, warm-up, timed) runs a generation-1 collection here; the sweep's own
+    full collections before them, and the warm-ups' ones, are not the timed steps'. Automatic
+    collections are off, so none other lands."""
+    import profiling.sweep
+    from profiling.measure import timed
+
+    def collecting(step: Callable[[], object], device: torch.device) -> float:
+        gc.collect(1)
+        return timed(step, device)
+
+    monkeypatch.setattr(profiling.sweep, "timed", collecting)
+    gc.disable()
+    try:
+        rc, results = sweep(tmp_path, "--variants", "naive,inplace", "--layers", "1", "--no-traces")
+    finally:
+        gc.enable()
+    assert rc == 0
+    for row in results["rows"]:
+        assert row["gc_collections"] == [0, 2, 0]
+        assert row["gc_longest_ms"] > 0
+    report = (tmp_path / "sweep" / "report.md").read_text()
+    assert "over the 4 timed steps, 4 collections landed in them (generation 0: 0, 1: 4, 2, a " in (
+        report
+    )
+    assert "a full one: 0); the longest took " in report
+    with open(tmp_path / "sweep" / "results.csv", newline="") as f:
+        assert [r["gc_collections"] for r in csv.DictReader(f)] == ["2", "2"]
+
+
+def test_collection_line_names_the_cells_with_a_full_collection() -> None:
+    from profiling.method import collection_lines
+
+    def row(variant: str, collections: list[int], longest: float) -> dict:
+        return {
+            "variant": variant,
+            "compile": True,
+            "n_layer": 4,
+            "step_ms": {"median": 90.0, "p10": 85.0, "p90": 95.0, "n": 20},
+            "gc_collections": collections,
+            "gc_longest_ms": longest,
+        }
+
+    [line] = collection_lines([row("naive", [3, 1, 0], 1.25), row("sdpa", [2, 0, 1], 31.5)])
+    assert "over the 40 timed steps, 7 collections landed in them" in line
+    assert "(generation 0: 5, 1: 1, 2, a full one: 1, in sdpa+compile L4)" in line, line
+    assert "the longest took 31.50 ms, in sdpa+compile L4 (median step 90.0 ms)." in line
+    [line] = collection_lines([row("naive", [0, 0, 0], 0.0)])
+    assert line.endswith("over the 20 timed steps, no collection landed in one.")
+    # Sweeps written before collections were counted, and failed cells: no line, no count
+    assert collection_lines([{"variant": "naive", "compile": False, "n_layer": 1}]) == []
+    failed = {"variant": "sdpa", "compile": False, "n_layer": 1, "gc_collections": None}
+    assert collection_lines([row("naive", [1, 0, 0], 0.5), failed])[0].count("20 timed") == 1
 
 
 @pytest.mark.cuda
