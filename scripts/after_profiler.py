@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from config import load_config
-from console import quiet_profiler_start
+from console import StdoutClosed, quiet_profiler_start, say, stdout_closed
 from cpu_linear import wants_onednn
 from host import keep_freed_host_memory
 from probe import VariantUnavailable, check_variant
@@ -37,11 +37,6 @@ from profiling.startup import batch_pool
 from runtime import autocast_dtype, pick_device, set_fp32_matmul_precision
 from step import build_model, train_step
 from train import USER_ERRORS
-
-
-def say(line: str) -> None:
-    """A line out at once: under gpu_check.sh's time limit, what a killed run printed stays."""
-    print(line, flush=True)
 
 
 def main() -> int:
@@ -72,11 +67,6 @@ def main() -> int:
         quiet_profiler_start()  # on CUDA, kineto's lines explain a CUPTI error: kept
     torch.manual_seed(config.train.seed)
     model, optimizer = build_model(config.model, config.train, device, onednn=onednn, compile=False)
-    say(
-        f"{mc.attention}, n_layer={mc.n_layer}, B={config.train.batch_size} T={mc.block_size} "
-        f"C={mc.n_embd}, {amp or torch.float32} on {device}, torch {torch.__version__}; "
-        f"median of {args.steps} steps"
-    )
 
     def step(i: int) -> None:
         batch = batches[i % len(batches)]
@@ -87,17 +77,27 @@ def main() -> int:
         ms = [timed(functools.partial(step, i), device) * 1e3 for i in range(args.steps)]
         return statistics.median(ms)
 
-    for i in range(3):
-        step(i)
-    for session in range(1, args.sessions + 1):
-        before = median_ms()
-        with profiled_steps(device, active=1, trace_path=None) as (advance, counted):
-            for i in range(PROFILE_WAIT + PROFILE_WARMUP + 1):
-                step(i)
-                synchronize(device)  # as a cell's profiled steps
-                advance()
-        assert len(counted) == 1, "the profiled step's events were not counted"
-        say(f"session {session}: {before:.1f} ms per step before, {median_ms():.1f} after")
+    # Each line is flushed as it is printed (say): under gpu_check.sh's time limit, what a
+    # killed run printed stays.
+    try:
+        say(
+            f"{mc.attention}, n_layer={mc.n_layer}, B={config.train.batch_size} T={mc.block_size} "
+            f"C={mc.n_embd}, {amp or torch.float32} on {device}, torch {torch.__version__}; "
+            f"median of {args.steps} steps"
+        )
+        for i in range(3):
+            step(i)
+        for session in range(1, args.sessions + 1):
+            before = median_ms()
+            with profiled_steps(device, active=1, trace_path=None) as (advance, counted):
+                for i in range(PROFILE_WAIT + PROFILE_WARMUP + 1):
+                    step(i)
+                    synchronize(device)  # as a cell's profiled steps
+                    advance()
+            assert len(counted) == 1, "the profiled step's events were not counted"
+            say(f"session {session}: {before:.1f} ms per step before, {median_ms():.1f} after")
+    except StdoutClosed as e:  # `| head`, or a full disk: what was printed stands
+        return stdout_closed(e)
     return 0
 
 

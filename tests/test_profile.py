@@ -11,7 +11,6 @@ import errno
 import fcntl
 import gc
 import gzip
-import io
 import itertools
 import json
 import math
@@ -55,6 +54,7 @@ from profiling.measure import count_flops, parse_events, step_flops, verify_back
 from profiling.results import results_problem
 from profiling.sweep import KEPT_ON_WRONG_BACKEND, Sweep
 from profiling.tables import headline_table, paired_deepest, paired_table
+from streams import FullDisk, ReaderTakesLines
 
 TINY = [
     "--model.vocab_size=128",
@@ -1900,20 +1900,13 @@ def rows_of(results: dict, variant: str, n_layer: int) -> dict:
     )
 
 
-class FullStream(io.StringIO):
-    """A stream every write to fails: `2>/dev/full`, or a reader gone."""
-
-    def write(self, text: str) -> int:
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-
 def test_a_stderr_that_fails_costs_its_lines_not_the_sweep(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`profile_train.py 2>/dev/full`: the progress bar and notes are lost, the sweep is not.
     (A failed write there used to stop the sweep as a full disk for its results does, and
     its error line then failed too: status 1, nothing written.)"""
-    monkeypatch.setattr(sys, "stderr", FullStream())
+    monkeypatch.setattr(sys, "stderr", FullDisk())
     rc, results = sweep(tmp_path, "--variants", "naive", "--layers", "1", "--no-traces")
     assert rc == 0 and [r["status"] for r in results["rows"]] == ["ok"]
     assert "report: " in capsys.readouterr().out
@@ -3929,6 +3922,23 @@ def test_after_profiler_script_times_steps_around_each_session(
     ]:
         status, _, err = run_script("after_profiler", "--config", tiny, *bad)
         assert status == 2 and named in err and "Traceback" not in err, err
+
+
+def test_after_profiler_script_stops_quietly_when_its_reader_goes(
+    run_script: Callable[..., tuple[int, str, str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`after_profiler.py | head -1` ends at the next line, as the shell's SIGPIPE status,
+    with no traceback; on a full disk, status 2 and why. (Both were tracebacks.)"""
+    tiny = str(ROOT / "configs" / "tiny.toml")
+    args = ("after_profiler", "--config", tiny, "--steps", "1", "--sessions", "3")
+    head = ReaderTakesLines(1, BrokenPipeError(errno.EPIPE, "Broken pipe"))
+    monkeypatch.setattr(sys, "stdout", head)
+    status, _, err = run_script(*args)
+    assert status == 128 + signal.SIGPIPE and err == "", err
+    assert head.getvalue().startswith("sdpa, n_layer=2") and head.getvalue().count("\n") == 1
+    monkeypatch.setattr(sys, "stdout", FullDisk())
+    status, _, err = run_script(*args)
+    assert status == 2 and "error: cannot write to stdout (No space left on device)" in err, err
 
 
 def test_a_running_sweep_holds_its_folder(

@@ -55,6 +55,7 @@ from data.loader import TokenBatches
 from data.prepare import EOT, EOT_ID, prepare, split_documents
 from model import GPT, VARIANTS
 from probe import unavailable_reason
+from streams import FullDisk, ReaderTakesLines
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"
@@ -2726,13 +2727,6 @@ def test_sampled_text_streams_as_it_is_drawn(base_run: Path) -> None:
     assert pieces == ["aé", "b"]
 
 
-class FullDisk(io.StringIO):
-    """A stream whose writes fail as one on a full disk does (`> file`, `2>/dev/full`)."""
-
-    def write(self, text: str) -> int:
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-
 def test_sample_to_a_full_disk_or_a_stdout_that_cannot_encode_says_so(
     base_run: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -2806,20 +2800,6 @@ def test_sample_piped_into_a_reader_that_stops_ends_quietly(base_run: Path) -> N
             both.kill()
             both.wait()
     assert "Traceback" not in err and "error" not in err, err
-
-
-class ReaderTakesLines(io.StringIO):
-    """stdout read by `head -N`: after N lines, a write fails as a closed pipe's (or a full
-    disk's) does."""
-
-    def __init__(self, lines: int, error: OSError) -> None:
-        super().__init__()
-        self.lines, self.error = lines, error
-
-    def write(self, text: str) -> int:
-        if self.getvalue().count("\n") >= self.lines:
-            raise self.error
-        return super().write(text)
 
 
 @pytest.mark.parametrize(
