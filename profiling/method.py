@@ -413,7 +413,7 @@ def host_memory_lines(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[
 def collection_lines(rows: list[dict[str, Any]]) -> list[str]:
     """The garbage collector's runs that landed in the timed steps (absent in sweeps written
     before they were counted)."""
-    counted = [r for r in rows if r.get("gc_collections") is not None]
+    counted = [r for r in rows if r.get("gc_collections") is not None and r.get("step_ms")]
     if not counted:
         return []
     by_generation = [sum(r["gc_collections"][g] for r in counted) for g in range(3)]
@@ -422,14 +422,14 @@ def collection_lines(rows: list[dict[str, Any]]) -> list[str]:
         "- **Garbage collection**: on in the timed steps, as in training, after a full "
         f"collection before each depth's; over the {steps:,} timed steps, "
     )
-    if not sum(by_generation):
+    total = sum(by_generation)
+    if not total:
         return [line + "no collection landed in one."]
     longest = max(counted, key=lambda r: r["gc_longest_ms"])
     full = [r for r in counted if r["gc_collections"][2]]
     return [
-        line
-        + f"{sum(by_generation):,} collections landed in them (generation 0: {by_generation[0]:,}, "
-        f"1: {by_generation[1]:,}, 2, a full one: {by_generation[2]:,}"
+        line + f"{total:,} collection{'s' * (total != 1)} landed in them (generation 0: "
+        f"{by_generation[0]:,}, 1: {by_generation[1]:,}, 2, a full one: {by_generation[2]:,}"
         + (f", in {', '.join(cell_name(r) for r in full)}" if full else "")
         + f"); the longest took {longest['gc_longest_ms']:.2f} ms, in {cell_name(longest)} "
         f"(median step {longest['step_ms']['median']:.1f} ms)."

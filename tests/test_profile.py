@@ -1013,9 +1013,9 @@ def test_a_sweep_stopped_in_its_first_timed_rounds_keeps_the_times(
     calls: list[int] = []
     real_rounds = Sweep._timed_rounds
 
-    def rounds(self, cells):
+    def rounds(self, cells, collections):
         calls.append(0)  # the warm-up steps before the rounds are not counted
-        return real_rounds(self, cells)
+        return real_rounds(self, cells, collections)
 
     def timed_then_interrupt(step, device):
         if calls:
@@ -3272,6 +3272,10 @@ def test_collection_line_names_the_cells_with_a_full_collection() -> None:
     assert collection_lines([{"variant": "naive", "compile": False, "n_layer": 1}]) == []
     failed = {"variant": "sdpa", "compile": False, "n_layer": 1, "gc_collections": None}
     assert collection_lines([row("naive", [1, 0, 0], 0.5), failed])[0].count("20 timed") == 1
+    # A row whose times were cleared after the counts (edited, or a check failed later)
+    cleared = {**row("sdpa", [4, 0, 0], 9.0), "step_ms": None}
+    [line] = collection_lines([row("naive", [1, 0, 0], 0.5), cleared])
+    assert "over the 20 timed steps, 1 collection landed" in line and "sdpa" not in line, line
 
 
 @pytest.mark.cuda
