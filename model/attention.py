@@ -87,11 +87,7 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: None, dropout_p: float) -> Tenso
 
 
 def _pinned(backend: SDPBackend) -> AttentionFn:
-    # Kept out of torch.compile's graphs: there Inductor's attention-fusion pass can rewrite the
-    # pinned math back into a plain SDPA call that picks its own backend (a compiled SDPA-math
-    # block ran the CPU flash kernel). Eager, the pin holds; the rest of a compiled block stays
-    # compiled around it.
-    @torch.compiler.disable
+    # A model's layer keeps it out of torch.compile's graphs (Variant.layer_fn).
     def fn(q: Tensor, k: Tensor, v: Tensor, mask: None, dropout_p: float) -> Tensor:
         # sdpa_kernel with a single backend: if it cannot take these inputs, torch raises
         # instead of quietly using another kernel.
@@ -190,6 +186,14 @@ class Variant:
     # (flex's, on a CPU, is for T rounded up to whole blocks: see causal_block_mask.)
     make_mask: Callable[[int, torch.device], Mask] | None = None
 
+    @property
+    def layer_fn(self) -> AttentionFn:
+        """`fn` as a model's layer calls it. A pinned variant's is kept out of torch.compile's
+        graphs: there Inductor's attention-fusion pass can rewrite the pinned math back into a
+        plain SDPA call that picks its own backend (a compiled SDPA-math block ran the CPU flash
+        kernel). Eager, the pin holds; the rest of a compiled block stays compiled around it."""
+        return _outside_compiled_graphs(self.fn) if self.backend is not None else self.fn
+
     def __post_init__(self) -> None:
         # A function that cannot take the one signature fails where it is registered, naming
         # itself, not at its first call deep in a training step.
@@ -204,6 +208,13 @@ class Variant:
                 f"attention variant {self.name!r}: its function takes {signature}, and cannot "
                 f"be called as fn(q, k, v, mask, dropout_p) ({e})"
             ) from None
+
+
+@functools.cache
+def _outside_compiled_graphs(fn: AttentionFn) -> AttentionFn:
+    # Applied when a layer is built, not at import: torch.compiler.disable imports
+    # torch._dynamo, about 2 s that every command, compiled or not, would pay at its start.
+    return torch.compiler.disable(fn)
 
 
 VARIANTS: dict[str, Variant] = {

@@ -26,7 +26,7 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
-        self.attend = get_variant(config.attention).fn  # looked up once, here
+        self.attend = get_variant(config.attention).layer_fn  # looked up once, here
 
     def forward(self, x: Tensor, mask: Mask) -> Tensor:
         B, T, C = x.shape

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import subprocess
+import sys
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +19,8 @@ from model import GPT, VARIANTS, GPTConfig
 from model.attention import FLEX_BLOCK, inplace, naive
 from model.sampling import next_token, nucleus
 from probe import VariantUnavailable, available_variants, check_variant, unavailable_reason
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # What the registry says runs on the CPU: every variant without a reason it cannot. Read from
 # the registry, not by running each (available_variants): a new variant that raises must fail
@@ -386,6 +391,27 @@ def test_pinned_backend_holds_inside_compiled_blocks(name: str) -> None:
     pinned = VARIANTS[name].backend.name
     for backend, ops in BACKEND_OPS.items():
         assert (backend == pinned) == bool(ran.intersection(ops)), (backend, sorted(ran))
+
+
+def test_the_commands_start_without_the_compilers_import() -> None:
+    """torch._dynamo takes about 2 s to import. The commands' modules and a model of an
+    unpinned variant leave it out (`sample.py --help`, or a bad flag, would pay it at every
+    start); a pinned variant's layer imports it when built, to keep its call out of compiled
+    graphs. (Building an optimizer imports it too: torch.optim's own use.)"""
+    code = (
+        "import sys, train, sample, profile_train, data.prepare\n"
+        "from model import GPT, GPTConfig\n"
+        "cfg = GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16)\n"
+        "GPT(cfg)\n"
+        "print('torch._dynamo' in sys.modules)\n"
+        "GPT(GPTConfig(**{**vars(cfg), 'attention': 'sdpa-math'}))\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "True"], done.stdout
 
 
 def test_flops_per_token_agrees_with_the_flop_counter() -> None:
