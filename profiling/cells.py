@@ -190,13 +190,14 @@ class Collections:
 
     def __init__(self) -> None:
         self.runs: list[tuple[int, float]] = []
-        self._started = 0.0
+        self._started: float | None = None
 
     def _callback(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
             self._started = time.perf_counter()
-        else:
+        elif self._started is not None:  # not a run already going when watching began
             self.runs.append((info["generation"], time.perf_counter() - self._started))
+            self._started = None
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[Collections]:

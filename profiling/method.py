@@ -334,8 +334,8 @@ def startup_text(meta: dict[str, Any]) -> str:
 
 
 def _per_step(n: float) -> str:
-    """A mean count per step (page faults, allocator calls): whole from 10 up, two significant
-    figures below (0.3 or 0.031, not 0)."""
+    """A mean count per step (page faults, allocator calls), or a pause in ms: whole from 10
+    up, two significant figures below (0.3 or 0.031, not 0)."""
     return f"{n:,.0f}" if n >= 10 or n == 0 else f"{n:.2g}"
 
 
@@ -425,13 +425,14 @@ def collection_lines(rows: list[dict[str, Any]]) -> list[str]:
     total = sum(by_generation)
     if not total:
         return [line + "no collection landed in one."]
-    longest = max(counted, key=lambda r: r["gc_longest_ms"])
+    longest = max(counted, key=lambda r: r.get("gc_longest_ms") or 0.0)
+    pause = longest.get("gc_longest_ms") or 0.0
     full = [r for r in counted if r["gc_collections"][2]]
     return [
         line + f"{total:,} collection{'s' * (total != 1)} landed in them (generation 0: "
         f"{by_generation[0]:,}, 1: {by_generation[1]:,}, 2, a full one: {by_generation[2]:,}"
         + (f", in {', '.join(cell_name(r) for r in full)}" if full else "")
-        + f"); the longest took {longest['gc_longest_ms']:.2f} ms, in {cell_name(longest)} "
+        + f"); the longest took {_per_step(pause)} ms, in {cell_name(longest)} "
         f"(median step {longest['step_ms']['median']:.1f} ms)."
     ]
 

@@ -111,7 +111,10 @@ ROW_FIELDS: dict[str, Check] = {
     "backend": _TEXT,
     "kernels_unattributed_per_step": _BY_NAME,
     "page_faults_per_step": _NUMBER,
-    "gc_collections": _each(_COUNT, list),
+    "gc_collections": _is(
+        "a list of 3 whole numbers (by generation)",
+        lambda v: isinstance(v, list) and len(v) == 3 and all(map(_count, v)),
+    ),
     "gc_longest_ms": _NUMBER,
     "compiles_while_timed": _COUNT,
     "allocator_calls_per_step": _NUMBER,

@@ -407,8 +407,8 @@ class Sweep:
                     faults = minor_faults()
                     runs = len(collections.runs)
                     cell.times.append(timed(cell.step, self.device))
-                    cell.page_faults += minor_faults() - faults
                     cell.collections += collections.runs[runs:]
+                    cell.page_faults += minor_faults() - faults
                     after = self._allocator()
                     # A recompile (a guard that failed, a shape made dynamic) in a timed step:
                     # counted, so the report can say which times carry one.

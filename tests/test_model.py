@@ -393,6 +393,21 @@ def test_pinned_backend_holds_inside_compiled_blocks(name: str) -> None:
         assert (backend == pinned) == bool(ran.intersection(ops)), (backend, sorted(ran))
 
 
+def test_layers_keep_the_pinned_variants_out_of_compiled_graphs() -> None:
+    """A layer calls Variant.layer_fn: for a pinned variant its fn under
+    torch.compiler.disable, one wrapper shared by every layer; for any other, fn itself."""
+    for name, variant in VARIANTS.items():
+        if variant.backend is None:
+            assert variant.layer_fn is variant.fn, name
+            continue
+        wrapped = variant.layer_fn
+        assert wrapped is not variant.fn and wrapped is variant.layer_fn, name
+        assert getattr(wrapped, "_torchdynamo_disable", False), name
+        assert torch._dynamo.eval_frame.innermost_fn(wrapped) is variant.fn, name
+    model = GPT(tiny_config("sdpa-math", n_head=2))
+    assert all(b.attn.attend is VARIANTS["sdpa-math"].layer_fn for b in model.blocks)
+
+
 def test_the_commands_start_without_the_compilers_import() -> None:
     """torch._dynamo takes about 2 s to import. The commands' modules and a model of an
     unpinned variant leave it out: `sample.py --help`, or a bad flag, would pay it at every

@@ -348,6 +348,8 @@ def test_backend_mismatch_fails_the_cell(tmp_path: Path, monkeypatch: pytest.Mon
         "peak_mem_bytes",
         "first_step_ms",
         "page_faults_per_step",
+        "gc_collections",
+        "gc_longest_ms",
         "compiles_while_timed",
         "cpu_ms_per_step",
         "time_split",
@@ -1304,6 +1306,10 @@ def test_damaged_results_json_is_an_error_not_a_traceback(
         (lambda r: r["rows"][5]["times_ms"].__setitem__(0, None), "times_ms[0] is null, not a"),
         (lambda r: r["meta"].pop("peak_flops"), "meta has no 'peak_flops'"),
         (lambda r: r["meta"].update(steps=2.5), "meta.steps is 2.5, not a whole number"),
+        (
+            lambda r: r["rows"][0].update(gc_collections=[1]),
+            "rows[0] (naive L1): gc_collections is [1], not a list of 3 whole numbers",
+        ),
         # Past the check: the report's own reading, whose failing line is named
         (lambda r: r["meta"].update(config={}), "lacks what the report reads (KeyError: 'model'"),
     ],
@@ -3213,7 +3219,10 @@ def test_collections_are_timed_by_generation_while_watched_only() -> None:
         gc.collect(2)
     gc.collect(1)  # after: not seen, and the callback is gone
     assert [g for g, _ in watched.runs] == [0, 2]
-    assert all(s >= 0 for _, s in watched.runs)
+    # A run's stop with no start seen (one already going as watching began) is not timed
+    with Collections().watching() as watched:
+        watched._callback("stop", {"generation": 1})
+    assert watched.runs == []
     assert collections._callback not in gc.callbacks
 
 
@@ -3231,11 +3240,13 @@ def test_a_sweep_counts_the_collections_that_land_in_its_timed_steps_only(
         return timed(step, device)
 
     monkeypatch.setattr(profiling.sweep, "timed", collecting)
+    enabled = gc.isenabled()
     gc.disable()
     try:
         rc, results = sweep(tmp_path, "--variants", "naive,inplace", "--layers", "1", "--no-traces")
     finally:
-        gc.enable()
+        if enabled:
+            gc.enable()
     assert rc == 0
     for row in results["rows"]:
         assert row["gc_collections"] == [0, 2, 0]
@@ -3265,7 +3276,9 @@ def test_collection_line_names_the_cells_with_a_full_collection() -> None:
     [line] = collection_lines([row("naive", [3, 1, 0], 1.25), row("sdpa", [2, 0, 1], 31.5)])
     assert "over the 40 timed steps, 7 collections landed in them" in line
     assert "(generation 0: 5, 1: 1, 2, a full one: 1, in sdpa+compile L4)" in line, line
-    assert "the longest took 31.50 ms, in sdpa+compile L4 (median step 90.0 ms)." in line
+    assert "the longest took 32 ms, in sdpa+compile L4 (median step 90.0 ms)." in line
+    [line] = collection_lines([row("naive", [1, 0, 0], 0.0123)])
+    assert "the longest took 0.012 ms" in line
     [line] = collection_lines([row("naive", [0, 0, 0], 0.0)])
     assert line.endswith("over the 20 timed steps, no collection landed in one.")
     # Sweeps written before collections were counted, and failed cells: no line, no count
