@@ -30,7 +30,7 @@ import torch
 import loop
 import runtime
 import train
-from console import Droppable
+from console import Droppable, StdoutClosed, say, stdout_closed
 
 STARTS: list[float] = []  # when the host began each step of the current run
 
@@ -96,13 +96,16 @@ def main() -> int:
                 f"(run {time.perf_counter() - t0:.0f} s)",
                 file=sys.stderr,
             )
-    print(
-        f"config {args.config} {' '.join(overrides)}: wall ms/step over steps "
-        f"{args.skip + 1}..{args.steps - 1}, median of {args.rounds} runs"
-    )
-    for name, values in ms.items():
-        runs = ", ".join(f"{v:.2f}" for v in values)
-        print(f"  {name:18s} {statistics.median(values):8.2f}   (runs: {runs})")
+    try:
+        say(
+            f"config {args.config} {' '.join(overrides)}: wall ms/step over steps "
+            f"{args.skip + 1}..{args.steps - 1}, median of {args.rounds} runs"
+        )
+        for name, values in ms.items():
+            runs = ", ".join(f"{v:.2f}" for v in values)
+            say(f"  {name:18s} {statistics.median(values):8.2f}   (runs: {runs})")
+    except StdoutClosed as e:  # `| head`, or a full disk: what was printed stands
+        return stdout_closed(e)
     return 0
 
 

@@ -324,7 +324,7 @@ def test_readout_gain_script_times_both_modes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """scripts/readout_gain.py runs train.py's loop in each mode and prints only its table on
-    stdout (train.py's own lines go to stderr)."""
+    stdout (train.py's own lines go to stderr); a reader that goes ends it quietly."""
     argv = [sys.executable, str(ROOT / "scripts" / "readout_gain.py"), "--config", str(TINY)]
     argv += ["--steps", "6", "--skip", "2", "--rounds", "1", f"--data.root={data_root}"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
@@ -339,6 +339,13 @@ def test_readout_gain_script_times_both_modes(
         argv[3] = str(TINY) if bad else "nowhere.toml"
         status, _, err = run_script("readout_gain", *argv[2:], *bad)
         assert status == 2 and named in err and "Traceback" not in err
+    # `| head -1`: the table's first line, then the shell's status for SIGPIPE, no traceback
+    argv[3] = str(TINY)
+    head = ReaderTakesLines(1, BrokenPipeError(errno.EPIPE, "Broken pipe"))
+    monkeypatch.setattr(sys, "stdout", head)
+    status, _, err = run_script("readout_gain", *argv[2:], "--steps", "4", "--skip", "1")
+    assert status == 128 + signal.SIGPIPE and "Traceback" not in err, err
+    assert head.getvalue().startswith(f"config {TINY} --data.root=")
 
 
 # --- resume -----------------------------------------------------------------------------------------
