@@ -55,7 +55,7 @@ class Cell:
     times: list[float] = dataclasses.field(default_factory=list)
     page_faults: int = 0  # minor page faults of this process during the timed steps
     # The collector's runs that landed in the timed steps: (generation, seconds) each
-    collections: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+    gc_runs: list[tuple[int, float]] = dataclasses.field(default_factory=list)
     # CUDA (None elsewhere): the caching allocator's calls to allocate and free device memory
     # during the timed steps, and its retries then (see allocator_counts)
     device_allocs: int | None = None
@@ -132,9 +132,9 @@ class Cell:
             "page_faults_per_step": self.page_faults / len(self.times),
             # Over all the timed steps, by generation (2: a full collection)
             "gc_collections": [
-                sum(g == generation for g, _ in self.collections) for generation in range(3)
+                sum(g == generation for g, _ in self.gc_runs) for generation in range(3)
             ],
-            "gc_longest_ms": max((s * 1e3 for _, s in self.collections), default=0.0),
+            "gc_longest_ms": max((s * 1e3 for _, s in self.gc_runs), default=0.0),
             "compiles_while_timed": self.compiles_while_timed,
         }
         if self.device_allocs is not None:
@@ -184,7 +184,7 @@ def minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-class Collections:
+class GcRuns:
     """The garbage collector's runs while inside `watching()`: (generation, seconds) each, in
     order, read from gc.callbacks, which Python calls as each run starts and stops."""
 
@@ -200,7 +200,7 @@ class Collections:
             self._started = None
 
     @contextlib.contextmanager
-    def watching(self) -> Iterator[Collections]:
+    def watching(self) -> Iterator[GcRuns]:
         gc.callbacks.append(self._callback)
         try:
             yield self

@@ -36,7 +36,7 @@ from profiling.analysis import REGIONS, balanced_orders, label
 from profiling.cells import (
     KEPT_ON_WRONG_BACKEND,
     Cell,
-    Collections,
+    GcRuns,
     allocator_counts,
     compile_cache,
     compile_counters,
@@ -371,8 +371,8 @@ class Sweep:
         # What the warm-ups left is collected now, not in the timed steps. The collector stays
         # on in them, as in training.
         gc.collect()
-        with self.other_load.counting(), Collections().watching() as collections:
-            self._timed_rounds(cells, collections)
+        with self.other_load.counting(), GcRuns().watching() as gc_runs:
+            self._timed_rounds(cells, gc_runs)
         _take_eager_excess(cells)
         # Interleaving keeps every cell of a depth built at once, so one may run out of memory
         # that alone would fit: say so, rather than charge the variant with all of it.
@@ -385,7 +385,7 @@ class Sweep:
                     f"--layers {cell.n_layer} --compile {'on' if cell.compiled else 'off'})"
                 )
 
-    def _timed_rounds(self, cells: list[Cell], collections: Collections) -> None:
+    def _timed_rounds(self, cells: list[Cell], gc_runs: GcRuns) -> None:
         cells = [cell for cell in cells if cell.step is not None]  # left out, or failed to build
         if not cells:
             return
@@ -405,9 +405,9 @@ class Sweep:
                     compiles = compile_counters()
                     before = self._allocator()
                     faults = minor_faults()
-                    runs = len(collections.runs)
+                    runs = len(gc_runs.runs)
                     cell.times.append(timed(cell.step, self.device))
-                    cell.collections += collections.runs[runs:]
+                    cell.gc_runs += gc_runs.runs[runs:]
                     cell.page_faults += minor_faults() - faults
                     after = self._allocator()
                     # A recompile (a guard that failed, a shape made dynamic) in a timed step:

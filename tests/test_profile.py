@@ -1015,9 +1015,9 @@ def test_a_sweep_stopped_in_its_first_timed_rounds_keeps_the_times(
     calls: list[int] = []
     real_rounds = Sweep._timed_rounds
 
-    def rounds(self, cells, collections):
+    def rounds(self, cells, gc_runs):
         calls.append(0)  # the warm-up steps before the rounds are not counted
-        return real_rounds(self, cells, collections)
+        return real_rounds(self, cells, gc_runs)
 
     def timed_then_interrupt(step, device):
         if calls:
@@ -3210,20 +3210,20 @@ def test_a_sweep_records_the_allocator_calls_and_page_faults_of_the_timed_steps_
 
 
 def test_collections_are_timed_by_generation_while_watched_only() -> None:
-    from profiling.cells import Collections
+    from profiling.cells import GcRuns
 
-    collections = Collections()
+    runs = GcRuns()
     gc.collect()  # before watching: not seen
-    with collections.watching() as watched:
+    with runs.watching() as watched:
         gc.collect(0)
         gc.collect(2)
     gc.collect(1)  # after: not seen, and the callback is gone
     assert [g for g, _ in watched.runs] == [0, 2]
     # A run's stop with no start seen (one already going as watching began) is not timed
-    with Collections().watching() as watched:
+    with GcRuns().watching() as watched:
         watched._callback("stop", {"generation": 1})
     assert watched.runs == []
-    assert collections._callback not in gc.callbacks
+    assert runs._callback not in gc.callbacks
 
 
 def test_a_sweep_counts_the_collections_that_land_in_its_timed_steps_only(
