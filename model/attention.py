@@ -162,6 +162,8 @@ def flex(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask, dropout_p: float) -> 
     A mask longer than q (a CPU's, see causal_block_mask) runs on q, k and v padded to its
     length, and returns q's rows.
     """
+    if dropout_p > 0.0:  # GPTConfig refuses it; a direct call must not train without it
+        raise ValueError(f"flex has no attention dropout: dropout_p={dropout_p} must be 0.0")
     T, padded = q.shape[-2], mask.seq_lengths[0]
     if padded > T:
         q, k, v = (F.pad(x, (0, 0, 0, padded - T)) for x in (q, k, v))

@@ -306,6 +306,10 @@ def test_bad_config_names_field_and_value(field: str, value: object, expect: str
 def test_flex_refuses_dropout() -> None:
     with pytest.raises(ValueError, match="'flex' cannot apply attention dropout"):
         tiny_config("flex", dropout=0.1)
+    # Called directly, past the config's check, it raises rather than drop nothing.
+    q = torch.randn(1, 2, 8, 4)
+    with pytest.raises(ValueError, match=r"flex has no attention dropout: dropout_p=0\.1"):
+        VARIANTS["flex"].fn(q, q, q, None, 0.1)
 
 
 def flex_graphs(lengths: Iterable[int], grad: bool) -> int:
