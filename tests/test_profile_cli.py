@@ -1,4 +1,5 @@
-"""profile_train.py's arguments and output streams, and the scripts beside it (op_diff, after_profiler, gpu_check)."""
+"""profile_train.py's arguments and output streams, and the scripts beside it (op_diff,
+after_profiler, gpu_check)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""profile_train.py --compile: the compile time apart from the step time, and the graphs each cell builds."""
+"""profile_train.py --compile: the compile time apart from the step time, and the graphs each cell
+builds."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""A sweep when things go wrong (a failing cell, Ctrl-C, a file that cannot be written or read): what it measured is kept."""
+"""A sweep when things go wrong (a failing cell, Ctrl-C, a file that cannot be written or read):
+what it measured is kept."""
 
 from __future__ import annotations
 

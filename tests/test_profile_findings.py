@@ -1,4 +1,5 @@
-"""Op diffs between variants and the findings in words: the ops and kernels each adds or removes per layer."""
+"""Op diffs between variants and the findings in words: the ops and kernels each adds or removes
+per layer."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The statistics of a report: fits over depth, savings paired by round, projections and their errors."""
+"""The statistics of a report: fits over depth, savings paired by round, projections and their
+errors."""
 
 from __future__ import annotations
 

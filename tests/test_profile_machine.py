@@ -1,4 +1,5 @@
-"""What a sweep records of the machine during its timed steps: allocator calls, page faults, collections, other processes' load."""
+"""What a sweep records of the machine during its timed steps: allocator calls, page faults,
+collections, other processes' load."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""A step's FLOPs, ops and kernels counted by region from the profiler's events, and the time under each operator."""
+"""A step's FLOPs, ops and kernels counted by region from the profiler's events, and the time under
+each operator."""
 
 from __future__ import annotations
 

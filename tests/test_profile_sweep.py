@@ -1,4 +1,5 @@
-"""profile_train.py's sweep: its cells, what results.json holds, and the timing design (rounds, warm-up)."""
+"""profile_train.py's sweep: its cells, what results.json holds, and the timing design (rounds,
+warm-up)."""
 
 from __future__ import annotations
 

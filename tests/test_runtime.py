@@ -1,5 +1,5 @@
 """runtime.StepReadout: a step's values and time, read without waiting for later work; and
-train.py's loop on CUDA, which uses it (here, not in test_train.py: this file needs no
+train.py's loop on CUDA, which uses it (here, not in test_train_*.py: this file needs no
 tokenizers, which the GPU machine may lack)."""
 
 from __future__ import annotations

@@ -1,0 +1,492 @@
+"""sample.py: text from a trained run, its flags, and its errors."""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+import checkpoint
+import rundir
+import sample
+from config import load_config
+from data.prepare import EOT, EOT_ID
+from model import GPT
+from streams import FullDisk
+from tiny_runs import ROOT, TINY, copy_run, copy_run_trained_with, error_of, run
+
+# tiny_runs.py's stand-in, for every test here.
+pytestmark = pytest.mark.usefixtures("sample_on_the_cpu")
+
+
+def sample_text(capsys: pytest.CaptureFixture[str], run_dir: Path, *args: str) -> str:
+    capsys.readouterr()
+    assert sample.main(["--run", str(run_dir), "--prompt", "def ", "--tokens", "20", *args]) == 0
+    out = capsys.readouterr().out
+    assert out.endswith("\n")
+    return out[:-1]
+
+
+def test_a_prompt_longer_than_the_context_is_said_to_be_cut(
+    base_run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The model sees block_size tokens: a longer prompt conditions the text on its last
+    block_size only, which a note says; it is still shown whole."""
+    long = "def f(x):\n    return x + 1\n" * 20
+    assert sample.main(["--run", str(base_run), "--prompt", long, "--tokens", "5"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith(long)
+    assert "and the model sees its last 32 (model.block_size)" in err, err
+    assert sample.main(["--run", str(base_run), "--prompt", "def ", "--tokens", "5"]) == 0
+    assert "model.block_size" not in capsys.readouterr().err
+
+
+def test_sample_starts_with_the_prompt_and_is_seeded(
+    base_run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text = sample_text(capsys, base_run, "--seed", "0")
+    assert text.startswith("def ") and len(text) > len("def ")
+    assert sample_text(capsys, base_run, "--seed", "0") == text
+    assert sample_text(capsys, base_run, "--seed", "1") != text
+
+
+def test_sample_generates_as_many_tokens_as_asked(
+    base_run: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made: list[int] = []
+    real = GPT.generate
+
+    def counted(self: GPT, idx: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out = real(self, idx, *args, **kwargs)
+        made.append(out.size(1) - idx.size(1))
+        return out
+
+    monkeypatch.setattr(GPT, "generate", counted)
+    sample_text(capsys, base_run, "--seed", "0")  # --tokens 20
+    assert made == [20]
+
+
+def test_sample_passes_its_sampling_flags_to_generate(
+    base_run: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--temperature (default 0.8), --top-k (default 50, 0 for none) and --top-p (default 1)
+    reach the sampler."""
+    asked: list[tuple[float, int | None, float | None]] = []
+    real = GPT.generate
+
+    def spied(self: GPT, idx: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        asked.append((kwargs["temperature"], kwargs["top_k"], kwargs["top_p"]))
+        return real(self, idx, *args, **kwargs)
+
+    monkeypatch.setattr(GPT, "generate", spied)
+    sample_text(capsys, base_run)
+    sample_text(capsys, base_run, "--temperature", "0.7", "--top-k", "7", "--top-p", "0.9")
+    sample_text(capsys, base_run, "--top-k", "0")
+    assert asked == [(0.8, 50, 1.0), (0.7, 7, 0.9), (0.8, None, 1.0)]
+
+
+def test_sample_a_config_toml_cut_short_is_named_not_blamed_for_its_defaults(
+    base_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A field cut from config.toml would read as its default and be called a mismatch ("4 in
+    config.toml", which the file never said): the missing field is named, as on resume."""
+    out = copy_run(base_run, tmp_path / "cut")
+    toml = out / "config.toml"
+    toml.write_text(
+        "".join(
+            line for line in toml.read_text().splitlines(True) if not line.startswith("n_layer")
+        )
+    )
+    assert sample.main(["--run", str(out), "--tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"{toml} lacks model.n_layer, which train.py writes" in err
+    assert "delete it to sample with the config" in err
+
+
+def test_sample_a_run_without_config_toml_uses_the_config_its_checkpoint_records(
+    base_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As resuming does: the same text as with config.toml."""
+    out = copy_run(base_run, tmp_path / "no-config")
+    (out / "config.toml").unlink()
+    assert sample_text(capsys, out, "--seed", "0") == sample_text(capsys, base_run, "--seed", "0")
+
+
+def test_sample_greedy_ignores_the_seed(base_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    greedy = sample_text(capsys, base_run, "--temperature", "0", "--seed", "0")
+    assert greedy.startswith("def ")
+    assert sample_text(capsys, base_run, "--temperature", "0", "--seed", "1") == greedy
+
+
+def test_sample_top_p(base_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    greedy = sample_text(capsys, base_run, "--temperature", "0")
+    assert sample_text(capsys, base_run, "--top-p", "1e-6", "--seed", "3") == greedy
+    nucleus = sample_text(capsys, base_run, "--top-p", "0.9", "--seed", "3")
+    assert nucleus.startswith("def ")
+    assert nucleus != sample_text(capsys, base_run, "--top-p", "1", "--seed", "3")
+
+
+def test_sample_stop_at_eot_ends_at_the_first_separator(
+    base_run: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A briefly trained model rarely samples the separator: generate() is replaced by one
+    that does, after two tokens (its own stopping is tested in test_model.py)."""
+    asked: list[int | None] = []
+
+    def generate(self: GPT, idx: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        asked.append(kwargs.get("stop_id"))
+        more = torch.tensor([[300, 301, EOT_ID, 302, EOT_ID]], device=idx.device)
+        return torch.cat((idx, more), dim=1)
+
+    monkeypatch.setattr(GPT, "generate", generate)
+    text = sample_text(capsys, base_run)
+    assert text.count(EOT) == 2, "without the flag, generation runs on past separators"
+    assert sample_text(capsys, base_run, "--stop-at-eot") == text[: text.index(EOT)]
+    assert asked == [None, EOT_ID]
+
+
+def test_sample_heals_the_prompts_last_token(
+    base_run: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ "def " ends in a lone space token, which training saw rarely before a word: generate()
+    gets the prompt without it and draws first among the tokens that start with a space."""
+    tokenizer = Tokenizer.from_file(str(base_run / "tokenizer.json"))
+    ids = tokenizer.encode("def ").ids
+    assert tokenizer.id_to_token(ids[-1]) == "Ġ", "the test needs a prompt ending mid-token"
+    seen: list[tuple[list[int], torch.Tensor | None]] = []
+    real = GPT.generate
+
+    def spy(self: GPT, idx: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        seen.append((idx[0].tolist(), kwargs.get("first_allowed")))
+        return real(self, idx, *args, **kwargs)
+
+    monkeypatch.setattr(GPT, "generate", spy)
+    for temperature in ("0", "1"):
+        assert sample_text(capsys, base_run, "--temperature", temperature).startswith("def ")
+    healed, allowed = seen[0]
+    assert healed == ids[:-1] and allowed is not None
+    spaced = {i for token, i in tokenizer.get_vocab().items() if token.startswith("Ġ")}
+    assert set(allowed.nonzero().flatten().tolist()) == spaced
+    sample_text(capsys, base_run, "--no-token-healing")
+    assert seen[-1] == (ids, None)
+    for unhealed in ("d", EOT, f"def{EOT}"):  # one token; ends in the separator
+        prompt = tokenizer.encode(unhealed).ids
+        assert sample.heal(tokenizer, prompt) == (prompt, None), unhealed
+    # A prompt ending in "<", which the separator's text starts with: never the separator
+    _, allowed = sample.heal(tokenizer, tokenizer.encode("x <").ids)
+    assert allowed is not None and allowed.any() and not allowed[tokenizer.token_to_id(EOT)]
+    # Nothing to sample: the prompt as given, not healed (its last token dropped)
+    assert sample.sample_run(base_run, "def ", max_new_tokens=0) == "def "
+
+
+def test_sample_with_another_attention_variant_gives_the_same_text(
+    base_run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Attention holds no weights: every variant that runs here computes the same function."""
+    own = sample_text(capsys, base_run, "--temperature", "0")  # tiny.toml trains naive
+    for variant in ("sdpa", "inplace"):
+        assert sample_text(capsys, base_run, "--temperature", "0", "--attention", variant) == own
+
+
+@pytest.mark.slow
+@pytest.mark.cxx
+def test_flex_samples_on_a_cpu_with_naives_logits(base_run: Path) -> None:
+    """flex cannot train on a CPU, but its forward runs there (compiled, so slow the first time):
+    the run's logits through it match naive's, at a prompt's length and at the full context."""
+    cpu = torch.device("cpu")
+    naive, _, config = sample.load_run(base_run, cpu)
+    flex, _, _ = sample.load_run(base_run, cpu, attention="flex")
+    assert flex.config.attention == "flex"
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for length in (7, 24, config.model.block_size):
+            # One sequence, as sampling runs it: the kernel sampling compiles serves this too
+            ids = torch.randint(config.model.vocab_size, (1, length), generator=generator)
+            torch.testing.assert_close(flex(ids)[0], naive(ids)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_sample_a_run_whose_variant_cannot_run_here_names_it_and_the_way_out(
+    base_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A GPU run trained with a CUDA-only kernel, sampled on a CPU."""
+    out = copy_run_trained_with(base_run, tmp_path / "run", "model", "attention", "sdpa-efficient")
+    capsys.readouterr()
+    assert sample.main(["--run", str(out), "--device", "cpu"]) == 2
+    err = error_of(capsys.readouterr().err)
+    assert "'sdpa-efficient' cannot run on cpu" in err and "--attention sdpa" in err
+    # No dtype makes a CUDA-only kernel run on a CPU: only another variant is offered.
+    for given in ([], ["--attention", "sdpa-cudnn"]):
+        argv = ["--run", str(out), "--device", "cpu", "--dtype", "float32", *given]
+        assert sample.main(argv) == 2
+        err = error_of(capsys.readouterr().err).rstrip()
+        assert err.endswith("; sample with another variant, e.g. --attention sdpa"), err
+    assert sample_text(capsys, out, "--device", "cpu", "--attention", "sdpa").startswith("def ")
+
+
+def test_sample_a_tf32_run_off_cuda_in_ieee_fp32(
+    base_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A GPU run trained with TF32, sampled on a CPU: fp32 as usual, not refused."""
+    greedy = sample_text(capsys, base_run, "--temperature", "0")
+    out = copy_run_trained_with(base_run, tmp_path / "run", "train", "dtype", "tf32")
+    assert sample_text(capsys, out, "--temperature", "0", "--device", "cpu") == greedy
+    assert torch.get_float32_matmul_precision() == "highest"
+
+
+def test_sample_dtype_overrides_the_runs_precision(
+    base_run: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--dtype picks the precision the forward runs in, whatever the run trained with: a
+    bfloat16 run sampled in float32 runs without autocast, and float32 gives the fp32 run's
+    own text; tf32 off CUDA is refused, naming the flag."""
+    seen: list[torch.dtype | None] = []
+    real = GPT.generate
+
+    def recorded(self: GPT, *args: Any, **kwargs: Any) -> torch.Tensor:
+        on = torch.is_autocast_enabled("cpu")
+        seen.append(torch.get_autocast_dtype("cpu") if on else None)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(GPT, "generate", recorded)
+    greedy = sample_text(capsys, base_run, "--temperature", "0")
+    assert sample_text(capsys, base_run, "--temperature", "0", "--dtype", "float32") == greedy
+    sample_text(capsys, base_run, "--temperature", "0", "--dtype", "bfloat16")
+    bf16_run = copy_run_trained_with(base_run, tmp_path / "run", "train", "dtype", "bfloat16")
+    sample_text(capsys, bf16_run, "--temperature", "0")
+    assert sample_text(capsys, bf16_run, "--temperature", "0", "--dtype", "float32") == greedy
+    assert seen == [None, None, torch.bfloat16, torch.bfloat16, None]
+    assert sample.main(["--run", str(base_run), "--dtype", "tf32"]) == 2
+    assert "--dtype tf32: TF32 is a CUDA mode" in capsys.readouterr().err
+
+
+def test_sample_longer_than_the_context(base_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = sample_text(capsys, base_run, "--tokens", "50")  # block_size is 32
+    assert text.startswith("def ")
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--tokens", "-3"], "--tokens"),
+        (["--top-k", "-5"], "--top-k"),
+        (["--top-p", "0"], "--top-p"),
+        (["--top-p", "1.5"], "--top-p"),
+        (["--temperature", "-1"], "--temperature"),
+        (["--temperature", "nan"], "--temperature"),
+        (["--device", "cuda:x"], "--device"),
+        (["--seed", str(2**64)], "--seed"),
+        (
+            ["--prompt", "ab\udcff"],
+            "--prompt 'ab\\udcff' is not UTF-8 text",
+        ),  # bytes a shell passed
+    ],
+)
+def test_sample_bad_arguments_name_the_flag(
+    base_run: Path, capsys: pytest.CaptureFixture[str], args: list[str], named: str
+) -> None:
+    assert sample.main(["--run", str(base_run), *args]) == 2
+    assert named in error_of(capsys.readouterr().err)
+
+
+@pytest.mark.cxx
+def test_sampling_with_another_variant_is_not_refused_for_training_dropout(
+    data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """flex has no dropout, which only training applies: a run trained with dropout may still
+    be sampled with it."""
+    out = tmp_path / "run"
+    one_step = ["--train.max_steps=1", "--train.eval_interval=0", "--train.eval_batches=1"]
+    assert run(data_root, out, "--model.dropout=0.1", *one_step) == 0
+    capsys.readouterr()
+    assert sample.main(["--run", str(out), "--attention", "flex", "--tokens", "2"]) == 0
+    model, _, _ = sample.load_run(out, torch.device("cpu"), attention="inplace")
+    assert model.config.dropout == 0.0 and load_config(out / "config.toml").model.dropout == 0.1
+
+
+def test_ctrl_c_while_sampling_keeps_the_text_so_far_and_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def interrupted(*args: object, stream: Callable[[str], None], **kwargs: object) -> str:
+        stream("def f(")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sample, "sample_run", interrupted)
+    assert sample.main(["--run", "runs/any", "--tokens", "3000"]) == 130
+    captured = capsys.readouterr()
+    assert captured.out == "def f(\n"
+    assert captured.err == (
+        "interrupted before the sample was complete (--tokens 3000); above, the text sampled "
+        "so far\n"
+    )
+
+
+def test_sampled_text_streams_as_it_is_drawn(base_run: Path) -> None:
+    """The pieces, the prompt first, make the text returned; a character whose bytes span
+    two tokens comes out once whole, not as a replacement character."""
+    for stop in (False, True):
+        pieces: list[str] = []
+        text = sample.sample_run(
+            base_run, "def", 30, seed=2, stop_at_eot=stop, stream=pieces.append
+        )
+        assert "".join(pieces) == text and len(pieces) > 5 and text.startswith(pieces[0])
+    tokenizer = Tokenizer.from_file(str(base_run / "tokenizer.json"))
+    lead, tail = (tokenizer.token_to_id(c) for c in "Ã©")  # é's bytes, 0xC3 0xA9, byte-level
+    pieces = []
+    shown = sample.Shown(tokenizer, tokenizer.encode("a").ids, None, pieces.append)
+    shown.add(torch.tensor([[lead]]))
+    assert pieces == ["a"]  # half a character: not yet
+    shown.add(torch.tensor([[tail]]))
+    assert pieces == ["a", "é"]
+    # A prompt cut in the middle of é (healing drops its last token): é once the byte comes.
+    pieces = []
+    shown = sample.Shown(tokenizer, [*tokenizer.encode("a").ids, lead], None, pieces.append)
+    shown.add(torch.tensor([[tail]]))
+    shown.finish("aé")
+    assert pieces == ["a", "é"]
+    # Given the whole prompt, as sample_run gives it: shown whole, first
+    pieces = []
+    shown = sample.Shown(tokenizer, [*tokenizer.encode("a").ids, lead], None, pieces.append, "aé")
+    shown.add(torch.tensor([[tail]]))
+    shown.add(torch.tensor([[tokenizer.token_to_id("b")]]))
+    shown.finish("aéb")
+    assert pieces == ["aé", "b"]
+
+
+def test_sample_to_a_full_disk_or_a_stdout_that_cannot_encode_says_so(
+    base_run: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An error naming stdout, not a traceback; and a stdout that cannot encode the text is
+    named, not blamed on the input (the prompt is valid)."""
+    monkeypatch.setattr(sys, "stdout", FullDisk())
+    assert sample.main(["--run", str(base_run), "--tokens", "2"]) == 2
+    assert capsys.readouterr().err == (
+        "error: cannot write to stdout (No space left on device); the output is cut short\n"
+    )
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(io.BytesIO(), encoding="ascii"))
+    assert sample.main(["--run", str(base_run), "--prompt", "é", "--tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "error: stdout's encoding, ascii, cannot show the sampled text" in err
+    assert "PYTHONIOENCODING=utf-8" in err
+
+
+def test_a_healed_prompt_is_shown_whole_before_the_first_draw(base_run: Path) -> None:
+    """Healing drops "x = "'s last token (a lone space) to draw it again among the tokens
+    that start with it; what is shown first is still the prompt as typed, so a Ctrl-C before
+    the first draw keeps it."""
+    tokenizer = Tokenizer.from_file(str(base_run / "tokenizer.json"))
+    healed, _ = sample.heal(tokenizer, tokenizer.encode("x = ").ids)
+    assert tokenizer.decode(healed) == "x =", "the case this test is about"
+    pieces: list[str] = []
+    text = sample.sample_run(base_run, "x = ", 10, seed=0, stream=pieces.append)
+    assert pieces[0] == "x = " and "".join(pieces) == text
+
+
+def test_sampling_on_a_gpu_without_bf16_or_tf32_tensor_cores(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before Ampere: a run trained in bf16 or tf32 samples in fp32, said; asking for either
+    with --dtype is an error naming the flag."""
+    cuda = torch.device("cuda")  # only named, with a T4's compute capability: no GPU needed
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    for trained, cores in (("bfloat16", "bf16"), ("tf32", "TF32")):
+        config = load_config(TINY, [f"--train.dtype={trained}"])
+        assert sample.sampling_precision(config, cuda, None).train.dtype == "float32"
+        assert (
+            f"note: the run trained in {trained}, which needs {cores} tensor cores: this GPU "
+            "(compute capability 7.5) has none" in capsys.readouterr().err
+        )
+        with pytest.raises(sample.SampleError, match=rf"--dtype {trained} needs {cores} tensor"):
+            sample.sampling_precision(config, cuda, trained)
+    float32 = load_config(TINY, ["--train.dtype=float32"])
+    assert sample.sampling_precision(float32, cuda, "auto").train.dtype == "auto"
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert sample.sampling_precision(float32, cuda, "bfloat16").train.dtype == "bfloat16"
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs Linux's /dev/full")
+def test_sample_piped_into_a_reader_that_stops_ends_quietly(base_run: Path) -> None:
+    """`sample.py | head`: once the reader has gone, sampling stops with the shell's status
+    for SIGPIPE (128 + 13) and no traceback. Beside it, `> log 2>&1` on a full disk: status 2,
+    though the error line cannot be written either (not 120, Python's for a flush that fails
+    at exit)."""
+    argv = [sys.executable, str(ROOT / "sample.py"), "--run", str(base_run), "--tokens", "3000"]
+    with open("/dev/full", "w") as full:
+        both = subprocess.Popen(argv, stdout=full, stderr=full)
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+        try:
+            assert proc.stdout is not None and proc.stderr is not None
+            assert proc.stdout.read(1)  # the prompt, then the stream: the reader has its line
+            proc.stdout.close()
+            err = proc.stderr.read().decode()
+            assert proc.wait(timeout=120) == 128 + signal.SIGPIPE, err
+            assert both.wait(timeout=120) == 2
+        finally:  # a failure or time-out leaves neither running
+            both.kill()
+            both.wait()
+    assert "Traceback" not in err and "error" not in err, err
+
+
+def test_sample_from_a_missing_dir_or_a_file_says_so(
+    base_run: Path, data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    nope = tmp_path / "nope"
+    assert sample.main(["--run", str(nope)]) == 2
+    err = error_of(capsys.readouterr().err)
+    assert f"does not exist; train it first (python train.py --out {nope})" in err
+    # A run stopped before its first checkpoint: it has the tokenizer, not the weights
+    started = tmp_path / "started"
+    started.mkdir()
+    shutil.copy(base_run / "tokenizer.json", started)
+    assert sample.main(["--run", str(started)]) == 2
+    err = error_of(capsys.readouterr().err)
+    assert f"no checkpoint at {started / checkpoint.CHECKPOINT}; train it first" in err
+    # With its config.toml, it starts over with the run's settings, not train.py's defaults
+    shutil.copy(base_run / "config.toml", started)
+    assert sample.main(["--run", str(started)]) == 2
+    again = f"python train.py --config {started / 'config.toml'} --out {started}"
+    assert f"train it first ({again})" in error_of(capsys.readouterr().err)
+    # Still training, before its first save: not "train it first", which the lock refuses
+    with rundir.run_lock(started):
+        assert sample.main(["--run", str(started)]) == 2
+    err = error_of(capsys.readouterr().err)
+    assert f"yet: the run is training (pid {os.getpid()})" in err and "train it" not in err
+    assert rundir.lock_holder(started) is None  # the lock went with the run
+    # A corpus folder has a tokenizer.json too: not a run, and no command that trains there
+    assert sample.main(["--run", str(data_root / "tiny")]) == 2
+    err = error_of(capsys.readouterr().err)
+    assert f"--run {data_root / 'tiny'} is a prepared corpus, not a run; give --run" in err
+    assert "train.py --out" not in err
+    ckpt = base_run / checkpoint.CHECKPOINT
+    assert sample.main(["--run", str(ckpt)]) == 2  # the checkpoint itself
+    assert f"is a file; give the run directory ({base_run})" in error_of(capsys.readouterr().err)
+
+
+def test_sample_from_a_dir_without_checkpoint_exits_2(
+    base_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    no_ckpt = tmp_path / "no-ckpt"
+    no_ckpt.mkdir()
+    for name in ("config.toml", "tokenizer.json"):
+        shutil.copyfile(base_run / name, no_ckpt / name)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for run_dir in (no_ckpt, empty):
+        capsys.readouterr()
+        assert sample.main(["--run", str(run_dir), "--prompt", "def "]) == 2
+        captured = capsys.readouterr()
+        assert captured.err.startswith("error: ") and str(run_dir) in captured.err
+        assert captured.out == ""

@@ -1,0 +1,355 @@
+"""Bad input to train.py (corpus, config, variant, memory): an error naming what is wrong, before a
+step."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import shlex
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import checkpoint
+import train
+from config import load_config
+from data import meta as data_meta
+from data.prepare import prepare, split_documents
+from probe import unavailable_reason
+from tiny_runs import (
+    CPU_VARIANTS,
+    CUDA_ONLY,
+    HEAD_SIZE,
+    ROOT,
+    STEPS,
+    TINY,
+    copy_run,
+    error_of,
+    eval_lines,
+    load_ckpt,
+    meta,
+    misbehave_at,
+    run,
+    run_argv,
+    train_lines,
+)
+
+# tiny_runs.py's stand-in, for every test here.
+pytestmark = pytest.mark.usefixtures("sample_on_the_cpu")
+
+
+def test_onednn_linears_where_they_cannot_run_are_a_config_error(
+    data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """train.cpu_linear='onednn' insists: with bf16 autocast, which it cannot run, the run
+    stops before writing, naming the field and the fix."""
+    out = tmp_path / "run"
+    assert run(data_root, out, "--train.cpu_linear=onednn", "--train.dtype=bfloat16") == 2
+    err = error_of(capsys.readouterr().err)
+    assert err.startswith("train.cpu_linear='onednn' runs fp32 only; set train.dtype=float32")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("damage", "named"),
+    [
+        ("val.bin one byte short", "val.bin is damaged"),
+        ("val.bin empty", "val.bin is damaged"),
+        ("train.bin deleted", "train.bin is missing"),
+        ("meta.json cut short", "meta.json is damaged (JSONDecodeError"),
+        ("meta.json without splits", "meta.json is damaged (KeyError"),
+        ("tokenizer.json deleted", "has no tokenizer.json"),
+        ("tokenizer.json cut short", "tokenizer.json is not the tokenizer meta.json records"),
+        ("train.bin holding an id beyond the tokenizer", "is id 60000, beyond its tokenizer's"),
+    ],
+)
+def test_a_damaged_corpus_is_an_error_naming_the_file(
+    data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: str, named: str
+) -> None:
+    root = Path(shutil.copytree(data_root, tmp_path / "root"))
+    corpus = root / "tiny"
+    meta = corpus / "meta.json"
+    match damage:
+        case "val.bin one byte short":
+            (corpus / "val.bin").write_bytes((corpus / "val.bin").read_bytes()[:-1])
+        case "val.bin empty":
+            (corpus / "val.bin").write_bytes(b"")
+        case "train.bin deleted":
+            (corpus / "train.bin").unlink()
+        case "tokenizer.json deleted":
+            (corpus / "tokenizer.json").unlink()
+        case "tokenizer.json cut short":
+            (corpus / "tokenizer.json").write_text('{"trunc')
+        case "train.bin holding an id beyond the tokenizer":
+            ids = np.fromfile(corpus / "train.bin", dtype=np.uint16)
+            ids[::20] = 60000  # in every window: the right size, but damaged
+            ids.tofile(corpus / "train.bin")
+        case "meta.json cut short":
+            meta.write_text(meta.read_text()[:40])
+        case "meta.json without splits":
+            meta.write_text(
+                json.dumps({k: v for k, v in json.loads(meta.read_text()).items() if k != "splits"})
+            )
+    overrides = [f"--data.root={root}", "--train.max_steps=1"]
+    assert train.main(["--config", str(TINY), "--out", str(tmp_path / "run"), *overrides]) == 2
+    err = error_of(capsys.readouterr().err)
+    assert named in err
+    if damage == "meta.json cut short":  # nothing says how it was made: an example
+        assert f"e.g. python data/prepare.py --name tiny --stdlib --out-root {root}" in err
+    else:  # the command that made it, not a stdlib one that would make another corpus
+        patterns = json.loads((data_root / "tiny" / "meta.json").read_text())["source"]["patterns"]
+        assert (
+            f"prepare the corpus again from its source: python data/prepare.py --name tiny "
+            f"--files {' '.join(map(shlex.quote, patterns))} --vocab-size 512 --val-fraction 0.1 --seed 0 "
+            f"--out-root {root}"
+        ) in err
+    # Found where a batch reads it (the file is not read whole before): no checkpoint saved.
+    after_start = damage.startswith("train.bin holding")
+    assert not (tmp_path / "run" / ("ckpt.pt" if after_start else "")).exists()
+
+
+def test_a_resume_never_copies_a_damaged_tokenizer_over_the_runs_own(
+    base_run: Path, data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = Path(shutil.copytree(data_root, tmp_path / "root"))
+    (root / "tiny" / "tokenizer.json").write_text('{"trunc')
+    out = copy_run(base_run, tmp_path / "run")
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    argv = [f"--data.root={root}", f"--train.max_steps={STEPS + 2}", "--resume"]
+    assert run(data_root, out, *argv) == 2
+    assert "tokenizer.json is not the tokenizer meta.json records" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+
+
+def test_missing_corpus_hints_at_prepare(
+    data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run(data_root, tmp_path / "run", "--data.name=never-prepared") == 2
+    err = error_of(capsys.readouterr().err)
+    assert "never-prepared" in err and "data/prepare.py" in err
+    # The hint prepares a corpus this model can read, where this run looks for it.
+    assert "--vocab-size 512" in err and f"--out-root {data_root}" in err
+    assert not (tmp_path / "run").exists()
+    assert "to resume" not in err
+
+
+def test_run_from_another_folder_the_hints_say_where_they_looked_and_what_to_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Relative paths are the working directory's: from outside the project, the errors say
+    so, and the command they suggest runs from there."""
+    monkeypatch.chdir(tmp_path)
+    assert train.main(["--config", "configs/tiny.toml"]) == 2
+    err = error_of(capsys.readouterr().err)
+    assert f"relative to {tmp_path}; the project's is {ROOT / 'configs' / 'tiny.toml'}" in err
+    assert train.main(["--config", str(TINY), "--train.max_steps=1"]) == 2
+    err = error_of(capsys.readouterr().err)
+    assert f"no prepared corpus at data/tiny/, relative to {tmp_path} (missing" in err
+    assert f"e.g. python {ROOT / 'data' / 'prepare.py'} --name tiny --stdlib" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_resume_without_its_corpus_says_how_the_runs_was_made(
+    base_run: Path, data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Not the missing-corpus hint, a stdlib command, which makes a corpus but not
+    necessarily the run's (another source, another vocabulary): the checkpoint's record."""
+    out = copy_run(base_run, tmp_path / "moved")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    elsewhere = tmp_path / "elsewhere"
+    gone = f"--data.root={elsewhere}"
+    assert train.main(["--out", str(out), "--resume", gone]) == 2
+    err = error_of(capsys.readouterr().err)
+    made = meta(data_root)
+    command = data_meta.rebuild_command(elsewhere / "tiny", made["source"], made["settings"])
+    assert err.startswith(f"no prepared corpus at {elsewhere / 'tiny'}/; to resume {out}, ")
+    assert "give --data.root=FOLDER where that corpus is now, or prepare it again as the " in err
+    assert f"run's was made: {command} (its tokenizer must come out as " in err
+    assert "e.g." not in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    # A checkpoint from before the corpus was recorded: said in words.
+    ckpt = load_ckpt(out)
+    del ckpt["corpus"]
+    torch.save(ckpt, out / checkpoint.CHECKPOINT)
+    assert train.main(["--out", str(out), "--resume", gone]) == 2
+    assert "or prepare it again from the source and with the settings the run trained on (" in (
+        error_of(capsys.readouterr().err)
+    )
+    # Another corpus named on resume: the run's own is named, not a command to make this one
+    assert train.main(["--out", str(out), "--resume", "--data.name=absent"]) == 2
+    err = error_of(capsys.readouterr().err)
+    assert f"{out} trained on corpus 'tiny' (data.name): resume it on that one" in err
+    assert "prepare it" not in err and "data/prepare.py" not in err
+    assert train.main(["--out", str(out), "--resume", "--data.name=other"]) == 2
+    assert "; it trained on corpus 'tiny' (--data.name=tiny)" in error_of(capsys.readouterr().err)
+    # No run there: nothing said about one.
+    assert train.main(["--out", str(tmp_path / "none"), "--resume", gone]) == 2
+    assert "to resume" not in error_of(capsys.readouterr().err)
+
+
+@pytest.fixture(scope="module")
+def short_val_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A corpus whose val split is one short document (< block_size + 1 tokens)."""
+    tmp = tmp_path_factory.mktemp("short")
+    docs = tmp / "docs"
+    docs.mkdir()
+    long_doc = "".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(200))
+    # The split follows the text: take the first short document that prepare's defaults
+    # (val_fraction 0.1, seed 0) put in val.
+    shorts = (f"x = {i}\n" for i in itertools.count())
+    short = next(t for t in shorts if split_documents([t, long_doc], 0.1, seed=0).val == [0])
+    (docs / "a.py").write_text(short)
+    (docs / "b.py").write_text(long_doc)
+    prepare("short", files=[str(docs / "*.py")], vocab_size=300, out_root=tmp / "root")
+    return tmp / "root"
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"),
+        RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:121] DefaultCPUAllocator: can't allocate memory"
+        ),
+        MemoryError(),  # NumPy, or the batch loader's Python lists
+    ],
+)
+def test_out_of_memory_is_an_error_that_says_what_to_lower(
+    data_root: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    error: Exception,
+) -> None:
+    def out_of_memory() -> None:
+        raise error
+
+    misbehave_at(monkeypatch, 1, before=out_of_memory)
+    assert run(data_root, tmp_path / "run") == 2
+    err = error_of(capsys.readouterr().err)
+    assert "out of memory" in err and "train.batch_size" in err and "model.block_size" in err
+
+
+def test_another_runtime_error_is_not_called_out_of_memory(
+    data_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def breaks() -> None:
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    misbehave_at(monkeypatch, 1, before=breaks)
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        run(data_root, tmp_path / "run")
+
+
+def test_corpus_shorter_than_a_block_is_an_error(
+    short_val_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert meta(short_val_root, "short")["splits"]["val"]["tokens"] < 33
+    assert run(short_val_root, tmp_path / "run", "--data.name=short") == 2
+    err = error_of(capsys.readouterr().err)
+    assert "val.bin" in err and "block_size" in err
+
+
+def test_a_batch_larger_than_the_corpus_is_an_error(
+    data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch
+) -> None:
+    """A typo'd batch_size (10^8) would gather its rows in host memory until it runs out.
+    Told before a model is built: a typo'd block_size makes that model huge."""
+
+    def build_model(*args, **kwargs):
+        raise AssertionError("the model was built before the data was checked")
+
+    monkeypatch.setattr(train, "build_model", build_model)
+    assert run(data_root, tmp_path / "run", "--train.batch_size=100000000") == 2
+    err = error_of(capsys.readouterr().err)
+    assert "train.batch_size=100000000" in err and "lower train.batch_size" in err
+
+
+def test_data_vocab_larger_than_the_model_is_an_error(
+    data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run(data_root, tmp_path / "run", "--model.vocab_size=300") == 2
+    err = error_of(capsys.readouterr().err)
+    assert "vocab_size" in err and "512" in err
+
+
+def test_cuda_only_variants_include_efficient_and_flex() -> None:
+    assert {"sdpa-efficient", "flex"} <= set(CUDA_ONLY)
+
+
+@pytest.mark.parametrize("variant", CUDA_ONLY)
+def test_variant_that_cannot_run_on_cpu_is_refused(
+    data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], variant: str
+) -> None:
+    assert (
+        run(data_root, tmp_path / "run", f"--model.attention={variant}", "--train.device=cpu") == 2
+    )
+    err = error_of(capsys.readouterr().err)
+    reason = unavailable_reason(variant, "cpu", torch.float32, HEAD_SIZE)
+    assert reason
+    assert f"'{variant}'" in err and "cpu" in err and reason in err
+    assert not (tmp_path / "run").exists(), "no silent fallback, and nothing written"
+
+
+@pytest.mark.parametrize("variant", CPU_VARIANTS)
+def test_every_cpu_variant_trains(data_root: Path, tmp_path: Path, variant: str) -> None:
+    out = tmp_path / "run"
+    overrides = ["--train.max_steps=3", "--train.eval_interval=0", "--train.eval_batches=1"]
+    assert run(data_root, out, f"--model.attention={variant}", *overrides) == 0
+    lines = train_lines(out)
+    assert [r["step"] for r in lines] == [1, 2, 3]
+    assert all(math.isfinite(r["loss"]) for r in lines)
+    assert math.isfinite(eval_lines(out)[-1]["val_loss"])
+    assert load_ckpt(out)["config"]["model"]["attention"] == variant
+
+
+# Each of these once crashed mid-run with a traceback (a modulo or division by zero, an empty
+# np.stack, torch.device's RuntimeError) or, for grad_accum=0, "trained" with loss 0 and no update.
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("--train.log_interval=0", "train.log_interval"),
+        ("--train.eval_batches=0", "train.eval_batches"),
+        ("--train.batch_size=0", "train.batch_size"),
+        ("--train.grad_accum=0", "train.grad_accum"),
+        ("--train.device=bogus", "train.device"),
+        ("--train.dtype=float16", "train.dtype"),
+    ],
+)
+def test_bad_train_values_are_config_errors(
+    data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], override: str, key: str
+) -> None:
+    out = tmp_path / "run"
+    argv = run_argv(data_root, out, "--train.max_steps=2", "--train.eval_interval=0", override)
+    assert train.main(argv) == 2
+    assert key in error_of(capsys.readouterr().err)
+    assert not out.exists(), "a config error must fail before writing anything"
+
+
+def test_a_global_batch_size_is_that_many_micro_batches(data_root: Path, tmp_path: Path) -> None:
+    """tiny.toml: batch_size 4, so a global batch of 8 on one process is 2 micro-batches: the
+    same run as grad_accum=2, and its config.toml keeps grad_accum at 1 (any number of ranks
+    can resume it)."""
+    common = ["--train.max_steps=3", "--train.eval_interval=0", "--train.eval_batches=1"]
+    by_global, by_accum = tmp_path / "global", tmp_path / "accum"
+    assert run(data_root, by_global, *common, "--train.global_batch_size=8") == 0
+    assert run(data_root, by_accum, *common, "--train.grad_accum=2") == 0
+    for a, b in zip(train_lines(by_global), train_lines(by_accum), strict=True):
+        assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"]
+    saved = load_config(by_global / "config.toml").train
+    assert (saved.global_batch_size, saved.grad_accum) == (8, 1)
+
+
+def test_tf32_off_cuda_is_a_config_error(
+    data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """TF32 is a CUDA tensor-core mode: asked for on a CPU it is refused, not run as fp32."""
+    out = tmp_path / "run"
+    assert run(data_root, out, "--train.device=cpu", "--train.dtype=tf32") == 2
+    error = error_of(capsys.readouterr().err)
+    assert "train.dtype='tf32'" in error and "cpu" in error
+    assert not out.exists(), "a config error must fail before writing anything"
