@@ -10,9 +10,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-# Fixtures shared by several test files: the profiler tests' (tests/test_profile_*.py) and the
-# trainer tests' (tests/test_train_*.py, tests/test_sample.py)
-pytest_plugins = ["sweeps", "tiny_runs"]
+# Fixtures shared by several test files: the profiler tests' (tests/test_profile_*.py), the
+# trainer tests' (tests/test_train_*.py, tests/test_sample.py) and the data tests'
+pytest_plugins = ["sweeps", "tiny_runs", "corpora"]
 # Subprocesses run as from a user's shell, where Python writes a pipe's stdout 8 KiB at a time:
 # CI runners and containers often set PYTHONUNBUFFERED, which would hide what that buffering
 # does to a closed or failing pipe (a test that needs a process's lines at once sets it itself).
