@@ -158,7 +158,7 @@ class TrainConfig:
             return self.grad_accum
         per_pass = self.batch_size * world_size
         derived, rest = divmod(self.global_batch_size, per_pass)
-        ranks = f"{world_size} rank{'s' * (world_size > 1)}"
+        ranks = f"{world_size} rank{'s' if world_size > 1 else ''}"
         if rest or not derived:
             raise ConfigError(
                 f"train.global_batch_size={self.global_batch_size} does not split into "

@@ -358,7 +358,9 @@ class Run:
         single_cpu = self.device.type == "cpu" and self.world_size == 1
         share = other_load.share() if single_cpu else None
         if self.master and share is not None and share > OTHER_LOAD_NOTE:
-            workers = " (Inductor's compile workers among them)" * self.config.train.compile
+            workers = (
+                " (Inductor's compile workers among them)" if self.config.train.compile else ""
+            )
             print(
                 f"note: other processes{workers} used {share:.0%} of the CPUs while this run "
                 "trained; its step times (ms/step, tokens/s) are slower for it",

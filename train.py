@@ -143,10 +143,10 @@ def _say_how_it_runs(
     warm-up."""
     tc = config.train
     # batch_size is per process, as in torchtitan: more ranks take more tokens per step.
-    split = f" ({world_size} ranks x {tokens // world_size:,})" * (world_size > 1)
+    split = f" ({world_size} ranks x {tokens // world_size:,})" if world_size > 1 else ""
     if grad_accum > 1:
         split += f", {grad_accum} micro-batches of {tc.batch_size} sequences" + (
-            " per rank" * (world_size > 1)
+            " per rank" if world_size > 1 else ""
         )
     print(
         f"{config.model.attention}: {params / 1e6:.2f}M parameters (without position "

@@ -160,7 +160,7 @@ def _read_local(
         if not raw:
             if not skip_bad:
                 empty = sum(p.stat().st_size == 0 for p in paths)
-                others = f" (and {empty - 1} more of the {len(paths)} matched)" * (empty > 1)
+                others = f" (and {empty - 1} more of the {len(paths)} matched)" if empty > 1 else ""
                 raise PrepareError(
                     f"{path} is empty{others}; every input file must hold a document: give "
                     "patterns that leave out empty files (a package's bare __init__.py, say)"

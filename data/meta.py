@@ -167,7 +167,7 @@ def token_file_problem(path: Path, expected_tokens: int | None = None) -> str | 
         said = (
             f", not the {expected_tokens:,} meta.json says" if expected_tokens is not None else ""
         )
-        tokens = f"{size // 2:,}{'.5' * (size % 2)}"
+        tokens = f"{size // 2:,}{'.5' if size % 2 else ''}"
         return f"{path} is damaged: {size:,} bytes is {tokens} uint16 tokens{said}"
     if size == 0:  # np.memmap cannot map an empty file
         return f"{path} holds no tokens"

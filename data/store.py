@@ -229,7 +229,7 @@ def check_out_dir(out_dir: Path) -> None:
         )
     others = _not_a_corpus(out_dir)
     if others:
-        listed = ", ".join(others[:3]) + f" and {len(others) - 3} more" * (len(others) > 3)
+        listed = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
         raise PrepareError(
             f"{out_dir} holds files no prepare wrote ({listed}) beside token files, and no "
             "corpus's meta.json: they may be another tool's, and would be overwritten; give "

@@ -290,7 +290,7 @@ def unknown_variant(*names: str) -> str:
         close = difflib.get_close_matches(name, VARIANTS, n=1)
         return f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
 
-    plural = "s" * (len(names) > 1)
+    plural = "s" if len(names) > 1 else ""
     return (
         f"unknown attention variant{plural} {', '.join(map(named, names))}; "
         f"valid choices: {', '.join(VARIANTS)}"

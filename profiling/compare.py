@@ -87,7 +87,7 @@ def comparable(sweeps: list[tuple[Path, dict[str, Any]]]) -> str | None:
     if len(peaks) > 1 and max(peaks) > PEAK_RATIO * min(peaks):
         shown = [
             rate_text(r["meta"]["peak_flops"], unit_of=max(peaks))
-            + " (start only)" * ("peak_flops_end" not in r["meta"])
+            + (" (start only)" if "peak_flops_end" not in r["meta"] else "")
             for _, r in sweeps
         ]
         return _differ("matmul peak", sweeps, shown, "machines of one name, not of one speed")
@@ -227,7 +227,8 @@ def _sweep_list(sweeps: list[tuple[Path, dict[str, Any]]], busy: list[bool]) -> 
         )
         if m.get("other_cpu_share") is not None:
             peak += f", other processes {m['other_cpu_share']:.0%} of the CPUs"
-            peak += " §" * busy[i - 1]
+            if busy[i - 1]:
+                peak += " §"
         lines.append(
             f"{i}. `{path}`: {_started(m)}, commit {m.get('commit') or 'unknown'}{peak}{stopped}"
         )

@@ -429,7 +429,7 @@ def collection_lines(rows: list[dict[str, Any]]) -> list[str]:
     pause = longest.get("gc_longest_ms") or 0.0
     full = [r for r in counted if r["gc_collections"][2]]
     return [
-        line + f"{total:,} collection{'s' * (total != 1)} landed in them (generation 0: "
+        line + f"{total:,} collection{'s' if total != 1 else ''} landed in them (generation 0: "
         f"{by_generation[0]:,}, 1: {by_generation[1]:,}, 2, a full one: {by_generation[2]:,}"
         + (f", in {', '.join(cell_name(r) for r in full)}" if full else "")
         + f"); the longest took {_per_step(pause)} ms, in {cell_name(longest)} "
@@ -448,7 +448,7 @@ def unattributed_lines(rows: list[dict[str, Any]]) -> list[str]:
         return []
     worst = max(lost, key=lost.__getitem__)
     return [
-        f"- **Kernels not attributed**: in {len(lost)} cell{'s' * (len(lost) != 1)} some "
+        f"- **Kernels not attributed**: in {len(lost)} cell{'s' if len(lost) != 1 else ''} some "
         "kernels' launching call was in "
         f"no region or missing from the trace (most: {lost[worst]:g} per step in {worst}). They "
         "count in device time and in the backend check, not in the per-region kernel counts; "

@@ -117,7 +117,7 @@ def headline_table(results: dict[str, Any]) -> list[str]:
                 cells.append((r or {}).get("status", "–"))
         step_fit = fits.get(name, {}).get("step_ms")
         cells.append(
-            _pm(step_fit["slope"], step_fit["slope_se"]) + "†" * (step_fit["slope"] < 0)
+            _pm(step_fit["slope"], step_fit["slope_se"]) + ("†" if step_fit["slope"] < 0 else "")
             if step_fit
             else "–"
         )
@@ -183,7 +183,7 @@ def _se_note(fits: dict[str, dict[str, Any]], saved: dict[str, dict[str, Any]]) 
         return []
     if len(counts) == 1:
         n = counts[0]
-        dof = f"{n - 2} degree{'s' * (n > 3)} of freedom"
+        dof = f"{n - 2} degree{'s' if n > 3 else ''} of freedom"
         return [
             "",
             f"± is one standard error (se) of a line fitted over {n} depths: {dof}, so a 95% "
@@ -261,7 +261,7 @@ def cell_table(rows: list[dict[str, Any]]) -> list[str]:
                     r["status"],
                     f"{t['median']:.2f} [{t['p10']:.2f}, {t['p90']:.2f}] ({t['n']})" if t else "–",
                     _fmt(r["tokens_per_s"], ",.0f"),
-                    _fmt(r["mfu"] * 100 if r["mfu"] else None) + "%" * bool(r["mfu"]),
+                    _fmt(r["mfu"] * 100 if r["mfu"] else None) + ("%" if r["mfu"] else ""),
                     _fmt(r["peak_mem_bytes"] / MiB if r["peak_mem_bytes"] else None),
                     _fmt(r["compile_s"]) + compile_mark(r),
                     r["backend"] or "–",
