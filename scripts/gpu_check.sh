@@ -75,7 +75,7 @@ echo "== 1. CUDA tests"
 # hangs is named (killed, pytest prints no summary); stderr goes to the file too.
 ulimit -c 0  # no core file of a CUDA process
 timeout -s ABRT -k 10 110 "$PY" -m pytest -m cuda -p no:cacheprovider -q -rs --durations=8 \
-  tests/test_model.py tests/test_profile_*.py tests/test_runtime.py \
+  tests/test_attention.py tests/test_model.py tests/test_profile_*.py tests/test_runtime.py \
   2>&1 | tee "$OUT/cuda_tests.txt"
 tests_rc=${PIPESTATUS[0]}
 

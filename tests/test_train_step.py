@@ -242,7 +242,7 @@ def test_the_demo_steps_every_variant_that_runs_here_to_one_loss() -> None:
     assert done.returncode == 0, stderr
     losses = {line.split()[0]: line.split()[2] for line in stdout.splitlines() if " loss " in line}
     cuda_only = [name for name, v in VARIANTS.items() if v.cuda_only_reason]
-    assert set(losses) == set(VARIANTS) - set(cuda_only)  # test_model lists them by name
+    assert set(losses) == set(VARIANTS) - set(cuda_only)  # test_attention lists them by name
     assert len(set(losses.values())) == 1, losses
     assert stdout.count("skipped:") == len(cuda_only)
     assert f"{len(losses)} variants, one loss" in stdout

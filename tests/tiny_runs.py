@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"
 STEPS = 30  # of the shared run: enough for the loss to fall clearly
 HEAD_SIZE = 16  # tiny.toml: n_embd 32 / n_head 2
-# As the registry has them (tests/test_model.py checks that each runs where it says)
+# As the registry has them (tests/test_attention.py checks that each runs where it says)
 CPU_VARIANTS = [name for name, v in VARIANTS.items() if not v.cuda_only_reason]
 CUDA_ONLY = [name for name in VARIANTS if name not in CPU_VARIANTS]
 TRAIN_KEYS = {"step", "loss", "lr", "ms_per_step", "tokens_per_s", "tflops", "grad_norm"}
