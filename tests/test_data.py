@@ -420,7 +420,7 @@ def test_split_keeps_a_document_on_each_side(texts: list[str], val_fraction: flo
     train, val = {texts[i] for i in split.train}, {texts[i] for i in split.val}
     assert not train & val, "identical documents move together"
     assert len(val if val_fraction < 0.5 else train) == 1, "one text moves, with its copies"
-    # As the module docstring says: val gets the smallest hash, or train keeps the largest.
+    # As data/prepare.py's docstring says: val gets the smallest hash, or train keeps the largest.
     keys = {text: _content_key(text, 0) for text in texts}
     lone = min(keys, key=keys.get) if val_fraction < 0.5 else max(keys, key=keys.get)
     assert (val if val_fraction < 0.5 else train) == {lone}

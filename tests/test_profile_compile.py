@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from profiling.cells import Cell
+from profiling.sweep import Sweep
 from sweeps import sweep
 
 # The stand-ins of sweeps.py, for every test here.
@@ -186,3 +187,20 @@ def test_a_first_step_that_compiled_nothing_reads_reused_only_without_a_time() -
     assert compile_mark({"compile_cache": "none", "compile_s": None}) == " (reused)"
     assert compile_mark({"compile_cache": "none", "compile_s": 1.59}) == ""
     assert compile_mark({"compile_cache": "cached", "compile_s": 0.4}) == " (cached)"
+
+
+def test_compiled_cells_stopped_in_their_rounds_net_out_the_eager_excess() -> None:
+    """A stop in the rounds keeps a compiled cell's times; its compile time still nets out
+    what its eager twin's first step took beyond its median, as a whole depth's does."""
+    sweep_ = Sweep.__new__(Sweep)
+    sweep_.steps, sweep_.tokens_per_step, sweep_.rows = 4, 64, []
+    eager = Cell("naive", 1, False, step=lambda: None, times=[0.1, 0.1], first_step_s=1.0)
+    compiled = Cell("naive", 1, True, step=lambda: None, times=[0.05, 0.05], first_step_s=5.0)
+    compiled.compile_cache = "cold"
+    sweep_.timed = ([eager, compiled], (0, 0))
+    sweep_._record_timed_only()
+    rows = {r["compile"]: r for r in sweep_.rows}
+    assert [r["status"] for r in sweep_.rows] == ["interrupted"] * 2
+    assert rows[True]["eager_excess_s"] == pytest.approx(0.9)
+    assert rows[True]["compile_s"] == pytest.approx(5.0 - 0.05 - 0.9)
+    assert "2 of its 4 steps were timed" in rows[True]["reason"]

@@ -3,6 +3,7 @@ what it measured is kept."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -545,3 +546,50 @@ def test_a_running_sweep_holds_its_folder(
             assert profile_train.main(flag) == 2
             assert "is still writing there" in capsys.readouterr().err
     assert profile_train.main(["--report", str(running)]) == 0
+
+
+def test_a_report_that_cannot_be_drawn_between_cells_does_not_stop_the_sweep(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A bug in the report's code, met between cells, is a warning (once): the cells are
+    measured and results.json written; the end draws the report again."""
+    from profiling.results import render_results
+
+    def fails_between_cells(out: Path, results: dict, plots: bool = True) -> None:
+        if not plots:
+            raise ValueError("a row mix the tables did not expect")
+        render_results(out, results, plots)
+
+    monkeypatch.setattr("profiling.sweep.render_results", fails_between_cells)
+    rc, results = sweep(tmp_path, "--variants", "naive,inplace", "--layers", "1,2")
+    assert rc == 0
+    assert [r["status"] for r in results["rows"]] == ["ok"] * 4
+    err = capsys.readouterr().err
+    assert err.count("warning: the report could not be drawn (ValueError: a row mix") == 1
+    assert (tmp_path / "sweep" / "report.md").is_file()
+
+
+def test_a_failure_in_the_profiled_steps_keeps_the_timed_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The profiled steps come after the timed ones: a trace that cannot be written (a full
+    disk) fails the cell, and its step times stay in the row."""
+    import profiling.sweep
+
+    @contextlib.contextmanager
+    def full_disk(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+        yield
+
+    monkeypatch.setattr(profiling.sweep, "profiled_steps", full_disk)
+    rc, results = sweep(tmp_path, "--variants", "naive", "--layers", "1")
+    assert rc == 1  # its only cell failed
+    [row] = results["rows"]
+    assert row["status"] == "failed"
+    assert row["reason"] == (
+        "in the profiled steps, after the timed ones: OSError: [Errno 28] No space left on device"
+    )
+    assert row["step_ms"]["n"] == 2 and row["tokens_per_s"] > 0 and row["first_step_ms"] > 0
+    assert row["mfu"] is row["ops_per_step"] is row["peak_mem_bytes"] is None
+    summary = (tmp_path / "sweep" / "summary.txt").read_text()
+    assert "- naive @L1: failed: in the profiled steps, after the timed ones: OSError" in summary

@@ -537,3 +537,25 @@ def test_peak_memory_off_cpu_and_cuda_is_not_measured() -> None:
     step = lambda: None
     assert peak_memory(model, optimizer, step, torch.device("mps"), cpu_transient=123) is None
     assert peak_memory(model, optimizer, step, torch.device("cpu"), cpu_transient=123) > 123
+
+
+def test_resident_memory_counts_the_causal_mask_naive_holds() -> None:
+    """Peak memory's resident part: parameters, optimizer state, and buffers, the one place
+    naive and inplace hold more than the SDPA variants (a block_size^2 bool mask)."""
+    from model import GPTConfig
+    from profiling.measure import resident_bytes
+
+    config = GPTConfig(vocab_size=64, block_size=48, n_layer=1, n_head=2, n_embd=16)
+
+    def resident(attention: str) -> int:
+        model = GPT(dataclasses.replace(config, attention=attention))
+        optimizer = torch.optim.AdamW(model.parameters())
+        model(torch.zeros(1, 8, dtype=torch.long))[0].sum().backward()
+        optimizer.step()
+        return resident_bytes(model, optimizer)
+
+    tensors = list(GPT(config).parameters())  # 16: lm_head shares the embedding's
+    weights = 4 * sum(p.numel() for p in tensors)
+    # Weights and AdamW's two moments, in fp32, and its 4-byte step count per tensor.
+    assert resident("sdpa") == 3 * weights + 4 * len(tensors)
+    assert resident("naive") - resident("sdpa") == 48 * 48

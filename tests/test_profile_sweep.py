@@ -3,10 +3,8 @@ warm-up)."""
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import dataclasses
-import errno
 import gzip
 import itertools
 import json
@@ -22,7 +20,6 @@ import profile_train
 from config import load_config
 from model import GPT, attention
 from profiling.analysis import op_diff
-from profiling.cells import Cell
 from profiling.sweep import KEPT_ON_WRONG_BACKEND, Sweep
 from sweeps import ROOT, TINY, sweep
 
@@ -229,44 +226,6 @@ def test_backend_mismatch_fails_the_cell(tmp_path: Path, monkeypatch: pytest.Mon
     assert log == f"--- sdpa-flash L1: {row['reason']}\n"
 
 
-def test_compiled_cells_stopped_in_their_rounds_net_out_the_eager_excess() -> None:
-    """A stop in the rounds keeps a compiled cell's times; its compile time still nets out
-    what its eager twin's first step took beyond its median, as a whole depth's does."""
-    sweep_ = Sweep.__new__(Sweep)
-    sweep_.steps, sweep_.tokens_per_step, sweep_.rows = 4, 64, []
-    eager = Cell("naive", 1, False, step=lambda: None, times=[0.1, 0.1], first_step_s=1.0)
-    compiled = Cell("naive", 1, True, step=lambda: None, times=[0.05, 0.05], first_step_s=5.0)
-    compiled.compile_cache = "cold"
-    sweep_.timed = ([eager, compiled], (0, 0))
-    sweep_._record_timed_only()
-    rows = {r["compile"]: r for r in sweep_.rows}
-    assert [r["status"] for r in sweep_.rows] == ["interrupted"] * 2
-    assert rows[True]["eager_excess_s"] == pytest.approx(0.9)
-    assert rows[True]["compile_s"] == pytest.approx(5.0 - 0.05 - 0.9)
-    assert "2 of its 4 steps were timed" in rows[True]["reason"]
-
-
-def test_a_report_that_cannot_be_drawn_between_cells_does_not_stop_the_sweep(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """A bug in the report's code, met between cells, is a warning (once): the cells are
-    measured and results.json written; the end draws the report again."""
-    from profiling.results import render_results
-
-    def fails_between_cells(out: Path, results: dict, plots: bool = True) -> None:
-        if not plots:
-            raise ValueError("a row mix the tables did not expect")
-        render_results(out, results, plots)
-
-    monkeypatch.setattr("profiling.sweep.render_results", fails_between_cells)
-    rc, results = sweep(tmp_path, "--variants", "naive,inplace", "--layers", "1,2")
-    assert rc == 0
-    assert [r["status"] for r in results["rows"]] == ["ok"] * 4
-    err = capsys.readouterr().err
-    assert err.count("warning: the report could not be drawn (ValueError: a row mix") == 1
-    assert (tmp_path / "sweep" / "report.md").is_file()
-
-
 def test_a_region_the_profiler_does_not_know_fails_the_cell(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -282,32 +241,6 @@ def test_a_region_the_profiler_does_not_know_fails_the_cell(
     [row] = results["rows"]
     assert row["status"] == "failed"
     assert "no ATen ops in the profiled steps' optimizer region" in row["reason"]
-
-
-def test_a_failure_in_the_profiled_steps_keeps_the_timed_ones(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The profiled steps come after the timed ones: a trace that cannot be written (a full
-    disk) fails the cell, and its step times stay in the row."""
-    import profiling.sweep
-
-    @contextlib.contextmanager
-    def full_disk(*args):
-        raise OSError(errno.ENOSPC, "No space left on device")
-        yield
-
-    monkeypatch.setattr(profiling.sweep, "profiled_steps", full_disk)
-    rc, results = sweep(tmp_path, "--variants", "naive", "--layers", "1")
-    assert rc == 1  # its only cell failed
-    [row] = results["rows"]
-    assert row["status"] == "failed"
-    assert row["reason"] == (
-        "in the profiled steps, after the timed ones: OSError: [Errno 28] No space left on device"
-    )
-    assert row["step_ms"]["n"] == 2 and row["tokens_per_s"] > 0 and row["first_step_ms"] > 0
-    assert row["mfu"] is row["ops_per_step"] is row["peak_mem_bytes"] is None
-    summary = (tmp_path / "sweep" / "summary.txt").read_text()
-    assert "- naive @L1: failed: in the profiled steps, after the timed ones: OSError" in summary
 
 
 @pytest.mark.parametrize("n", range(3, 10))

@@ -120,33 +120,6 @@ def test_resume_without_checkpoint_is_an_error(
     assert run(data_root, early, "--config", str(early / "config.toml"), "--train.max_steps=1") == 0
 
 
-@pytest.mark.parametrize("name", ["../data/tiny", "", "-x", "tiny/"])
-def test_a_corpus_name_that_is_not_a_plain_folder_name_is_refused(
-    data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str
-) -> None:
-    """A path, or nothing, would read a corpus outside data.root (or the root itself), and
-    the hints would suggest prepare commands that fail; nothing is written."""
-    assert run(data_root, tmp_path / "run", f"--data.name={name}") == 2
-    err = error_of(capsys.readouterr().err)
-    assert f"data.name={name!r}: a corpus name must be a plain folder name" in err
-    assert not (tmp_path / "run").exists()
-
-
-def test_a_model_vocabulary_smaller_than_the_corpus_says_what_to_give(
-    data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    tokens = meta(data_root)["vocab_size"]
-    assert run(data_root, tmp_path / "run", "--model.vocab_size=256") == 2
-    err = error_of(capsys.readouterr().err)
-    assert f"model.vocab_size=256 is smaller than the tokenizer of corpus 'tiny' ({tokens}" in err
-    assert f"give --model.vocab_size={tokens} or more" in err
-    # 256 is below a byte-level tokenizer's least: no prepare command that would be refused
-    assert "--vocab-size 256" not in err and "has at least 257" in err
-    assert not (tmp_path / "run").exists()
-    assert run(data_root, tmp_path / "run", "--model.vocab_size=300") == 2
-    assert "or prepare the corpus with --vocab-size 300" in capsys.readouterr().err
-
-
 def test_resume_with_another_model_config_names_the_field(
     base_run: Path, data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -31,6 +31,7 @@ from data.loader import TokenBatches
 from model import GPT
 from streams import ReaderTakesLines
 from tiny_runs import (
+    CPU_VARIANTS,
     EVAL_KEYS,
     ROOT,
     SHARED_OVERRIDES,
@@ -411,15 +412,6 @@ def test_without_out_the_run_goes_to_runs_named_for_its_config(
     assert (tmp_path / "runs" / "tiny" / checkpoint.CHECKPOINT).is_file()
 
 
-@pytest.mark.parametrize("n", ["0", "-2"])
-def test_stop_after_must_be_positive(
-    data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], n: str
-) -> None:
-    assert run(data_root, tmp_path / "run", "--stop-after", n) == 2
-    assert "--stop-after" in error_of(capsys.readouterr().err)
-    assert not (tmp_path / "run").exists()
-
-
 def test_the_last_step_is_logged_whatever_the_interval(data_root: Path, tmp_path: Path) -> None:
     """log_interval 3 over 5 steps logs steps 3 and 5: the run's end, and a --stop-after pause,
     always get a line (default.toml logs every 10th step)."""
@@ -495,3 +487,15 @@ def test_the_last_evaluation_is_of_the_final_weights_on_each_split(
         )
         expected = step.evaluate(model, windows, config.train.eval_batches, None)
         assert last[key] == pytest.approx(expected, rel=1e-5), key
+
+
+@pytest.mark.parametrize("variant", CPU_VARIANTS)
+def test_every_cpu_variant_trains(data_root: Path, tmp_path: Path, variant: str) -> None:
+    out = tmp_path / "run"
+    overrides = ["--train.max_steps=3", "--train.eval_interval=0", "--train.eval_batches=1"]
+    assert run(data_root, out, f"--model.attention={variant}", *overrides) == 0
+    lines = train_lines(out)
+    assert [r["step"] for r in lines] == [1, 2, 3]
+    assert all(math.isfinite(r["loss"]) for r in lines)
+    assert math.isfinite(eval_lines(out)[-1]["val_loss"])
+    assert load_ckpt(out)["config"]["model"]["attention"] == variant

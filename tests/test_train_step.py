@@ -23,9 +23,6 @@ from data.loader import TokenBatches
 from model import GPT, VARIANTS
 from tiny_runs import ROOT, STEPS, TINY, load_ckpt, run, train_lines
 
-# tiny_runs.py's stand-in, for every test here.
-pytestmark = pytest.mark.usefixtures("sample_on_the_cpu")
-
 
 def test_lr_warms_up_to_the_peak_once_then_decays_to_min_lr() -> None:
     tc = TrainConfig(lr=1e-3, min_lr=1e-4, warmup_steps=4, max_steps=20)
@@ -37,6 +34,7 @@ def test_lr_warms_up_to_the_peak_once_then_decays_to_min_lr() -> None:
     assert lrs[20] == pytest.approx(1e-4) and min(lrs) >= 1e-4
 
 
+@pytest.mark.usefixtures("sample_on_the_cpu")  # only where a run ends sampling
 def test_a_run_shorter_than_its_warmup_says_so(
     data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -247,3 +245,18 @@ def test_the_demo_steps_every_variant_that_runs_here_to_one_loss() -> None:
     assert stdout.count("skipped:") == len(cuda_only)
     assert f"{len(losses)} variants, one loss" in stdout
     assert "Traceback" not in err, err
+
+
+@pytest.mark.usefixtures("sample_on_the_cpu")  # only where a run ends sampling
+def test_a_global_batch_size_is_that_many_micro_batches(data_root: Path, tmp_path: Path) -> None:
+    """tiny.toml: batch_size 4, so a global batch of 8 on one process is 2 micro-batches: the
+    same run as grad_accum=2, and its config.toml keeps grad_accum at 1 (any number of ranks
+    can resume it)."""
+    common = ["--train.max_steps=3", "--train.eval_interval=0", "--train.eval_batches=1"]
+    by_global, by_accum = tmp_path / "global", tmp_path / "accum"
+    assert run(data_root, by_global, *common, "--train.global_batch_size=8") == 0
+    assert run(data_root, by_accum, *common, "--train.grad_accum=2") == 0
+    for a, b in zip(train_lines(by_global), train_lines(by_accum), strict=True):
+        assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"]
+    saved = load_config(by_global / "config.toml").train
+    assert (saved.global_batch_size, saved.grad_accum) == (8, 1)
