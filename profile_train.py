@@ -33,9 +33,18 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import describe_os_error
-from config import ConfigError, fields_help, load_config
-from console import (
+from data.meta import CORPUS_NAME, CORPUS_NAME_RULE
+from model import VARIANTS, GPTConfig, unknown_variant
+from profiling.analysis import fits_by_label
+from profiling.compare import compare_folders
+from profiling.findings import diff_text
+from profiling.method import MIN_TIMED_STEPS
+from profiling.results import cannot_read, load_results, render_results
+from profiling.sweep import COMPILE_MODES, Sweep, SweepOptions
+from train import USER_ERRORS
+from training.checkpoint import describe_os_error
+from training.config import ConfigError, fields_help, load_config
+from training.console import (
     StdoutClosed,
     cli_path,
     dropping,
@@ -44,17 +53,8 @@ from console import (
     say,
     stdout_closed,
 )
-from data.meta import CORPUS_NAME, CORPUS_NAME_RULE
-from model import VARIANTS, GPTConfig, unknown_variant
-from probe import available_variants, unavailable_reason
-from profiling.analysis import fits_by_label
-from profiling.compare import compare_folders
-from profiling.findings import diff_text
-from profiling.method import MIN_TIMED_STEPS
-from profiling.results import cannot_read, load_results, render_results
-from profiling.sweep import COMPILE_MODES, Sweep, SweepOptions
-from runtime import SignalScope, autocast_dtype, pick_device
-from train import USER_ERRORS
+from training.probe import available_variants, unavailable_reason
+from training.runtime import SignalScope, autocast_dtype, pick_device
 
 # Config fields the sweep sets itself, from its own flags: as overrides, an error saying which
 SWEEP_SETS = {

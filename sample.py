@@ -34,7 +34,9 @@ import torch
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from checkpoint import (
+from data.meta import EOT, file_sha256
+from model import GPT, VARIANTS
+from training.checkpoint import (
     CHECKPOINT,
     CheckpointError,
     first_non_finite,
@@ -42,13 +44,11 @@ from checkpoint import (
     model_config_diff,
     restoring,
 )
-from config import DTYPES, Config, ConfigError, build_config
-from console import StdoutClosed, cli_path, say, stdout_closed
-from data.meta import EOT, file_sha256
-from model import GPT, VARIANTS
-from probe import VariantUnavailable, check_variant
-from rundir import MAKE_TRAIN_RUN, lock_holder, saved_config
-from runtime import (
+from training.config import DTYPES, Config, ConfigError, build_config
+from training.console import StdoutClosed, cli_path, say, stdout_closed
+from training.probe import VariantUnavailable, check_variant
+from training.rundir import MAKE_TRAIN_RUN, lock_holder, saved_config
+from training.runtime import (
     autocast,
     autocast_dtype,
     missing_tensor_cores,

@@ -7,7 +7,7 @@
 A run directory holds ckpt.pt, config.toml, metrics.jsonl and the corpus's tokenizer.json.
 
 Here: the command line, and a run's set-up, everything checked before a byte is written. The
-step is step.py's (profile_train.py imports the same one); the loop, loop.py's.
+step is training/step.py's (profile_train.py imports the same one); the loop, training/loop.py's.
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from checkpoint import (
+from data.loader import TokenBatches
+from data.meta import DataError, check_vocab
+from training.checkpoint import (
     CHECKPOINT,
     CheckpointError,
     describe_os_error,
@@ -31,17 +33,15 @@ from checkpoint import (
     restore_rng,
     restoring,
 )
-from config import Config, ConfigError, TrainConfig, fields_help
-from console import StdoutClosed, cli_path, dropping, first_line, one_line, stdout_closed
-from cpu_linear import LINEAR_PATHS, wants_onednn
-from data.loader import TokenBatches
-from data.meta import DataError, check_vocab
-from host import keep_freed_host_memory
-from loop import Run, RunEnd, TrainError
-from metrics import start_metrics
-from optim import lr_at
-from probe import VariantUnavailable, available_variants, check_variant
-from resume import (
+from training.config import Config, ConfigError, TrainConfig, fields_help
+from training.console import StdoutClosed, cli_path, dropping, first_line, one_line, stdout_closed
+from training.cpu_linear import LINEAR_PATHS, wants_onednn
+from training.host import keep_freed_host_memory
+from training.loop import Run, RunEnd, TrainError
+from training.metrics import start_metrics
+from training.optim import lr_at
+from training.probe import VariantUnavailable, available_variants, check_variant
+from training.resume import (
     check_seed,
     corpus_meta,
     restore_state,
@@ -50,7 +50,7 @@ from resume import (
     say_the_schedule_changed,
     say_what_resuming_changes,
 )
-from rundir import (
+from training.rundir import (
     RunDirError,
     lock_run_dir,
     open_run,
@@ -58,7 +58,7 @@ from rundir import (
     run_config,
     write_run_files,
 )
-from runtime import (
+from training.runtime import (
     autocast_dtype,
     init_distributed,
     launched_ranks,
@@ -67,7 +67,7 @@ from runtime import (
     set_fp32_matmul_precision,
     wrap_ddp,
 )
-from step import build_model
+from training.step import build_model
 
 USER_ERRORS = (ConfigError, TrainError, RunDirError, DataError, CheckpointError)
 

@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from config import ConfigError
 from profiling.analysis import (
     BASELINE,
     baselines,
@@ -28,6 +27,7 @@ from profiling.analysis import (
 from profiling.method import METHOD
 from profiling.report import BUSY_SHARE, rate_text
 from profiling.results import cannot_read, load_results
+from training.config import ConfigError
 
 # What must be the same for savings to be one quantity, from each sweep's results.json, and
 # the depths (see comparable); the sweep's own knobs (steps, warm-up, commit) may differ, and

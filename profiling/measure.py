@@ -26,12 +26,8 @@ from torch.profiler import ProfilerActivity, profile, record_function, schedule
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
 
-from config import Config
-from console import one_line
-from cpu_linear import onednn_unavailable_reason
 from model.attention import VARIANTS, AttentionFn
 from model.gpt import CausalSelfAttention
-from probe import BACKEND_OPS, sdpa_ops_instead
 from profiling.analysis import REGIONS
 from profiling.method import PROFILE_WAIT, PROFILE_WARMUP
 from profiling.names import (
@@ -42,7 +38,11 @@ from profiling.names import (
     shares,
     time_category,
 )
-from step import build_model, train_step
+from training.config import Config
+from training.console import one_line
+from training.cpu_linear import onednn_unavailable_reason
+from training.probe import BACKEND_OPS, sdpa_ops_instead
+from training.step import build_model, train_step
 
 TRACE_WARN_BYTES = 50 * 2**20
 TOP_TIMES = 12  # ops or kernels listed by name in "where the time goes"
@@ -148,8 +148,8 @@ def step_flops(config: Config, n_layer: int) -> tuple[int, int]:
             model, optimizer = build_model(model_cfg, tc, meta, onednn=False, compile=False)
             x = torch.zeros(tc.batch_size, mc.block_size, dtype=torch.long)  # ids, targets
         # The real step's count, as the tests check: FLOPs depend on neither the dtype (so
-        # no autocast) nor the Linear path (cpu_linear.py counts the oneDNN op as
-        # nn.Linear). Clipping is in it, and adds none: flop_counter counts matmuls only.
+        # no autocast) nor the Linear path (training/cpu_linear.py counts the oneDNN op
+        # as nn.Linear). Clipping is in it, and adds none: flop_counter counts matmuls only.
         micro = [(x, x)] * tc.grad_accum
         by_op = count_flops(lambda: train_step(model, optimizer, micro, tc.grad_clip))
     except Exception as e:  # not KeyboardInterrupt: Ctrl-C stops the sweep

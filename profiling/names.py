@@ -102,8 +102,8 @@ def _kernel_dtype(args: str) -> str | None:
 # runs inside them (naive's hidden copy, the casts autocast adds around softmax) and their
 # backward (a linear's weight-gradient transposes) count with them, and naive's matmuls and
 # softmax count as attention, as the fused SDPA kernel that does the same work does.
-# Dispatcher ops counted and timed: ATen's, and the oneDNN linear (cpu_linear.py's op and the
-# mkldnn op it calls).
+# Dispatcher ops counted and timed: ATen's, and the oneDNN linear (training/cpu_linear.py's op and
+# the mkldnn op it calls).
 OP_NAMESPACES = ("aten::", "mkldnn::", "cpu_linear::")
 LINEAR = "linear layers"
 ATTENTION = "attention"

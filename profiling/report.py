@@ -6,7 +6,6 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from checkpoint import write_atomically
 from profiling.analysis import (
     BASELINE,
     PROJECT_AT,
@@ -49,6 +48,7 @@ from profiling.tables import (
     projected,
     t95,
 )
+from training.checkpoint import write_atomically
 
 
 def _rate_unit(flops: float) -> tuple[float, str]:

@@ -11,10 +11,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from config import ConfigError
 from profiling.analysis import cell_name, fits_by_label
 from profiling.report import replace_file, write_report
-from rundir import lock_holder
+from training.config import ConfigError
+from training.rundir import lock_holder
 
 
 def render_results(out: Path, results: dict[str, Any], plots: bool = True) -> None:

@@ -11,13 +11,13 @@ import time
 import torch
 from tqdm import tqdm
 
-from config import Config
-from console import one_line
-from cpu_linear import cpu_field
 from data.loader import TokenBatches
 from data.meta import check_vocab, load_meta
 from profiling.measure import synchronize
-from step import build_model, train_step
+from training.config import Config
+from training.console import one_line
+from training.cpu_linear import cpu_field
+from training.step import build_model, train_step
 
 BATCH_POOL = 4  # distinct batches cycled through, drawn before timing so no I/O is timed
 

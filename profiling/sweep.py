@@ -25,13 +25,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from checkpoint import provenance
-from config import Config, ConfigError
-from console import first_line
-from cpu_linear import wants_onednn
-from host import OtherLoad, keep_freed_host_memory, reserve_heap
 from model import VARIANTS
-from probe import unavailable_reason
 from profiling.analysis import REGIONS, balanced_orders, label
 from profiling.cells import (
     KEPT_ON_WRONG_BACKEND,
@@ -60,15 +54,21 @@ from profiling.method import METHOD, MIN_TIMED_STEPS, PROFILE_LEAD_STEPS, STARTU
 from profiling.progress import Progress
 from profiling.results import render_results, write_json
 from profiling.startup import BATCH_POOL, batch_pool, device_name, warm_up
-from rundir import make_sweep_folder, point_latest, sweep_lock
-from runtime import (
+from training.checkpoint import provenance
+from training.config import Config, ConfigError
+from training.console import first_line
+from training.cpu_linear import wants_onednn
+from training.host import OtherLoad, keep_freed_host_memory, reserve_heap
+from training.probe import unavailable_reason
+from training.rundir import make_sweep_folder, point_latest, sweep_lock
+from training.runtime import (
     autocast_dtype,
     dtype_name,
     out_of_memory,
     pick_device,
     set_fp32_matmul_precision,
 )
-from step import build_model, train_step
+from training.step import build_model, train_step
 
 HEAP_RESERVE = 256 << 20  # CPU, memory kept: heap faulted in before each depth's timed steps
 

@@ -26,17 +26,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from config import load_config
-from console import StdoutClosed, quiet_profiler_start, say, stdout_closed
-from cpu_linear import wants_onednn
-from host import keep_freed_host_memory
-from probe import VariantUnavailable, check_variant
 from profiling.measure import profiled_steps, synchronize, timed
 from profiling.method import PROFILE_WAIT, PROFILE_WARMUP
 from profiling.startup import batch_pool
-from runtime import autocast_dtype, pick_device, set_fp32_matmul_precision
-from step import build_model, train_step
 from train import USER_ERRORS
+from training.config import load_config
+from training.console import StdoutClosed, quiet_profiler_start, say, stdout_closed
+from training.cpu_linear import wants_onednn
+from training.host import keep_freed_host_memory
+from training.probe import VariantUnavailable, check_variant
+from training.runtime import autocast_dtype, pick_device, set_fp32_matmul_precision
+from training.step import build_model, train_step
 
 
 def main() -> int:

@@ -16,14 +16,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from config import TrainConfig
-from console import StdoutClosed, say, stdout_closed
-from cpu_linear import wants_onednn
 from model import VARIANTS, GPTConfig
-from probe import unavailable_reason
-from runtime import autocast_dtype, pick_device
-from step import build_model, train_step
 from train import USER_ERRORS
+from training.config import TrainConfig
+from training.console import StdoutClosed, say, stdout_closed
+from training.cpu_linear import wants_onednn
+from training.probe import unavailable_reason
+from training.runtime import autocast_dtype, pick_device
+from training.step import build_model, train_step
 
 
 def main() -> int:

@@ -5,12 +5,12 @@ step's loss is read only after the next step is queued (as train.py does) agains
     python scripts/readout_gain.py --config configs/gpt2-small.toml [--steps 60] [--skip 10]
         [--rounds 2] [--train.compile=false ...]
 
-Runs train.py's own loop (loop.py, imported, unchanged) on its config and prepared corpus, the
-two modes interleaved round by round, with no evaluation, checkpoints between or sample. A step's
-wall time is host time from one step's start to the next's, over the steps after the first
---skip (those compile and warm up). On the CPU the two modes do the same thing: work runs as
-it is queued. Extra arguments are train.py's config overrides. Prints one line per mode: the
-median over rounds of each run's mean ms per step, and every run's.
+Runs train.py's own loop (training/loop.py, imported, unchanged) on its config and prepared
+corpus, the two modes interleaved round by round, with no evaluation, checkpoints between or
+sample. A step's wall time is host time from one step's start to the next's, over the steps
+after the first --skip (those compile and warm up). On the CPU the two modes do the same thing:
+work runs as it is queued. Extra arguments are train.py's config overrides. Prints one line per
+mode: the median over rounds of each run's mean ms per step, and every run's.
 """
 
 from __future__ import annotations
@@ -27,10 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-import loop
-import runtime
 import train
-from console import Droppable, StdoutClosed, say, stdout_closed
+from training import loop, runtime
+from training.console import Droppable, StdoutClosed, say, stdout_closed
 
 STARTS: list[float] = []  # when the host began each step of the current run
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import profile_train
-from config import Config
-from cpu_linear import onednn_unavailable_reason
 from model import VARIANTS
 from profiling.measure import step_flops
 from profiling.results import results_problem
+from training.config import Config
+from training.cpu_linear import onednn_unavailable_reason
 
 TINY = [
     "--model.vocab_size=128",

@@ -16,8 +16,8 @@ from torch import Tensor
 
 from model import GPT, VARIANTS
 from model.attention import FLEX_BLOCK, inplace, naive
-from probe import VariantUnavailable, available_variants, check_variant, unavailable_reason
 from tiny_models import tiny_config
+from training.probe import VariantUnavailable, available_variants, check_variant, unavailable_reason
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -119,9 +119,9 @@ def clones_in_one_training_step(variant: str, n_layer: int, device: str = "cpu")
     """aten::clone calls in one forward + backward + AdamW step of step.train_step."""
     from torch.profiler import ProfilerActivity, profile
 
-    from config import TrainConfig
-    from optim import build_optimizer
-    from step import train_step
+    from training.config import TrainConfig
+    from training.optim import build_optimizer
+    from training.step import train_step
 
     torch.manual_seed(0)
     model = GPT(tiny_config(variant, n_layer=n_layer)).to(device)
@@ -252,7 +252,7 @@ def test_a_pin_the_device_does_not_honour_is_refused(monkeypatch: pytest.MonkeyP
     """Where SDPA may run its own kernel whatever the pin (MPS), the probe's trace must show
     the pinned backend's op. Here the CPU stands in for such a device, and a variant pinned
     to flash runs math: refused, naming both; the honest pins pass."""
-    import probe
+    from training import probe
 
     monkeypatch.setattr(probe, "PINS_RAISE", frozenset())
     for name in ("sdpa-math", "sdpa-flash"):
@@ -352,8 +352,8 @@ def test_pinned_backend_holds_inside_compiled_blocks(name: str) -> None:
     """torch.compile picks its own SDPA backend; a pinned variant must still run its own."""
     from torch.profiler import profile
 
-    from cpu_linear import use_onednn_linears, wants_onednn
-    from probe import BACKEND_OPS
+    from training.cpu_linear import use_onednn_linears, wants_onednn
+    from training.probe import BACKEND_OPS
 
     # The profiler tests' blocks, linears included (a sweep's cpu_linear="auto" picks them):
     # their C++ kernels are built once in a test session.

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 import train
-from config import Config, ConfigError, TrainConfig, dump_toml, load_config, parse_override
 from model import GPTConfig
+from training.config import Config, ConfigError, TrainConfig, dump_toml, load_config, parse_override
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = sorted((ROOT / "configs").glob("*.toml"))

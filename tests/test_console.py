@@ -1,11 +1,11 @@
-"""console.py: path flags, one-line errors, and a stdout that is closed or fails."""
+"""training/console.py: path flags, one-line errors, and a stdout that is closed or fails."""
 
 import signal
 from pathlib import Path
 
 import pytest
 
-from console import cli_path, first_line, stdout_closed
+from training.console import cli_path, first_line, stdout_closed
 
 
 def test_stdout_closed_where_stdout_has_no_descriptor(capsys: pytest.CaptureFixture[str]) -> None:

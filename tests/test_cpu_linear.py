@@ -1,4 +1,5 @@
-"""cpu_linear.py: the oneDNN path computes what nn.Linear computes, and says when it cannot run."""
+"""training/cpu_linear.py: the oneDNN path computes what nn.Linear computes, and says when it
+cannot run."""
 
 from __future__ import annotations
 
@@ -10,12 +11,11 @@ import pytest
 import torch
 from torch import nn
 
-import cpu_linear
-import step
-from config import ConfigError, load_config
-from cpu_linear import OneDNNLinear, use_onednn_linears, wants_onednn
 from model import GPT, GPTConfig
 from profiling.measure import count_flops, matmul_peaks
+from training import cpu_linear, step
+from training.config import ConfigError, load_config
+from training.cpu_linear import OneDNNLinear, use_onednn_linears, wants_onednn
 
 needs_onednn = pytest.mark.skipif(
     cpu_linear.onednn_unavailable_reason() is not None,
@@ -210,7 +210,8 @@ def run_in_processes(script: str, *modes: str) -> list[str]:
 
 
 WHERE_A_BIG_BLOCK_LIVES = """
-import sys, torch, host
+import sys, torch
+from training import host
 if sys.argv[1] == "keep" and not host.keep_freed_host_memory():
     sys.exit(3)
 
@@ -248,7 +249,8 @@ def test_kept_host_memory_stays_for_reuse() -> None:
 
 
 FAULTS_OF_A_FRESH_BLOCK = """
-import resource, sys, torch, host
+import resource, sys, torch
+from training import host
 if not host.keep_freed_host_memory():
     sys.exit(3)
 torch.ones(2**20, dtype=torch.uint8)  # the heap's first growth, whatever it costs
@@ -272,7 +274,8 @@ def test_a_reserved_heap_serves_new_blocks_without_page_faults() -> None:
 
 
 FAULTS_AFTER_A_LARGE_PEAK = """
-import ctypes, resource, sys, host
+import ctypes, resource, sys
+from training import host
 if not host.keep_freed_host_memory():
     sys.exit(3)
 libc = ctypes.CDLL(None)  # glibc's malloc: the trim alone (torch's posix_memalign also fragments)

@@ -21,10 +21,10 @@ import pytest
 import torch
 
 import profile_train
-from config import ConfigError
 from model import attention
 from profiling.sweep import Sweep
 from sweeps import ROOT, TINY, sweep
+from training.config import ConfigError
 
 # The stand-ins of sweeps.py, for every test here.
 pytestmark = pytest.mark.usefixtures("quick_peak", "flops_counted_once", "plots_unrendered")
@@ -56,7 +56,7 @@ def test_an_out_folder_that_cannot_be_written_is_refused_before_measuring(
 ) -> None:
     """An existing empty folder passes main's checks; a read-only one (a read-only mount, where
     root's writes fail too) is refused before the peak is measured, not after a depth."""
-    import rundir
+    from training import rundir
 
     def read_only(*args, **kwargs):
         raise OSError(errno.EROFS, "Read-only file system")
@@ -532,7 +532,7 @@ def test_a_running_sweep_holds_its_folder(
     """A second sweep racing for the same --out is refused, not let replace the first one's
     rows; --report and --compare on a sweep still running say so, rather than call it
     stopped and redraw its files under it. The lock goes when the sweep ends."""
-    from rundir import sweep_lock
+    from training.rundir import sweep_lock
 
     rc, _ = sweep(tmp_path, "--variants", "naive", "--layers", "1", "--no-traces")
     assert rc == 0 and not (tmp_path / "sweep" / ".lock").exists()

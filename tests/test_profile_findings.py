@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from probe import BACKEND_OPS
 from profiling.analysis import op_diff
 from profiling.measure import verify_backend
 from sweeps import split_row
+from training.probe import BACKEND_OPS
 
 # The stand-ins of sweeps.py, for every test here.
 pytestmark = pytest.mark.usefixtures("quick_peak", "flops_counted_once", "plots_unrendered")

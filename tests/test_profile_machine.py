@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from host import OtherLoad
 from profiling.analysis import fits_by_label
 from profiling.sweep import Sweep
 from profiling.tables import headline_table
 from sweeps import sweep
+from training.host import OtherLoad
 
 # The stand-ins of sweeps.py, for every test here.
 pytestmark = pytest.mark.usefixtures("quick_peak", "flops_counted_once", "plots_unrendered")

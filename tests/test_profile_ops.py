@@ -13,13 +13,13 @@ import torch
 from torch.autograd import DeviceType
 
 import profile_train
-from config import load_config
-from cpu_linear import onednn_unavailable_reason
 from model import GPT, attention
 from profiling.cells import Cell
 from profiling.measure import count_flops, parse_events, step_flops, verify_backend
 from profiling.sweep import Sweep
 from sweeps import ROOT, TINY, sweep
+from training.config import load_config
+from training.cpu_linear import onednn_unavailable_reason
 
 # The stand-ins of sweeps.py, for every test here.
 pytestmark = pytest.mark.usefixtures("quick_peak", "flops_counted_once", "plots_unrendered")
@@ -131,11 +131,11 @@ def test_every_op_of_a_training_step_is_in_a_region(grad_accum: int) -> None:
     missing from the counts (and, on CUDA, reported as kernels with no region)."""
     from torch.profiler import profile
 
-    from config import TrainConfig
     from model import GPTConfig
-    from optim import build_optimizer
     from profiling.analysis import REGIONS
-    from step import train_step
+    from training.config import TrainConfig
+    from training.optim import build_optimizer
+    from training.step import train_step
 
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16))
     optimizer = build_optimizer(model, TrainConfig(), torch.device("cpu"))
@@ -158,11 +158,11 @@ def test_ops_autocast_wraps_count_once_per_call() -> None:
     op in the cast dtype: a bf16 step counts each call once, as the same fp32 step does."""
     from torch.profiler import profile
 
-    from config import TrainConfig
     from model import GPTConfig
-    from optim import build_optimizer
     from profiling.measure import parse_events
-    from step import train_step
+    from training.config import TrainConfig
+    from training.optim import build_optimizer
+    from training.step import train_step
 
     def forward_ops(amp_dtype: torch.dtype | None) -> Counter:
         torch.manual_seed(0)
@@ -439,11 +439,11 @@ def test_marking_attention_calls_changes_no_count_and_is_undone() -> None:
     those of an unmarked step, and afterwards each layer calls its variant directly again."""
     from torch.profiler import profile
 
-    from config import TrainConfig
     from model import GPTConfig
-    from optim import build_optimizer
     from profiling.measure import _categorised, attention_calls_marked
-    from step import train_step
+    from training.config import TrainConfig
+    from training.optim import build_optimizer
+    from training.step import train_step
 
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16))
     optimizer = build_optimizer(model, TrainConfig(), torch.device("cpu"))
@@ -505,11 +505,11 @@ def test_self_times_match_the_profilers_own() -> None:
     (key_averages), op by op."""
     from torch.profiler import ProfilerActivity, profile
 
-    from config import TrainConfig
     from model import GPTConfig
-    from optim import build_optimizer
     from profiling.names import OP_NAMESPACES
-    from step import train_step
+    from training.config import TrainConfig
+    from training.optim import build_optimizer
+    from training.step import train_step
 
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16))
     optimizer = build_optimizer(model, TrainConfig(), torch.device("cpu"))

@@ -499,8 +499,8 @@ def test_python_stacks_only_where_a_trace_is_written(
 
 def test_a_sweep_records_the_code_that_measured_it(naive_vs_inplace: dict) -> None:
     """The git commit (as checkpoints record it), so a result can be traced to its code."""
-    from checkpoint import provenance
     from profiling.report import _report_md
+    from training.checkpoint import provenance
 
     meta = naive_vs_inplace["meta"]
     assert meta["commit"] == provenance()["commit"]

@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import probe
 import profile_train
-from config import load_config
 from model import GPT, attention
 from profiling.analysis import op_diff
 from profiling.sweep import KEPT_ON_WRONG_BACKEND, Sweep
 from sweeps import ROOT, TINY, sweep
+from training import probe
+from training.config import load_config
 
 # The stand-ins of sweeps.py, for every test here.
 pytestmark = pytest.mark.usefixtures("quick_peak", "flops_counted_once", "plots_unrendered")
@@ -231,7 +231,7 @@ def test_a_region_the_profiler_does_not_know_fails_the_cell(
 ) -> None:
     """Ops are counted by the regions step.train_step names: one renamed there fails the cell,
     named, rather than counting that region's ops as none."""
-    import step
+    from training import step
 
     real = step.record_function
     renamed = lambda name: real("optim" if name == "optimizer" else name)

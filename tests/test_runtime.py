@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from config import ConfigError, TrainConfig
-from runtime import StepReadout, autocast_dtype, pick_device, set_fp32_matmul_precision
+from training.config import ConfigError, TrainConfig
+from training.runtime import StepReadout, autocast_dtype, pick_device, set_fp32_matmul_precision
 
 ROOT = Path(__file__).resolve().parents[1]
 SLEEP_CYCLES = 1_000_000_000  # torch.cuda._sleep: about half a second at a GPU's ~2 GHz
@@ -295,7 +295,7 @@ def test_an_environment_torchrun_did_not_make_is_named(
 def test_a_rank_without_a_world_is_one_process(monkeypatch: pytest.MonkeyPatch) -> None:
     """RANK=1 alone (no WORLD_SIZE): one process, rank 0, which prints the resume notices and
     the end-of-run sample; a rank past the world is refused."""
-    from runtime import launched_ranks
+    from training.runtime import launched_ranks
 
     monkeypatch.setenv("RANK", "1")
     assert launched_ranks() == (0, 1)
@@ -312,7 +312,7 @@ def test_ranks_started_by_hand_say_they_wait_for_the_others(
     """Without torchrun, a process given WORLD_SIZE=2 waits in the rendezvous for the other,
     which Ctrl-C does not end: it says so first. torchrun's own workers (TORCHELASTIC_RUN_ID)
     do not: torchrun starts them all."""
-    import runtime
+    from training import runtime
 
     class Joined(Exception):
         pass
@@ -338,8 +338,8 @@ def test_ranks_started_by_hand_say_they_wait_for_the_others(
 def test_torchrun_refuses_a_numbered_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """Under torchrun each rank takes GPU LOCAL_RANK: a train.device=cuda:1 that would be
     dropped without a word is an error instead (checked before any process group is joined)."""
-    from config import TrainConfig
-    from runtime import init_distributed
+    from training.config import TrainConfig
+    from training.runtime import init_distributed
 
     as_torchrun_rank(monkeypatch)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -351,8 +351,8 @@ def test_torchrun_refuses_a_numbered_gpu(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_torchrun_on_mps_is_refused_before_joining(monkeypatch: pytest.MonkeyPatch) -> None:
     """gloo all-reduces CPU and CUDA tensors only: a torchrun run that would train on MPS is
     told to use the CPU, before any process group is joined."""
-    import runtime
-    from config import TrainConfig
+    from training import runtime
+    from training.config import TrainConfig
 
     as_torchrun_rank(monkeypatch)
     monkeypatch.setattr(runtime, "pick_device", lambda name, setting="": torch.device("mps"))

@@ -16,14 +16,13 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-import checkpoint
-import rundir
 import sample
-from config import load_config
 from data.prepare import EOT, EOT_ID
 from model import GPT
 from streams import FullDisk
 from tiny_runs import ROOT, TINY, copy_run, copy_run_trained_with, error_of, run
+from training import checkpoint, rundir
+from training.config import load_config
 
 # tiny_runs.py's stand-in, for every test here.
 pytestmark = pytest.mark.usefixtures("sample_on_the_cpu")

@@ -13,11 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-import checkpoint
 import train
 from data import meta as data_meta
 from data.prepare import prepare, split_documents
-from probe import unavailable_reason
 from tiny_runs import (
     CUDA_ONLY,
     HEAD_SIZE,
@@ -32,6 +30,8 @@ from tiny_runs import (
     run,
     run_argv,
 )
+from training import checkpoint
+from training.probe import unavailable_reason
 
 # tiny_runs.py's stand-in, for every test here.
 pytestmark = pytest.mark.usefixtures("sample_on_the_cpu")

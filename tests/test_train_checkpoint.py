@@ -15,14 +15,11 @@ from unittest.mock import Mock, patch
 import pytest
 import torch
 
-import checkpoint
-import loop
-import metrics
-import rundir
 import sample
 import train
-from config import load_config
 from tiny_runs import SHARED_OVERRIDES, STEPS, copy_run, error_of, load_ckpt, run, train_lines
+from training import checkpoint, loop, metrics, rundir
+from training.config import load_config
 
 # tiny_runs.py's stand-in, for every test here.
 pytestmark = pytest.mark.usefixtures("sample_on_the_cpu")

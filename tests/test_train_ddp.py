@@ -15,9 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-import checkpoint
 import train
-from config import load_config
 from model import GPT
 from tiny_runs import (
     ROOT,
@@ -30,6 +28,8 @@ from tiny_runs import (
     run_argv,
     train_lines,
 )
+from training import checkpoint
+from training.config import load_config
 
 # tiny_runs.py's stand-in, for every test here.
 pytestmark = pytest.mark.usefixtures("sample_on_the_cpu")

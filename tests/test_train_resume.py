@@ -13,12 +13,7 @@ from unittest.mock import Mock
 import pytest
 import torch
 
-import checkpoint
-import loop
-import optim
-import resume
 import train
-from config import dump_toml, load_config
 from data.prepare import prepare
 from tiny_runs import (
     SHARED_OVERRIDES,
@@ -35,6 +30,8 @@ from tiny_runs import (
     stdlib_documents,
     train_lines,
 )
+from training import checkpoint, loop, optim, resume
+from training.config import dump_toml, load_config
 
 # tiny_runs.py's stand-in, for every test here.
 pytestmark = pytest.mark.usefixtures("sample_on_the_cpu")

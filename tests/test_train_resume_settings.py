@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import checkpoint
 import train
-from config import TrainConfig, load_config
-from cpu_linear import onednn_unavailable_reason
 from tiny_runs import STEPS, copy_run, load_ckpt, run
+from training import checkpoint
+from training.config import TrainConfig, load_config
+from training.cpu_linear import onednn_unavailable_reason
 
 # tiny_runs.py's stand-in, for every test here.
 pytestmark = pytest.mark.usefixtures("sample_on_the_cpu")
@@ -90,7 +90,7 @@ def test_a_resume_says_what_another_batch_changes_by_the_rows_per_step(
 ) -> None:
     """The offsets come from one stream: rows per step decide the data, rows per step times
     eval_batches the evaluation's windows, whatever the split."""
-    from resume import say_the_batch_changed
+    from training.resume import say_the_batch_changed
 
     train_fields = {"batch_size": 8, "grad_accum": 1, "global_batch_size": 0, "eval_batches": 2}
     before = {k: v for k, v in {**train_fields, **saved}.items() if v is not None}
@@ -133,7 +133,7 @@ def test_a_resume_that_splits_the_rows_otherwise_matches_only_without_dropout(
     """The same rows a step give the same data, split among micro-batches or processes as
     they may; dropout's masks are drawn per micro-batch from each process's generator, so
     only a run without dropout matches the one that never stopped (to rounding)."""
-    from resume import say_the_batch_changed
+    from training.resume import say_the_batch_changed
 
     before = {"batch_size": 4, "grad_accum": 2, "global_batch_size": 0, "eval_batches": 2}
     tc = TrainConfig(**{**before, **now})
@@ -149,7 +149,7 @@ def test_a_resume_with_the_same_split_in_other_fields_says_nothing(
 ) -> None:
     """grad_accum 2, or a global batch of twice batch_size on one process: the same
     micro-batches, so the same run, dropout and all: nothing to say."""
-    from resume import say_the_batch_changed
+    from training.resume import say_the_batch_changed
 
     before = {"batch_size": 8, "grad_accum": 2, "global_batch_size": 0, "eval_batches": 2}
     tc = TrainConfig(**{**before, "grad_accum": 1, "global_batch_size": 16})

@@ -19,14 +19,8 @@ from typing import Any
 import pytest
 import torch
 
-import checkpoint
-import loop
-import metrics
 import sample
-import step
 import train
-from config import load_config
-from cpu_linear import wants_onednn
 from data.loader import TokenBatches
 from model import GPT
 from streams import ReaderTakesLines
@@ -48,6 +42,9 @@ from tiny_runs import (
     run,
     train_lines,
 )
+from training import checkpoint, loop, metrics, step
+from training.config import load_config
+from training.cpu_linear import wants_onednn
 
 # tiny_runs.py's stand-in, for every test here.
 pytestmark = pytest.mark.usefixtures("sample_on_the_cpu")

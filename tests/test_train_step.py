@@ -15,13 +15,11 @@ import pytest
 import torch
 import torch.nn.utils.clip_grad as clip_grad
 
-import checkpoint
-import optim
-import step
-from config import TrainConfig, load_config
 from data.loader import TokenBatches
 from model import GPT, VARIANTS
 from tiny_runs import ROOT, STEPS, TINY, load_ckpt, run, train_lines
+from training import checkpoint, optim, step
+from training.config import TrainConfig, load_config
 
 
 def test_lr_warms_up_to_the_peak_once_then_decays_to_min_lr() -> None:

@@ -19,10 +19,6 @@ from typing import Any
 import pytest
 import torch
 
-import checkpoint
-import loop
-import runtime
-import step
 import train
 from streams import FullDisk, ReaderTakesLines
 from tiny_runs import (
@@ -35,6 +31,7 @@ from tiny_runs import (
     run_argv,
     train_lines,
 )
+from training import checkpoint, loop, runtime, step
 
 # tiny_runs.py's stand-in, for every test here.
 pytestmark = pytest.mark.usefixtures("sample_on_the_cpu")

@@ -14,12 +14,10 @@ from typing import Any
 import pytest
 import torch
 
-import checkpoint
-import loop
-import step
 import train
-from config import load_config
 from model import VARIANTS
+from training import checkpoint, loop, step
+from training.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"

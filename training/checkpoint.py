@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from config import Config
 from data.meta import rebuild_command
+from training.config import Config
 
 CHECKPOINT = "ckpt.pt"
 # What train.py writes and resuming needs (it also writes corpus_sha256, corpus and written_by,
@@ -41,7 +41,7 @@ def provenance() -> dict[str, str | None]:
     """What is writing a checkpoint: the torch and Python versions and this project's git
     commit ('-dirty' when tracked files have uncommitted changes; None outside a checkout of
     it, or without git)."""
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parents[1]  # the project's root
 
     def git(*args: str) -> str | None:
         try:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from checkpoint import write_atomically
+from training.checkpoint import write_atomically
 
 
 def start_metrics(path: Path, resume_step: int | None, complete: bool = False) -> None:

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.flop_counter import register_flop_formula
 
-from config import ConfigError
+from training.config import ConfigError
 
 LINEAR_PATHS = {"onednn": "oneDNN", "torch": "PyTorch BLAS"}  # the CPU nn.Linear paths, by name
 

@@ -13,14 +13,14 @@ from typing import Any
 
 import torch
 
-from checkpoint import CHECKPOINT, CheckpointError, load_checkpoint, restoring
-from config import Config, ConfigError, TrainConfig
-from cpu_linear import LINEAR_PATHS
 from data.loader import TokenBatches
 from data.meta import CORPUS_NAME, DataError, load_meta, rebuild_command
 from model import GPT
-from optim import SCHEDULE_FIELDS, load_optimizer_state, lr_at
-from runtime import precision
+from training.checkpoint import CHECKPOINT, CheckpointError, load_checkpoint, restoring
+from training.config import Config, ConfigError, TrainConfig
+from training.cpu_linear import LINEAR_PATHS
+from training.optim import SCHEDULE_FIELDS, load_optimizer_state, lr_at
+from training.runtime import precision
 
 
 def check_seed(ckpt: dict[str, Any], seed: int, out_dir: Path) -> None:

@@ -24,14 +24,14 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from checkpoint import (
+from training.checkpoint import (
     CHECKPOINT,
     check_compatible,
     load_checkpoint,
     no_checkpoint,
     write_atomically,
 )
-from config import (
+from training.config import (
     Config,
     ConfigError,
     build_config,
@@ -41,8 +41,8 @@ from config import (
     missing_fields,
     read_toml,
 )
-from metrics import start_metrics
-from runtime import launched_ranks
+from training.metrics import start_metrics
+from training.runtime import launched_ranks
 
 
 class RunDirError(RuntimeError):

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from console import is_utf8
 from model import GPTConfig
+from training.console import is_utf8
 
 CPU_LINEAR = ("auto", "onednn", "torch")  # see cpu_linear.py
 DTYPES = ("auto", "float32", "tf32", "bfloat16")  # auto: bf16 on CUDA from Ampere on, else fp32
@@ -307,7 +307,7 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         # TOML is UTF-8 by spec; a byte-order mark (some Windows editors write one) is dropped
         return tomllib.loads(path.read_text(encoding="utf-8-sig"))
     except FileNotFoundError:
-        project = Path(__file__).resolve().parent
+        project = Path(__file__).resolve().parents[1]
         if path.is_absolute() or Path.cwd().resolve() == project:
             raise ConfigError(f"config file {path} does not exist") from None
         also = f"; the project's is {project / path}" if (project / path).is_file() else ""

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from config import TrainConfig
+from training.config import TrainConfig
 
 
 def build_optimizer(

@@ -15,16 +15,16 @@ import torch.distributed as dist
 from torch import Tensor
 from tqdm import tqdm
 
-from checkpoint import first_non_finite, rng_states, save_checkpoint, write_atomically
-from config import Config
 from data.loader import TokenBatches
-from host import OtherLoad
-from metrics import MetricsLog
 from model import GPT
-from optim import lr_at
-from rundir import resume_hint
-from runtime import StepReadout, StopSignal, agreed_signal, stop_cause
-from step import evaluate, train_step
+from training.checkpoint import first_non_finite, rng_states, save_checkpoint, write_atomically
+from training.config import Config
+from training.host import OtherLoad
+from training.metrics import MetricsLog
+from training.optim import lr_at
+from training.rundir import resume_hint
+from training.runtime import StepReadout, StopSignal, agreed_signal, stop_cause
+from training.step import evaluate, train_step
 
 OTHER_LOAD_NOTE = 0.2  # a CPU run says so when other processes took more of the CPUs
 

@@ -14,12 +14,12 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import record_function
 
-from config import TrainConfig
-from cpu_linear import use_onednn_linears
 from data.loader import TokenBatches
 from model import GPT, GPTConfig
-from optim import build_optimizer
-from runtime import autocast
+from training.config import TrainConfig
+from training.cpu_linear import use_onednn_linears
+from training.optim import build_optimizer
+from training.runtime import autocast
 
 
 class StepResult(NamedTuple):
