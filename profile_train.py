@@ -33,6 +33,15 @@ from pathlib import Path
 
 import torch
 
+from console import (
+    StdoutClosed,
+    cli_path,
+    dropping,
+    is_utf8,
+    quiet_profiler_start,
+    say,
+    stdout_closed,
+)
 from data.meta import CORPUS_NAME, CORPUS_NAME_RULE
 from model import VARIANTS, GPTConfig, unknown_variant
 from profiling.analysis import fits_by_label
@@ -44,15 +53,6 @@ from profiling.sweep import COMPILE_MODES, Sweep, SweepOptions
 from train import USER_ERRORS
 from training.checkpoint import describe_os_error
 from training.config import ConfigError, fields_help, load_config
-from training.console import (
-    StdoutClosed,
-    cli_path,
-    dropping,
-    is_utf8,
-    quiet_profiler_start,
-    say,
-    stdout_closed,
-)
 from training.probe import available_variants, unavailable_reason
 from training.runtime import SignalScope, autocast_dtype, pick_device
 

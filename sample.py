@@ -34,6 +34,7 @@ import torch
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
+from console import StdoutClosed, cli_path, say, stdout_closed
 from data.meta import EOT, file_sha256
 from model import GPT, VARIANTS
 from training.checkpoint import (
@@ -45,7 +46,6 @@ from training.checkpoint import (
     restoring,
 )
 from training.config import DTYPES, Config, ConfigError, build_config
-from training.console import StdoutClosed, cli_path, say, stdout_closed
 from training.probe import VariantUnavailable, check_variant
 from training.rundir import MAKE_TRAIN_RUN, lock_holder, saved_config
 from training.runtime import (

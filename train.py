@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from console import StdoutClosed, cli_path, dropping, first_line, one_line, stdout_closed
 from data.loader import TokenBatches
 from data.meta import DataError, check_vocab
 from training.checkpoint import (
@@ -34,7 +35,6 @@ from training.checkpoint import (
     restoring,
 )
 from training.config import Config, ConfigError, TrainConfig, fields_help
-from training.console import StdoutClosed, cli_path, dropping, first_line, one_line, stdout_closed
 from training.cpu_linear import LINEAR_PATHS, wants_onednn
 from training.host import keep_freed_host_memory
 from training.loop import Run, RunEnd, TrainError

@@ -97,6 +97,7 @@ from tqdm import tqdm
 if __package__ in (None, ""):  # run as `python data/prepare.py`: make `data.` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from console import Droppable, StdoutClosed, cli_path, dropping, say, stdout_closed
 from data.corpus import (
     Corpus,
     PrepareError,
@@ -122,7 +123,6 @@ from data.store import (
     sync,
     write_json_atomic,
 )
-from training.console import Droppable, StdoutClosed, cli_path, dropping, say, stdout_closed
 
 if TYPE_CHECKING:
     from datasets import Dataset

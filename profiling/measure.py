@@ -26,6 +26,7 @@ from torch.profiler import ProfilerActivity, profile, record_function, schedule
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
 
+from console import one_line
 from model.attention import VARIANTS, AttentionFn
 from model.gpt import CausalSelfAttention
 from profiling.analysis import REGIONS
@@ -39,7 +40,6 @@ from profiling.names import (
     time_category,
 )
 from training.config import Config
-from training.console import one_line
 from training.cpu_linear import onednn_unavailable_reason
 from training.probe import BACKEND_OPS, sdpa_ops_instead
 from training.step import build_model, train_step

@@ -11,11 +11,11 @@ import time
 import torch
 from tqdm import tqdm
 
+from console import one_line
 from data.loader import TokenBatches
 from data.meta import check_vocab, load_meta
 from profiling.measure import synchronize
 from training.config import Config
-from training.console import one_line
 from training.cpu_linear import cpu_field
 from training.step import build_model, train_step
 

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from console import first_line
 from model import VARIANTS
 from profiling.analysis import REGIONS, balanced_orders, label
 from profiling.cells import (
@@ -56,7 +57,6 @@ from profiling.results import render_results, write_json
 from profiling.startup import BATCH_POOL, batch_pool, device_name, warm_up
 from training.checkpoint import provenance
 from training.config import Config, ConfigError
-from training.console import first_line
 from training.cpu_linear import wants_onednn
 from training.host import OtherLoad, keep_freed_host_memory, reserve_heap
 from training.probe import unavailable_reason

@@ -26,12 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
+from console import StdoutClosed, quiet_profiler_start, say, stdout_closed
 from profiling.measure import profiled_steps, synchronize, timed
 from profiling.method import PROFILE_WAIT, PROFILE_WARMUP
 from profiling.startup import batch_pool
 from train import USER_ERRORS
 from training.config import load_config
-from training.console import StdoutClosed, quiet_profiler_start, say, stdout_closed
 from training.cpu_linear import wants_onednn
 from training.host import keep_freed_host_memory
 from training.probe import VariantUnavailable, check_variant

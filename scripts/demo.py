@@ -16,10 +16,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from console import StdoutClosed, say, stdout_closed
 from model import VARIANTS, GPTConfig
 from train import USER_ERRORS
 from training.config import TrainConfig
-from training.console import StdoutClosed, say, stdout_closed
 from training.cpu_linear import wants_onednn
 from training.probe import unavailable_reason
 from training.runtime import autocast_dtype, pick_device

@@ -26,10 +26,10 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from console import StdoutClosed, quiet_profiler_start, say, stdout_closed
 from model import GPTConfig
 from train import USER_ERRORS
 from training.config import TrainConfig
-from training.console import StdoutClosed, quiet_profiler_start, say, stdout_closed
 from training.probe import VariantUnavailable, check_variant
 from training.step import build_model, train_step
 

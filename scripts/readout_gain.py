@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 import train
+from console import Droppable, StdoutClosed, say, stdout_closed
 from training import loop, runtime
-from training.console import Droppable, StdoutClosed, say, stdout_closed
 
 STARTS: list[float] = []  # when the host began each step of the current run
 

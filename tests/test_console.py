@@ -1,11 +1,11 @@
-"""training/console.py: path flags, one-line errors, and a stdout that is closed or fails."""
+"""console.py: path flags, one-line errors, and a stdout that is closed or fails."""
 
 import signal
 from pathlib import Path
 
 import pytest
 
-from training.console import cli_path, first_line, stdout_closed
+from console import cli_path, first_line, stdout_closed
 
 
 def test_stdout_closed_where_stdout_has_no_descriptor(capsys: pytest.CaptureFixture[str]) -> None:

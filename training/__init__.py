@@ -1,4 +1,3 @@
-"""What a training run needs besides the model and the data, shared by train.py, sample.py and
-profile_train.py: the step and its optimizer, the loop, run config, run directories and
-checkpoints, the device runtime, and the terminal side of every command. Imports nothing here:
-`data/prepare.py` takes `training.console` without torch."""
+"""What a training run needs besides the model and the data, shared by train.py, sample.py,
+profile_train.py and the scripts: the step and its optimizer, the loop, the run config, run
+directories and checkpoints, the device and host runtime, and which attention variants run."""

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
+from console import is_utf8
 from model import GPTConfig
-from training.console import is_utf8
 
 CPU_LINEAR = ("auto", "onednn", "torch")  # see cpu_linear.py
 DTYPES = ("auto", "float32", "tf32", "bfloat16")  # auto: bf16 on CUDA from Ampere on, else fp32

@@ -13,8 +13,8 @@ import warnings
 import torch
 from torch.profiler import ProfilerActivity
 
+from console import first_line, quiet_profiler_start
 from model import VARIANTS, bool_causal_mask, get_variant
-from training.console import first_line, quiet_profiler_start
 
 
 class VariantUnavailable(RuntimeError):

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from console import Droppable
 from training.config import NOT_A_DEVICE, ConfigError, TrainConfig, parse_device
-from training.console import Droppable
 
 
 def out_of_memory(e: BaseException) -> bool:
