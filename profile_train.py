@@ -14,9 +14,9 @@ For every cell of variants x n_layer x compile it measures, each in its own step
   3. FLOPs of the step (torch.utils.flop_counter, on the meta device: no memory or compute),
      against a matmul peak measured on the spot by every path PyTorch has here (torch.mm; on
      CPUs also oneDNN), the fastest taken.
-The step is step.train_step, the one train.py runs, imported, on a model set up as train.py
-sets it up (on CPUs: oneDNN linears per train.cpu_linear, freed memory kept): it measures what
-train.py runs.
+The step is training.step.train_step, the one train.py runs, imported, on a model set up as
+train.py sets it up (on CPUs: oneDNN linears per train.cpu_linear, freed memory kept): it
+measures what train.py runs.
 This file is the command line; the sweep itself is profiling/sweep.py.
 """
 

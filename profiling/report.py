@@ -440,7 +440,7 @@ def _method(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
     return [
         "## How this was measured",
         "",
-        "- **Step**: `step.train_step`, the step train.py runs, imported: "
+        "- **Step**: `training.step.train_step`, the step train.py runs, imported: "
         f"{_step_parts(meta)} over one global batch. Batches are drawn before timing and cycled.",
         "- **Step time**: no profiler attached; warm-up steps excluded; the device synchronised "
         "before and after each step"

@@ -1,8 +1,8 @@
 """One sweep of training steps over variants x n_layer x compile: time, profile, count, record.
 
-Each cell is built the way train.py builds a run (step.build_model) and stepped with
-step.train_step, the step train.py's loop runs, imported: the sweep measures what training
-runs. profile_train.py is the command line around it.
+Each cell is built the way train.py builds a run (training.step.build_model) and stepped
+with training.step.train_step, the step train.py's loop runs, imported: the sweep measures
+what training runs. profile_train.py is the command line around it.
 """
 
 from __future__ import annotations
@@ -520,8 +520,8 @@ class Sweep:
                 file=sys.stderr,
             )
         counts = seen.per_step(active)
-        # Ops are placed by the regions step.train_step names: a region renamed there would
-        # otherwise count its ops as none.
+        # Ops are placed by the regions training.step.train_step names: a region renamed there
+        # would otherwise count its ops as none.
         empty = [region for region in REGIONS if not counts["ops"][region]]
         if empty:
             raise RuntimeError(

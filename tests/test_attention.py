@@ -116,7 +116,7 @@ def test_inplace_gradcheck() -> None:
 
 
 def clones_in_one_training_step(variant: str, n_layer: int, device: str = "cpu") -> int:
-    """aten::clone calls in one forward + backward + AdamW step of step.train_step."""
+    """aten::clone calls in one forward + backward + AdamW step of training.step.train_step."""
     from torch.profiler import ProfilerActivity, profile
 
     from training.config import TrainConfig

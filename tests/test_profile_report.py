@@ -120,9 +120,7 @@ def test_report_rerender_and_diff(
 def test_report_says_what_the_timed_step_does(naive_vs_inplace: dict, tmp_path: Path) -> None:
     """The report's method names clipping and weight decay as the sweep's config had them."""
     results = copy.deepcopy(naive_vs_inplace)
-    step_line = (
-        "- **Step**: `step.train_step`, the step train.py runs, imported: forward, backward, "
-    )
+    step_line = "- **Step**: `training.step.train_step`, the step train.py runs, imported: forward, backward, "
     for clip, decay, said in [
         (1.0, 0.1, "gradient clipping (norm 1) and a fused AdamW step over"),
         (0.0, 0.1, "backward, a fused AdamW step over"),

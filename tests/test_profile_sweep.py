@@ -229,8 +229,8 @@ def test_backend_mismatch_fails_the_cell(tmp_path: Path, monkeypatch: pytest.Mon
 def test_a_region_the_profiler_does_not_know_fails_the_cell(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Ops are counted by the regions step.train_step names: one renamed there fails the cell,
-    named, rather than counting that region's ops as none."""
+    """Ops are counted by the regions training.step.train_step names: one renamed there fails
+    the cell, named, rather than counting that region's ops as none."""
     from training import step
 
     real = step.record_function
