@@ -47,6 +47,20 @@ def test_docs_python_examples_import_what_they_say(doc: Path) -> None:
         exec(compile(ast.Module(imports, type_ignores=[]), doc.name, "exec"), {})
 
 
+def test_readme_model_example_runs() -> None:
+    """The README's first example, whole: the variants its comment lists are this CPU's, and the
+    model it builds trains on the tokens it makes."""
+    code = next(
+        c for lang, c in FENCE.findall((ROOT / "README.md").read_text()) if lang == "python"
+    )
+    listed = re.search(r"available_variants\(.*# (\[.*\])", code)
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    assert scope["available_variants"]("cpu", scope["torch"].float32) == ast.literal_eval(listed[1])
+    scope["loss"].backward()
+    assert scope["logits"].shape == (2, 16, 2048)
+
+
 def test_readme_layout_names_every_module() -> None:
     """The README's layout: each entry is there, and each module of the root and of training/
     has an entry (a package's files are indented under its folder's line)."""
