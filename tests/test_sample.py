@@ -110,6 +110,10 @@ def test_sample_a_config_toml_cut_short_is_named_not_blamed_for_its_defaults(
     err = capsys.readouterr().err
     assert f"{toml} lacks model.n_layer, which train.py writes" in err
     assert "delete it to sample with the config" in err
+    toml.write_text("[model\n")  # one that does not parse: the same way on
+    assert sample.main(["--run", str(out), "--tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"config file {toml}: " in err and "delete it to sample with the config" in err
 
 
 def test_sample_a_run_without_config_toml_uses_the_config_its_checkpoint_records(

@@ -434,6 +434,14 @@ def test_resume_with_a_damaged_or_missing_config_toml(
     err = error_of(capsys.readouterr().err)
     assert "config.toml lacks train.device" in err and "train.lr" in err and "delete it" in err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before, "nothing written"
+    # One that does not parse: the same way on
+    (out / "config.toml").write_text(text.replace("[train]", "[train"))
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert train.main(["--out", str(out), "--resume"]) == 2
+    err = error_of(capsys.readouterr().err)
+    assert f"config file {out / 'config.toml'}: " in err and "damaged or was edited" in err, err
+    assert f"delete it to resume with the config {out / 'ckpt.pt'} records" in err, err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before, "nothing written"
 
     (out / "config.toml").unlink()
     assert train.main(["--out", str(out), "--resume", "--stop-after", "1"]) == 0

@@ -263,7 +263,9 @@ def test_a_new_run_goes_only_where_nothing_else_is(
 
     unsaved = tmp_path / "unsaved"
     unsaved.mkdir()
-    for name in ("config.toml", "metrics.jsonl", "tokenizer.json", ".lock", ".config.toml.swp"):
+    written = ("config.toml", "metrics.jsonl", "tokenizer.json", "ckpt.pt")
+    cut = [f"{name}.tmp" for name in written]  # a write killed before its rename
+    for name in (*written[:3], *cut, ".lock", ".config.toml.swp"):
         (unsaved / name).write_text("")  # and hidden files: an editor's, no one's work
     one_step = ["--train.max_steps=1", "--train.eval_interval=0", "--train.eval_batches=1"]
     assert run(data_root, unsaved, *one_step) == 0

@@ -52,7 +52,7 @@ class RunDirError(RuntimeError):
 # What a run writes into its directory; a new run goes only where nothing else is.
 RUN_FILES = frozenset(
     {"config.toml", "metrics.jsonl", "tokenizer.json", CHECKPOINT, ".lock"}
-    | {f"{name}.tmp" for name in ("config.toml", "metrics.jsonl", CHECKPOINT)}
+    | {f"{name}.tmp" for name in ("config.toml", "metrics.jsonl", "tokenizer.json", CHECKPOINT)}
 )
 
 
@@ -362,16 +362,26 @@ def saved_config(
 
     train.py writes every field into config.toml, so one that lacks a field the checkpoint
     records is damaged (or cut by hand), and the defaults in its place would change the run
-    without a word: an error. (A field newer than the run is in neither: its default holds.)"""
+    without a word: an error. (A field newer than the run is in neither: its default holds.)
+    Either error, and one that does not parse, says how to go on where the checkpoint records
+    a config."""
     saved = run_dir / "config.toml"
     if not saved.is_file():
         return None
-    raw = read_toml(saved)
+    remedy = (
+        f"delete it to {to} with the config {run_dir / CHECKPOINT} records, or mend it"
+        if recorded is not None
+        else "mend it"
+    )
+    try:
+        raw = read_toml(saved)
+    except ConfigError as e:
+        raise ConfigError(f"{e}; it is damaged or was edited: {remedy}") from None
     missing = missing_fields(raw, recorded or {})
     if missing:
         raise ConfigError(
-            f"{saved} lacks {', '.join(missing)}, which train.py writes: it is damaged or was cut; "
-            f"delete it to {to} with the config {run_dir / CHECKPOINT} records, or restore them"
+            f"{saved} lacks {', '.join(missing)}, which train.py writes: it is damaged or was "
+            f"cut; {remedy}"
         )
     return raw
 
