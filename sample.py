@@ -67,10 +67,13 @@ USER_ERRORS = (SampleError, ConfigError, CheckpointError)
 
 def _train_first(run_dir: Path) -> str:
     """The command that trains there: a run stopped before its first checkpoint starts over
-    with the settings its config.toml holds, not train.py's defaults."""
+    with the settings its config.toml holds; a new one with `make train`'s config, not
+    train.py's built-in defaults."""
     saved = run_dir / "config.toml"
-    config = f"--config {shlex.quote(str(saved))} " if saved.is_file() else ""
-    command = f"python train.py {config}--out {shlex.quote(str(run_dir))}"
+    config = saved if saved.is_file() else Path("configs/default.toml")
+    command = (
+        f"python train.py --config {shlex.quote(str(config))} --out {shlex.quote(str(run_dir))}"
+    )
     if run_dir == MAKE_TRAIN_RUN:
         command = "make train"
     return f"train it first ({command}), or give --run the folder of a run"

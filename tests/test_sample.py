@@ -449,7 +449,10 @@ def test_sample_from_a_missing_dir_or_a_file_says_so(
     nope = tmp_path / "nope"
     assert sample.main(["--run", str(nope)]) == 2
     err = error_of(capsys.readouterr().err)
-    assert f"does not exist; train it first (python train.py --out {nope})" in err
+    assert (
+        f"does not exist; train it first (python train.py --config configs/default.toml --out {nope})"
+        in err
+    )
     # A run stopped before its first checkpoint: it has the tokenizer, not the weights
     started = tmp_path / "started"
     started.mkdir()
