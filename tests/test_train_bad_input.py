@@ -334,6 +334,12 @@ def test_a_corpus_name_that_is_not_a_plain_folder_name_is_refused(
     err = error_of(capsys.readouterr().err)
     assert f"data.name={name!r}: a corpus name must be a plain folder name" in err
     assert not (tmp_path / "run").exists()
+    # Set in a config file: the error names the file, as for every other field
+    toml = tmp_path / "mine.toml"
+    toml.write_text(TINY.read_text().replace('name = "tiny"', f"name = {name!r}"))
+    assert train.main(["--config", str(toml), "--out", str(tmp_path / "run")]) == 2
+    assert f"{toml}: data.name={name!r}: a corpus name must be" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_model_vocabulary_smaller_than_the_corpus_says_what_to_give(
