@@ -56,7 +56,8 @@ from training.config import ConfigError, fields_help, load_config
 from training.probe import available_variants, unavailable_reason
 from training.runtime import SignalScope, autocast_dtype, pick_device
 
-# Config fields the sweep sets itself, from its own flags: as overrides, an error saying which
+# Config fields the sweep sets itself, from its own flags, or does not use (a config file may
+# hold them for train.py): as overrides, an error saying which flag does what they look like
 SWEEP_SETS = {
     **dict.fromkeys(
         ("--model.n_layer", "--model.attention"),
@@ -65,6 +66,25 @@ SWEEP_SETS = {
     "--train.compile": "--train.compile: the sweep compiles per cell; use --compile off|on|both",
     "--data.name": "--data.name: the sweep reads the data --data names: --data synthetic or "
     "--data NAME, a corpus prepared under data.root",
+    **{
+        f"--train.{name}": f"--train.{name}: the sweep does not use it; {why}"
+        for names, why in [
+            (
+                ("max_steps", "warmup_steps", "min_lr"),
+                "its steps run at train.lr, with no schedule: --warmup, --steps and "
+                "--profile-steps set how many each cell runs",
+            ),
+            (
+                ("eval_interval", "eval_batches", "log_interval", "sample_tokens", "sample_prompt"),
+                "it neither evaluates, logs metrics.jsonl nor samples",
+            ),
+            (
+                ("peak_tflops",),
+                "MFU is against the peak it measures on the spot (--peak-seconds: how long)",
+            ),
+        ]
+        for name in names
+    },
 }
 
 
@@ -370,6 +390,10 @@ def _sweep_flags(args: argparse.Namespace, overrides: list[str]) -> tuple[list[i
         given = "--trace-layers" if args.trace_layers is not None else "--trace-stacks"
         raise ConfigError(f"{given} with --no-traces: no trace is written to apply it to")
     traced = set(_csv_list(args.trace_layers or "", int, "--trace-layers"))
+    if args.trace_layers is not None and not traced:  # an empty set would mean every depth
+        raise ConfigError(
+            f"--trace-layers={args.trace_layers!r}: give depths among --layers, or --no-traces"
+        )
     if traced - set(layers):
         raise ConfigError(
             f"--trace-layers={args.trace_layers}: "

@@ -63,6 +63,7 @@ def test_bad_arguments_name_the_problem(tmp_path: Path, capsys: pytest.CaptureFi
         ("--layers", "1,a"),
         ("--trace-layers", "1,x"),
         ("--trace-layers", "4"),  # not among --layers
+        ("--trace-layers", ""),  # not "all": --no-traces is none
         ("--steps", "0"),
         ("--peak-seconds", "nan"),
         ("--variants", ""),
@@ -72,6 +73,8 @@ def test_bad_arguments_name_the_problem(tmp_path: Path, capsys: pytest.CaptureFi
         ("--model.n_layer=3", None),  # the sweep sets n_layer itself
         ("--train.compile=true", None),  # --compile decides, per cell
         ("--data.name=stdlib", None),  # --data decides
+        ("--train.warmup_steps=0", None),  # the sweep has no schedule: --warmup is its own
+        ("--train.peak_tflops=989", None),  # MFU is against the peak measured
         ("--data", "../data/tiny"),  # a path: outside data.root
         ("--data=", None),
     ]
@@ -88,6 +91,8 @@ def test_bad_arguments_name_the_problem(tmp_path: Path, capsys: pytest.CaptureFi
         assert rc == 2 and f"{given[0]} with --no-traces: no trace is written" in err, err
     rc, _ = sweep(tmp_path, "--layers", "1", "--data.name=stdlib")
     assert "--data synthetic or --data NAME" in capsys.readouterr().err
+    rc, _ = sweep(tmp_path, "--layers", "1", "--train.warmup_steps=0")
+    assert "the sweep does not use it; its steps run at train.lr" in capsys.readouterr().err
     assert not (tmp_path / "sweep").exists(), "bad input wrote nothing"
     (tmp_path / "sweep").mkdir()
     (tmp_path / "sweep" / "notes.txt").write_text("mine")
