@@ -170,6 +170,12 @@ def results_problem(results: dict[str, Any]) -> str | None:
                 where += f" ({cell_name(row)})"
         if row["status"] == "ok" and row["step_ms"] is None:
             return f"{where}: status is 'ok' but step_ms is null"
+        if (ms := row["step_ms"]) is not None and not 0 < ms["p10"] <= ms["median"] <= ms["p90"]:
+            # the plots' error bars and the per-layer shares divide and subtract with them
+            return (
+                f"{where}: step_ms has p10 {ms['p10']}, median {ms['median']}, p90 "
+                f"{ms['p90']}, not 0 < p10 <= median <= p90"
+            )
         cell = (row["variant"], row["n_layer"], row["compile"])
         if cell in cells:
             return f"rows[{cells[cell]}] and {where} measure the same cell"

@@ -483,6 +483,14 @@ def test_damaged_results_json_is_an_error_not_a_traceback(
         ),
         (lambda r: r["rows"].append(r["rows"][4]), "rows[4] and rows[9] (inplace L2) measure the"),
         (lambda r: r["rows"][5]["times_ms"].__setitem__(0, None), "times_ms[0] is null, not a"),
+        (
+            lambda r: r["rows"][0]["step_ms"].update(median=0),
+            "rows[0] (naive L1): step_ms has p10 ",
+        ),
+        (
+            lambda r: r["rows"][1]["step_ms"].update(p90=-1.0),
+            "p90 -1.0, not 0 < p10 <= median <= p90",
+        ),
         (lambda r: r["meta"].pop("peak_flops"), "meta has no 'peak_flops'"),
         (lambda r: r["meta"].update(steps=2.5), "meta.steps is 2.5, not a whole number"),
         (
