@@ -174,7 +174,7 @@ def compare_text(sweeps: list[tuple[Path, dict[str, Any]]]) -> str:
     ]
     lines += _sweep_list(sweeps, busy)
     lines += ["", "## Step time across the sweeps (ms): median (lowest–highest)", ""]
-    lines += _step_time_table(names, layers, [results["rows"] for _, results in sweeps])
+    lines += _step_time_table(names, layers, [results["rows"] for _, results in sweeps], busy)
     for title, table, se, signed in (
         ("Cost per layer, fitted (ms/layer ± se)", costs, True, False),
         (f"Saving per layer against {BASELINE}, fitted (ms/layer ± se)", fitted, True, True),
@@ -195,8 +195,9 @@ def compare_text(sweeps: list[tuple[Path, dict[str, Any]]]) -> str:
         lines += [
             "",
             f"§ Other processes used more than {BUSY_SHARE:.0%} of the CPUs during that sweep's "
-            "timed steps (its report warns of it): its costs and savings say what they did, not "
-            "what the machine does, and are left out of the median, quartiles and range.",
+            "timed steps (its report warns of it): its step times, costs and savings say what "
+            "they did, not what the machine does, and are left out of the median, quartiles and "
+            "range (a step time that only such sweeps measured is shown from them, marked §).",
         ]
     if any(s["partial"] for by_label in costs + fitted for s in by_label.values()):
         lines += [
@@ -258,10 +259,12 @@ def _sweeps_table(
 
 
 def _step_time_table(
-    names: list[str], layers: list[int], sweeps: list[list[dict[str, Any]]]
+    names: list[str], layers: list[int], sweeps: list[list[dict[str, Any]]], busy: list[bool]
 ) -> list[str]:
     """Per label and depth, the median of the sweeps' median step times and their range; a
-    cell measured in fewer sweeps than all (failed, or not run) says in how many."""
+    cell measured in fewer sweeps than all (failed, not run, or left out as busy) says in how
+    many. A busy sweep's times are left out as its costs are; where only busy sweeps measured
+    a cell, theirs are shown, marked §."""
     step_ms = [points_by_label(rows) for rows in sweeps]  # label -> metric -> {n_layer: ms}
     lines = [
         "| variant | " + " | ".join(f"L{n}" for n in layers) + " |",
@@ -270,16 +273,16 @@ def _step_time_table(
     for name in names:
         cells = []
         for n_layer in layers:
-            got = sorted(
-                ms for points in step_ms if (ms := points[name]["step_ms"].get(n_layer)) is not None
-            )
+            by_sweep = [points[name]["step_ms"].get(n_layer) for points in step_ms]
+            quiet = [ms for ms, b in zip(by_sweep, busy, strict=True) if ms is not None and not b]
+            got = sorted(quiet or [ms for ms in by_sweep if ms is not None])
             if not got:
                 cells.append("–")
                 continue
             text = f"{statistics.median(got):.1f} ({got[0]:.1f}–{got[-1]:.1f})"
             if len(got) < len(sweeps):
                 text += f", {len(got)} of {len(sweeps)}"
-            cells.append(text)
+            cells.append(text + ("" if quiet else " §"))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
 

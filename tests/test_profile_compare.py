@@ -57,7 +57,8 @@ def test_compare_reads_the_savings_of_several_sweeps(
         results["meta"]["other_cpu_share"] = 0.0  # not the load the fixture's sweep met here
         for r in results["rows"]:
             cost = {"naive": 10.0, "inplace": 10.0 - per_layer}.get(r["variant"], 9.0)
-            r["step_ms"]["median"] = 5.0 + cost * r["n_layer"] + (0.1 if r["n_layer"] == 2 else 0)
+            ms = 5.0 + cost * r["n_layer"] + (0.1 if r["n_layer"] == 2 else 0)
+            r["step_ms"].update(median=ms, p10=ms - 0.05, p90=ms + 0.05)
         folders.append(tmp_path / f"s{i}")
         folders[-1].mkdir()
         (folders[-1] / "results.json").write_text(json.dumps(results))
@@ -99,6 +100,8 @@ def test_compare_reads_the_savings_of_several_sweeps(
     assert profile_train.main(["--compare", *map(str, folders)]) == 0
     printed = capsys.readouterr().out
     assert f"`{folders[1]}`: " in printed and ", other processes 28% of the CPUs §" in printed
+    # Its step times too: inplace at L2 is 17.1 there, 23.1, 21.1 and 19.1 in the others
+    assert "| inplace | 13.0 (12.0–14.0), 3 of 4 | 21.1 (19.1–23.1), 3 of 4 |" in printed
     inplace = next(line for line in printed.split("## ")[3].splitlines() if "| inplace |" in line)
     cells = [c.strip() for c in inplace.strip("|").split("|")]
     assert cells[2].startswith("+4.00 ± ") and cells[2].endswith(" §")
