@@ -476,7 +476,9 @@ def _method(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
         "dtype by every path PyTorch offers here (`torch.mm`, i.e. the BLAS; on CPUs also "
         "oneDNN), the fastest taken." + causal_note(rows),
         "- **Backend check**: every pinned SDPA cell's trace must contain its backend's ATen op "
-        "(and, on CUDA, a kernel whose name matches it); otherwise the cell is marked failed.",
+        "(and, on CUDA, a kernel whose name matches the flash, efficient or cuDNN backend's; "
+        "the math backend's ops launch generic kernels, so its op alone is checked); otherwise "
+        "the cell is marked failed.",
         "- **Fits**: least squares of each metric against n_layer; the slope is the per-layer "
         "cost, ± its standard error, which has n − 2 degrees of freedom for n depths "
         f"({_interval_text(rows)}). "
