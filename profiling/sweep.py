@@ -126,8 +126,16 @@ class Sweep:
         self.dtype_name = dtype_name(config.train.dtype, self.amp_dtype)
         self.onednn = wants_onednn(config.train.cpu_linear, self.device, self.amp_dtype is not None)
         self.host_memory = "release"
-        if options.host_memory == "keep" and self.device.type == "cpu" and keep_freed_host_memory():
-            self.host_memory = "keep"
+        if options.host_memory == "keep" and self.device.type == "cpu":
+            if keep_freed_host_memory():
+                self.host_memory = "keep"
+            else:  # not silently: the report's page faults are then the C library's default
+                print(
+                    "note: --host-memory keep: this C library's malloc cannot be tuned "
+                    "(glibc's mallopt only); freed memory is left to it, as with "
+                    "--host-memory release",
+                    file=sys.stderr,
+                )
         self.out = options.out
         # Set once this sweep holds --out: what is there from then on is its own. Before, it
         # may be another sweep's, started a moment earlier with the same --out.

@@ -358,3 +358,33 @@ def test_other_load_counts_only_inside_its_windows() -> None:
     # The two windows' wall time, without the 0.3 s between them (a loose upper bound: a
     # busy machine may wake a sleeper late)
     assert 0.1 <= load._closed[2] < 0.4
+
+
+def test_host_memory_kept_where_malloc_cannot_be_tuned_says_so(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--host-memory keep (the default) on a C library whose malloc refuses the tuning: the
+    sweep records release, what it then measures, and says so instead of doing it silently."""
+    import profiling.sweep
+    from profiling.sweep import SweepOptions
+    from training.config import load_config
+
+    monkeypatch.setattr(profiling.sweep, "keep_freed_host_memory", lambda: False)
+    config_file = Path(__file__).resolve().parents[1] / "configs" / "profile.toml"
+    options = SweepOptions(
+        config_file=config_file,
+        out=tmp_path / "sweep",
+        data="synthetic",
+        steps=None,
+        warmup=1,
+        profile_steps=1,
+        peak_seconds=0.02,
+        traces=False,
+        trace_layers=frozenset(),
+        trace_stacks=False,
+        compile=None,
+        host_memory="keep",
+    )
+    swept = Sweep(load_config(config_file), options)
+    assert swept.meta["host_memory"] == "release" and swept.meta["heap_reserve_bytes"] is None
+    assert "--host-memory keep: this C library's malloc cannot be tuned" in capsys.readouterr().err
