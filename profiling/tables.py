@@ -370,8 +370,9 @@ def paired_table(rows: list[dict[str, Any]]) -> list[str]:
         "a round. The median over the rounds, in ms per step, with a 95% interval for it from the "
         "order statistics (it covers the median at least 95% of the time, more where rounds are "
         "few: from 6 to 8 it spans them all; it assumes nothing about how the times spread, only "
-        "that the rounds vary independently; under 6 rounds give none). An interval that excludes 0 is a saving "
-        "measured in this run; the ms/layer columns above are fitted across depths.",
+        "that the rounds vary independently; under 6 rounds give none). An interval that "
+        "excludes 0 is a saving measured in this run; the ms/layer columns above are fitted "
+        "across depths.",
         "",
         "| variant | " + " | ".join(f"L{n}" for n in layers) + " |",
         "|---|" + "---|" * len(layers),
