@@ -262,8 +262,10 @@ def _categorised(events: list) -> Iterator[tuple[Any, str | None, int, bool]]:
     for e in events:
         # --trace-stacks's Python frames run inside the ops they call back into Python from
         # (the oneDNN linear's wrapper): left out, so that an op's self time is the same with
-        # stacks or without, and no frame's time goes uncounted.
-        if not e.is_python_function():
+        # stacks or without, and no frame's time goes uncounted. Before torch 2.12 events()
+        # held no frames, and its events have no is_python_function.
+        python_frame = getattr(e, "is_python_function", None)
+        if python_frame is None or not python_frame():
             threads[e.start_thread_id()].append(e)
     for thread in threads.values():
         thread.sort(key=lambda e: (e.start_ns(), -e.end_ns()))  # parents before their children

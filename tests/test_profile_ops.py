@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -254,7 +255,19 @@ def test_an_ops_self_time_is_the_same_with_python_stacks_recorded() -> None:
         FakeEvent("mkldnn::_linear_pointwise", cpu, 200, 400),
     ]
     without = [e for e in with_stacks if not e.is_python_function()]
-    for events in (with_stacks, without):
+
+    class Torch211Event:  # before torch 2.12: no frames in events(), no is_python_function
+        def __init__(self, event: FakeEvent) -> None:
+            self.event = event
+
+        def __getattr__(self, name: str) -> Any:
+            if name == "is_python_function":
+                raise AttributeError(name)
+            return getattr(self.event, name)
+
+    older = [Torch211Event(e) for e in without]
+    assert not hasattr(older[0], "is_python_function")
+    for events in (with_stacks, without, older):
         seen = parse_events(events, torch.device("cpu"))
         assert seen.cpu_self_us["cpu_linear::linear"] == pytest.approx(0.2)  # 400 - 200 ns
         assert seen.cpu_self_us["mkldnn::_linear_pointwise"] == pytest.approx(0.2)
