@@ -225,6 +225,19 @@ def test_a_device_this_machine_lacks_is_a_config_error(name: str, says: str) -> 
     assert str(refused.value).startswith(f"--device={name!r}")
 
 
+@pytest.mark.parametrize(
+    ("cuda", "mps", "picked"),
+    [(True, True, "cuda"), (False, True, "mps"), (False, False, "cpu")],
+)
+def test_auto_picks_cuda_then_mps_then_the_cpu(
+    monkeypatch: pytest.MonkeyPatch, cuda: bool, mps: bool, picked: str
+) -> None:
+    """train.device=auto, the default: the first of cuda, mps and cpu that this machine has."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: mps)
+    assert pick_device("auto") == torch.device(picked)
+
+
 def test_no_cuda_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
     """train.device=cuda where CUDA is not there says why it is not, as far as torch can
     tell: a build without CUDA (the CPU wheel on a GPU machine), GPUs hidden, or none found."""
