@@ -275,9 +275,28 @@ def test_sample_dtype_overrides_the_runs_precision(
     assert "--dtype tf32: TF32 is a CUDA mode" in capsys.readouterr().err
 
 
-def test_sample_longer_than_the_context(base_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    text = sample_text(capsys, base_run, "--tokens", "50")  # block_size is 32
-    assert text.startswith("def ")
+def test_sample_longer_than_the_context(
+    base_run: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--tokens past block_size (32): every token asked for is drawn, the model seeing the
+    last block_size tokens at most."""
+    drawn, seen = [], []
+    generate, features = GPT.generate, GPT.features
+
+    def counted(self: GPT, idx: torch.Tensor, max_new_tokens: int, **kw: Any) -> torch.Tensor:
+        out = generate(self, idx, max_new_tokens, **kw)
+        drawn.append(out.shape[1] - idx.shape[1])
+        return out
+
+    def widths(self: GPT, idx: torch.Tensor) -> torch.Tensor:
+        seen.append(idx.shape[1])
+        return features(self, idx)
+
+    monkeypatch.setattr(GPT, "generate", counted)
+    monkeypatch.setattr(GPT, "features", widths)
+    text = sample_text(capsys, base_run, "--tokens", "50")
+    assert text.startswith("def ") and drawn == [50]
+    assert max(seen) == 32 and len(seen) == 50, seen
 
 
 @pytest.mark.parametrize(
