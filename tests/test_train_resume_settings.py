@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import train
-from tiny_runs import STEPS, copy_run, load_ckpt, run
+from tiny_runs import SHARED_OVERRIDES, STEPS, copy_run, eval_lines, load_ckpt, run, train_lines
 from training import checkpoint
 from training.config import TrainConfig, load_config
 from training.cpu_linear import onednn_unavailable_reason
@@ -142,6 +142,27 @@ def test_a_resume_that_splits_the_rows_otherwise_matches_only_without_dropout(
     assert "each step trains on the rows it would have drawn" in err, err
     assert said in err, err
     assert ("dropout" in err) == (dropout > 0), err
+
+
+def test_a_resume_that_splits_the_rows_otherwise_trains_as_the_run_that_never_stopped(
+    base_run: Path, data_root: Path, tmp_path: Path
+) -> None:
+    """What the message above says, done: stopped after 10 steps of 4 rows in one micro-batch,
+    resumed as 2 micro-batches of 2 rows, the run trains on the same rows and, without
+    dropout, reaches the losses of the run that never stopped, to rounding."""
+    out = tmp_path / "split"
+    assert run(data_root, out, *SHARED_OVERRIDES, "--stop-after", "10") == 0
+    more = ("--train.batch_size=2", "--train.grad_accum=2")
+    assert run(data_root, out, *SHARED_OVERRIDES, *more, "--resume") == 0
+    whole, split = train_lines(base_run), train_lines(out)
+    assert [r["step"] for r in split] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in split[:10]] == [r["loss"] for r in whole[:10]]
+    assert [r["loss"] for r in split[10:]] == pytest.approx(
+        [r["loss"] for r in whole[10:]], rel=1e-4
+    )
+    evals = {r["step"]: r["val_loss"] for r in eval_lines(out)}
+    for r in eval_lines(base_run):
+        assert evals[r["step"]] == pytest.approx(r["val_loss"], rel=1e-4)
 
 
 def test_a_resume_with_the_same_split_in_other_fields_says_nothing(
