@@ -8,6 +8,7 @@ import math
 import platform
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -424,9 +425,13 @@ def test_the_last_step_is_logged_whatever_the_interval(data_root: Path, tmp_path
 
 
 def test_step_time_excludes_evaluation(
-    data_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    data_root: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """Neither an evaluating step nor the step after it logs the evaluation's time."""
+    """Neither an evaluating step nor the step after it logs the evaluation's time; the line
+    that ends the run, this call's median step time to compare runs by, is theirs."""
     real = step.evaluate
     calls = []
 
@@ -439,12 +444,20 @@ def test_step_time_excludes_evaluation(
     monkeypatch.setattr(loop, "evaluate", slow_evaluate)
     out = tmp_path / "run"
     evals = ["--train.eval_interval=3", "--train.eval_batches=1", "--train.max_steps=5"]
+    capsys.readouterr()
     assert run(data_root, out, *evals) == 0
     assert len(calls) == 6  # steps 0, 3 and 5 evaluate, two calls each
     ms = {r["step"]: r["ms_per_step"] for r in train_lines(out)}
     # Step 3 evaluates and 4 follows (not 1 or 2: a loaded machine's first steps are slow);
     # a step of this model takes milliseconds, an evaluation here 3 s.
     assert ms[3] < 1500 and ms[4] < 1500, ms
+    median = statistics.median(ms.values())
+    tokens = 4 * 32 / median * 1e3  # tiny.toml: batch_size 4, block_size 32
+    said = f"naive, steps 1-5: median {median:.1f} ms/step, {tokens:,.0f} tokens/s\n"
+    assert said in capsys.readouterr().out
+    # Resumed, the line is of the steps this call took
+    assert run(data_root, out, *evals, "--train.max_steps=6", "--resume") == 0
+    assert "naive, step 6: median " in capsys.readouterr().out
 
 
 def test_fresh_run_starts_a_fresh_metrics_file(

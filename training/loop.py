@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -84,6 +85,7 @@ class Run:
     bpb_factor: float = field(init=False)  # val_loss (nats per token) -> bits per byte
     eval_micro_batches: int = field(init=False)
     to_means: Tensor = field(init=False)
+    step_seconds: list[float] = field(init=False, default_factory=list)  # this call's, as read
 
     def __post_init__(self) -> None:
         tc = self.config.train
@@ -164,6 +166,7 @@ class Run:
                     if self.signalled(stop):  # during the evaluation: saved with it
                         return self.stopped(stop, first_step, other_load)
             self.eval_and_save()
+        self.say_step_times()
         self.note_other_load(other_load)
         if self.master and self.step < tc.max_steps:
             print(
@@ -245,6 +248,7 @@ class Run:
         """Wait for a step's values, check, show and log them; True if a rank asked to stop."""
         tc = self.config.train
         (loss, stops, norm), seconds = pending.readout.read(following)
+        self.step_seconds.append(seconds)
         if not math.isfinite(loss):
             raise self.stopped_unsaved(f"loss is {loss} at step {pending.step}")
         if tc.grad_clip > 0 and not math.isfinite(norm):
@@ -351,6 +355,25 @@ class Run:
     def stopped_unsaved(self, what: str) -> TrainError:
         last = f"the last good one is {self.ckpt_path}" if self.ckpt_path.is_file() else "none yet"
         return TrainError(f"{what}; stopped without saving a checkpoint ({last})")
+
+    def say_step_times(self) -> None:
+        """This call's step times in one line (evaluations and saves not in them), to compare
+        runs by: their median, whatever the first steps' set-up cost, and its spread."""
+        if not self.master or not self.step_seconds:
+            return
+        ms = [s * 1e3 for s in self.step_seconds]
+        median = statistics.median(ms)
+        spread = ""
+        if len(ms) >= 10:
+            deciles = statistics.quantiles(ms, n=10)
+            spread = f" (p10 {deciles[0]:.1f}, p90 {deciles[-1]:.1f})"
+        steps = (
+            f"step {self.step}" if len(ms) == 1 else f"steps {self.step - len(ms) + 1}-{self.step}"
+        )
+        print(
+            f"{self.config.model.attention}, {steps}: median {median:.1f} ms/step{spread}, "
+            f"{self.tokens_per_step / median * 1e3:,.0f} tokens/s"
+        )
 
     def note_other_load(self, other_load: OtherLoad) -> None:
         """On a CPU, say when other processes took a large share of it: the step times, and
