@@ -11,12 +11,14 @@ from model.attention import VARIANTS, unknown_variant
 class GPTConfig:
     vocab_size: int = 2048  # tokenizer vocabulary; the LM head shares the embedding matrix
     block_size: int = 256  # longest context; sizes the position table and the causal mask
-    n_layer: int = 4  # transformer blocks; the depth axis along which per-layer costs compound
+    n_layer: int = 4  # transformer blocks; the depth axis along which per-layer costs add up
     n_head: int = 4  # attention heads; head size is n_embd // n_head
     n_embd: int = 128  # residual stream width
     dropout: float = 0.0  # on embeddings, attention probabilities and residual branches
     bias: bool = True  # biases in Linear and LayerNorm, as in GPT-2; False is a little faster
-    attention: str = "naive"  # a name from model.attention.VARIANTS
+    # A name from model.attention.VARIANTS. naive, the reference every other variant is checked
+    # and timed against, is the slowest; configs/default.toml trains sdpa.
+    attention: str = "naive"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
