@@ -16,6 +16,8 @@
 # offline, into a folder on PYTHONPATH (a system Python may refuse pip installs into itself).
 #
 #   bash scripts/gpu_check.sh OUT_DIR          (or: make gpu-check OUT=OUT_DIR)
+# OUT_DIR: new or empty; one an earlier gpu_check wrote is moved aside (OUT_DIR.earlier-TIME),
+# one that holds anything else is refused.
 set -uo pipefail
 OUT=${1:-gpu-check}
 OUT=${OUT%/}  # gpu-check/ as tab completion gives it: the archive and the move-aside go beside it
@@ -38,8 +40,13 @@ VARIANTS=${VARIANTS:-$("$PY" -c 'from model import VARIANTS; print(",".join(VARI
   exit 1
 }
 # A rerun into the same folder (a warm machine keeps it) moves the earlier run aside, whole:
-# the sweeps refuse a folder that holds one, and its log would be overwritten.
+# the sweeps refuse a folder that holds one, and its log would be overwritten. A folder that
+# holds something else is not this script's to move.
 if [ -d "$OUT" ] && [ -n "$(ls -A "$OUT")" ]; then
+  if [ ! -f "$OUT/gpu_check.log" ]; then
+    echo "error: $OUT holds files that are not an earlier gpu_check's; give a new or empty folder" >&2
+    exit 1
+  fi
   earlier="$OUT.earlier-$(date -u +%Y%m%dT%H%M%S)"
   mv "$OUT" "$earlier" && echo "gpu_check: the earlier run in $OUT is now in $earlier"
 fi

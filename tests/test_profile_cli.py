@@ -238,6 +238,32 @@ def test_a_gpu_check_without_cuda_says_so_and_touches_nothing(tmp_path: Path) ->
     assert (out / "gpu_check.log").read_text() == "the earlier run's log"
 
 
+def test_a_gpu_check_moves_aside_only_an_earlier_gpu_checks_folder(tmp_path: Path) -> None:
+    """OUT holding other files (a results folder, a home directory) is refused, not renamed:
+    past the CUDA check (a stand-in python that says CUDA is there), before anything runs."""
+    python = tmp_path / "python"
+    python.write_text(
+        f'#!/bin/bash\ncase "$*" in *cuda.is_available*) exit 0;; esac\nexec {sys.executable} "$@"\n'
+    )
+    python.chmod(0o755)
+    out = tmp_path / "results"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(out)],
+        env={**os.environ, "PYTHON": str(python), "VARIANTS": "naive"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1 and done.stdout == "", done.stdout
+    assert done.stderr == (
+        f"error: {out} holds files that are not an earlier gpu_check's; give a new or empty folder\n"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["python", "results"]
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+
+
 def test_a_gpu_check_counts_a_sweep_stopped_on_its_way_out_only_if_it_finished(
     tmp_path: Path,
 ) -> None:
