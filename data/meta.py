@@ -18,6 +18,7 @@ PROJECT = Path(__file__).resolve().parents[1]
 EOT = "<|endoftext|>"  # the separator prepare.py puts between documents, a special token
 EOT_ID = 0  # the tokenizer trainer gives special tokens the first ids
 MIN_VOCAB_SIZE = 256 + 1  # a byte-level tokenizer's least: every byte, plus EOT
+MAX_VOCAB_SIZE = 2**16  # ids are stored as uint16
 CORPUS_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # a plain folder name under data.root
 CORPUS_NAME_RULE = "a plain folder name: a letter or digit, then letters, digits, '.', '_' or '-'"
 
@@ -87,11 +88,13 @@ def file_sha256(path: Path) -> str:
 
 
 def prepare_command(corpus: Path, vocab_size: int | None = None) -> str:
-    """A command that makes the corpus folder `corpus` (from the stdlib, the offline source)."""
+    """A command that makes the corpus folder `corpus` (from the stdlib, the offline source),
+    with a tokenizer of the model's `vocab_size` where one can have it, else the most it can
+    (a model's vocabulary may be larger than its tokenizer's, as GPT-2's 50304 is)."""
     vocab = (
         []
         if vocab_size is None or vocab_size < MIN_VOCAB_SIZE
-        else ["--vocab-size", str(vocab_size)]
+        else ["--vocab-size", str(min(vocab_size, MAX_VOCAB_SIZE))]
     )
     return _command(corpus, ["--stdlib", *vocab])
 

@@ -106,7 +106,15 @@ from data.corpus import (
     load_text_files,
     stdlib_corpus,
 )
-from data.meta import CORPUS_NAME, CORPUS_NAME_RULE, EOT, EOT_ID, MIN_VOCAB_SIZE, file_sha256
+from data.meta import (
+    CORPUS_NAME,
+    CORPUS_NAME_RULE,
+    EOT,
+    EOT_ID,
+    MAX_VOCAB_SIZE,
+    MIN_VOCAB_SIZE,
+    file_sha256,
+)
 from data.store import (
     OUTPUT_FILES,
     ScratchFolder,
@@ -128,7 +136,6 @@ if TYPE_CHECKING:
     from datasets import Dataset
 
 DEFAULT_VOCAB_SIZE = 2048
-MAX_VOCAB_SIZE = 2**16  # ids are stored as uint16
 DEFAULT_VAL_FRACTION = 0.1
 DEFAULT_OUT_ROOT = Path("data")  # relative to the working directory, as data.root is
 # Bump when the files written, or how they are derived, change, so old data is rebuilt.

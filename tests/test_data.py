@@ -477,10 +477,12 @@ def test_cli_prepares_and_reports_errors_without_traceback(corpus: Path, tmp_pat
 
 
 def test_the_prepare_hint_asks_for_the_models_vocab_where_a_tokenizer_can_have_it() -> None:
-    from data.meta import MIN_VOCAB_SIZE, prepare_command
+    from data.meta import MAX_VOCAB_SIZE, MIN_VOCAB_SIZE, prepare_command
 
     assert f"--vocab-size {MIN_VOCAB_SIZE}" in prepare_command(Path("data/x"), MIN_VOCAB_SIZE)
     assert "--vocab-size" not in prepare_command(Path("data/x"), MIN_VOCAB_SIZE - 1)
+    # A model's vocabulary past what a uint16 id holds: the largest tokenizer, which it can use
+    assert prepare_command(Path("data/x"), 70000).endswith(f"--vocab-size {MAX_VOCAB_SIZE}")
     assert prepare_command(Path("data/x")) == "python data/prepare.py --name x --stdlib"
 
 
