@@ -69,8 +69,8 @@ SWEEP_SETS = {
     **{
         f"--train.{name}": f"--train.{name}: the sweep does not use it; {why}"
         for names, why in [
-            (
-                ("max_steps", "warmup_steps", "min_lr"),
+            (  # not min_lr: a lower train.lr needs one no higher to pass the config's check
+                ("max_steps", "warmup_steps"),
                 "its steps run at train.lr, with no schedule: --warmup, --steps and "
                 "--profile-steps set how many each cell runs",
             ),
