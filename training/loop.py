@@ -365,7 +365,7 @@ class Run:
         median = statistics.median(ms)
         spread = ""
         if len(ms) >= 10:
-            deciles = statistics.quantiles(ms, n=10)
+            deciles = statistics.quantiles(ms, n=10, method="inclusive")  # as numpy's default
             spread = f" (p10 {deciles[0]:.1f}, p90 {deciles[-1]:.1f})"
         steps = (
             f"step {self.step}" if len(ms) == 1 else f"steps {self.step - len(ms) + 1}-{self.step}"
