@@ -17,7 +17,7 @@ class GPTConfig:
     dropout: float = 0.0  # on embeddings, attention probabilities and residual branches
     bias: bool = True  # biases in Linear and LayerNorm, as in GPT-2; False is a little faster
     # A name from model.attention.VARIANTS. naive, the reference every other variant is checked
-    # and timed against, is the slowest; configs/default.toml trains sdpa.
+    # and timed against, is slower than SDPA's fused kernels; configs/default.toml trains sdpa.
     attention: str = "naive"
 
     def __post_init__(self) -> None:
