@@ -60,11 +60,10 @@ gpu-check:
 
 # Wheels of the tools gpu_check.sh needs, at the versions pinned here, for a GPU machine with
 # no network: carry .gpu-wheels there and run with WHEELS=.gpu-wheels. GPU_PY: its Python
-# (3.12 by default; an image that already has all four needs none). Downloads only: no .venv
-# (whose torch, on Linux, would be the several-GB CUDA build) is made for it.
+# (3.12 by default; an image that already has all four needs none).
 GPU_PY ?= 3.12
-gpu-wheels:
-	$(PYTHON_SYS) -m pip download --quiet --disable-pip-version-check --only-binary=:all: --python-version $(GPU_PY) \
+gpu-wheels: setup
+	$(PY) -m pip download --quiet --only-binary=:all: --python-version $(GPU_PY) \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
 		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 		-d .gpu-wheels $(shell grep -E '^(tqdm|pytest|matplotlib|numpy)==' requirements.txt)
