@@ -27,11 +27,18 @@ class DataError(RuntimeError):
     """A prepared corpus that is missing or too small for the run."""
 
 
+def corpus_name_problem(name: str) -> str | None:
+    """What is wrong with data.name=`name`, or None for a plain folder name."""
+    if CORPUS_NAME.fullmatch(name):
+        return None
+    return f"data.name={name!r}: a corpus name must be {CORPUS_NAME_RULE}"
+
+
 def load_meta(root: str | Path, name: str, vocab_size: int | None = None) -> dict[str, Any]:
     """The corpus's meta.json; the error for a missing one says how to prepare it. `name`
     must be a plain folder name: a path would read outside `root`, or the root itself."""
-    if not CORPUS_NAME.fullmatch(name):
-        raise DataError(f"data.name={name!r}: a corpus name must be {CORPUS_NAME_RULE}")
+    if (problem := corpus_name_problem(name)) is not None:
+        raise DataError(problem)
     path = Path(root) / name / "meta.json"
     if not path.is_file():
         too_few = vocab_size is not None and vocab_size < MIN_VOCAB_SIZE

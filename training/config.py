@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from console import is_utf8
-from data.meta import CORPUS_NAME, CORPUS_NAME_RULE
+from data.meta import corpus_name_problem
 from model import GPTConfig
 
 CPU_LINEAR = ("auto", "onednn", "torch")  # see cpu_linear.py
@@ -49,8 +49,8 @@ class DataConfig:
         # ~ expanded, as prepare.py's --out-root is: no shell does it in a TOML file or after
         # '=' (--data.root=~/corpora); ~nosuchuser is left as typed
         self.root = os.path.expanduser(self.root)
-        if not CORPUS_NAME.fullmatch(self.name):  # as load_meta checks: here, the file is named
-            raise ValueError(f"data.name={self.name!r}: a corpus name must be {CORPUS_NAME_RULE}")
+        if (problem := corpus_name_problem(self.name)) is not None:  # here, the file is named
+            raise ValueError(problem)
 
     @property
     def dir(self) -> Path:
