@@ -251,7 +251,8 @@ def test_plots_draw_each_variant_and_its_fitted_line(
     one = {**naive_vs_inplace, "rows": [r for r in rows if r["n_layer"] == 1]}
     one["fits"] = fits_by_label(one["rows"])
     plot_results(tmp_path, one, "setup")
-    (note,) = drawn["step_time_vs_layers.png"].texts
+    # (a sweep under load may add a second note, that some p90 bars run past the top)
+    (note,) = [t for t in drawn["step_time_vs_layers.png"].texts if "p90 bars" not in t.get_text()]
     assert "fitted" not in note.get_text() and "points shifted sideways" in note.get_text()
 
 
