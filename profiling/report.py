@@ -448,7 +448,8 @@ def _method(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
         + "; the variants of one depth run interleaved round by round, so machine drift "
         "hits all alike, "
         + round_order_text(meta, rows)
-        + ". Median with 10th/90th percentiles over the timed steps.",
+        + ". Median with 10th/90th percentiles over the timed steps (linear interpolation, "
+        "numpy's default rule).",
         *(_compile_time_lines(meta, rows) if any(r["compile"] for r in rows) else []),
         *host_memory_lines(meta, rows),
         *collection_lines(rows),

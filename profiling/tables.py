@@ -355,9 +355,23 @@ def paired_deepest(rows: list[dict[str, Any]]) -> list[str]:
 
 def paired_table(rows: list[dict[str, Any]]) -> list[str]:
     """The saving at each depth from the round-by-round pairs (analysis.paired_savings), with
-    its interval; [] for a sweep without them (no naive, or one that recorded no times_ms)."""
+    its interval; [] for a sweep with no pair to take (no naive beside another variant), one
+    line for one whose rows keep no `times_ms` to take them from."""
     paired = paired_savings(rows)
     if not paired:
+        measured = ok_rows(rows)
+        reference_of = baselines(measured)
+        names = {(label(r["variant"], r["compile"]), r["n_layer"]) for r in measured}
+        pairs = [
+            (name, n)
+            for name, n in names
+            if name != reference_of[name] and (reference_of[name], n) in names
+        ]
+        if pairs and not any(r.get("times_ms") for r in measured):
+            return [
+                "None: this sweep's rows keep no per-step times (`times_ms`, recorded by sweeps "
+                "made since commit 26cc8bc) to pair; the fitted savings above stand."
+            ]
         return []
     layers = sorted({n for by_layer in paired.values() for n in by_layer})
 
@@ -371,8 +385,9 @@ def paired_table(rows: list[dict[str, Any]]) -> list[str]:
         "order statistics (it covers the median at least 95% of the time, more where rounds are "
         "few: from 6 to 8 it spans them all; it assumes nothing about how the times spread, only "
         "that the rounds vary independently; under 6 rounds give none). An interval that "
-        "excludes 0 is a saving measured in this run; the ms/layer columns above are fitted "
-        "across depths.",
+        "excludes 0 is a saving measured in this run, though of many intervals about one in "
+        "twenty would exclude 0 by chance where there is no saving; the ms/layer columns above "
+        "are fitted across depths.",
         "",
         "| variant | " + " | ".join(f"L{n}" for n in layers) + " |",
         "|---|" + "---|" * len(layers),

@@ -78,6 +78,17 @@ def test_paired_savings_use_the_rounds() -> None:
     assert "| inplace | +0.45 [+0.10, +0.80] |" in "\n".join(paired_table(rows))
 
 
+def test_a_sweep_without_step_times_says_why_it_has_no_paired_savings() -> None:
+    """Sweeps made before rows kept their timed steps: the section says why it is empty,
+    where a sweep with no pair to take (no naive beside another variant) has none at all."""
+    rows = [timed_row(v, n, 10.0 * n) for v in ("naive", "sdpa") for n in (1, 2)]
+    assert "keep no per-step times" in "\n".join(paired_table(rows))
+    assert paired_table([r for r in rows if r["variant"] == "sdpa"]) == []
+    for row in rows:
+        row["times_ms"] = [row["step_ms"]["median"]] * 6
+    assert "keep no per-step times" not in "\n".join(paired_table(rows))
+
+
 @pytest.mark.parametrize(
     ("cells", "steps", "whole"), [(3, 9, False), (3, 12, True), (4, 8, True), (2, 5, False)]
 )
