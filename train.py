@@ -410,7 +410,7 @@ def _main(argv: list[str] | None) -> int:
         saved = out is not None and (out / CHECKPOINT).is_file()
         then = f"continue with {resume_hint(out)}" if saved else "run again"
         _say_error(
-            f"error: {what}; the last checkpoint, if any, is as it was: {fix or 'fix that'}, "
+            f"error: {what}; the last checkpoint saved, if any, is whole: {fix or 'fix that'}, "
             f"then {then}"
         )
         return 2

@@ -204,6 +204,24 @@ def test_sample_from_a_damaged_run_is_an_error_naming_the_file(
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
+def test_resume_from_nan_weights_is_an_error_naming_them(
+    base_run: Path, data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Not a step trained on them and then 'loss is nan; the last good one is ckpt.pt'."""
+    out = copy_run(base_run, tmp_path / "run")
+    ckpt = torch.load(out / checkpoint.CHECKPOINT, weights_only=True)
+    ckpt["model"]["lm_head.weight"][0, 0] = math.inf
+    torch.save(ckpt, out / checkpoint.CHECKPOINT)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+    assert run(data_root, out, f"--train.max_steps={STEPS + 2}", "--resume") == 2
+    err = error_of(capsys.readouterr().err)
+    # lm_head's weight is wte's (tied), which the state lists first
+    assert f"{out / 'ckpt.pt'} holds NaN or infinite weights, in wte.weight" in err
+    assert "nothing to resume" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
 @pytest.mark.parametrize(("edit", "named"), [("n_layer = 3", "n_layer"), ("n_head = 1", "n_head")])
 def test_sample_with_a_config_toml_edited_after_training_is_an_error(
     base_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], edit: str, named: str
@@ -332,6 +350,46 @@ def test_a_rewritten_file_keeps_its_mode(tmp_path: Path) -> None:
     assert raised.value.filename == str(folder) and not list(tmp_path.glob("*.tmp"))
 
 
+@pytest.mark.parametrize("name", ["config.toml", "metrics.jsonl.tmp", "ckpt.pt.tmp"])
+def test_a_folder_where_the_run_writes_a_file_is_named_before_it_trains(
+    data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture, name: str
+) -> None:
+    """Found at the first save, it would cost the training before it; and config.toml there is
+    not 'missing'."""
+    out = tmp_path / "run"
+    assert run(data_root, out, "--train.max_steps=2") == 0
+    saved = (out / checkpoint.CHECKPOINT).read_bytes()
+    (out / name).unlink(missing_ok=True)
+    (out / name).mkdir()
+    capsys.readouterr()
+    assert run(data_root, out, "--train.max_steps=4", "--resume") == 2
+    err = capsys.readouterr().err
+    assert f"{out / name} is a folder, where the run writes a file" in error_of(err)
+    assert "missing" not in err
+    assert (out / checkpoint.CHECKPOINT).read_bytes() == saved
+
+
+def test_a_leftover_at_the_temporary_name_is_replaced_not_written_through(
+    tmp_path: Path,
+) -> None:
+    """A write killed before its rename leaves ckpt.pt.tmp: the next write replaces it. A link
+    left at that name is replaced too, its target untouched; a folder there is named."""
+    path = tmp_path / "ckpt.pt"
+    (tmp_path / "ckpt.pt.tmp").write_bytes(b"half")
+    checkpoint.write_atomically(path, lambda f: f.write(b"one"))
+    assert path.read_bytes() == b"one" and not list(tmp_path.glob("*.tmp"))
+    elsewhere = tmp_path / "elsewhere.txt"
+    elsewhere.write_bytes(b"precious")
+    (tmp_path / "ckpt.pt.tmp").symlink_to(elsewhere)
+    checkpoint.write_atomically(path, lambda f: f.write(b"two"))
+    assert elsewhere.read_bytes() == b"precious"
+    assert path.read_bytes() == b"two" and not path.is_symlink()
+    (tmp_path / "ckpt.pt.tmp").mkdir()
+    with pytest.raises(checkpoint.CheckpointError, match=r"ckpt\.pt\.tmp"):
+        checkpoint.save_checkpoint(path, {})
+    assert path.read_bytes() == b"two" and (tmp_path / "ckpt.pt.tmp").is_dir()
+
+
 def test_a_second_process_on_a_run_in_progress_is_refused(
     data_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
@@ -455,6 +513,9 @@ def test_a_log_that_cannot_be_written_is_an_error_naming_it(
     capsys.readouterr()
     assert run(data_root, out, "--train.max_steps=4", "--train.eval_interval=2", "--resume") == 2
     err = error_of(capsys.readouterr().err)
-    assert f"File too large: {out / 'metrics.jsonl'}; the last checkpoint, if any, is as it" in err
+    assert (
+        f"File too large: {out / 'metrics.jsonl'}; the last checkpoint saved, if any, is whole"
+        in err
+    )
     assert f"raise the file-size limit (ulimit -f), then continue with --resume --out {out}" in err
     assert (out / checkpoint.CHECKPOINT).read_bytes() == saved

@@ -66,8 +66,16 @@ def write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
     mode (a file made private stays so): a crash mid-write leaves the old file whole; rename is
     atomic on POSIX. One writer at a time: train.py holds the run directory's lock."""
     tmp = path.with_name(path.name + ".tmp")
+    made = False
     try:
-        with open(tmp, "wb") as f:
+        # A leftover of a write killed before its rename goes; O_EXCL then makes sure the bytes
+        # go into a new file of this folder, not through a link left at that name to another.
+        if tmp.is_dir() and not tmp.is_symlink():
+            raise IsADirectoryError(errno.EISDIR, "a folder is where it writes first", str(tmp))
+        tmp.unlink(missing_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        made = True
+        with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
@@ -86,7 +94,8 @@ def write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
             raise
         raise OSError(e.errno, e.strerror or str(e), str(path)) from e
     finally:
-        tmp.unlink(missing_ok=True)
+        if made:
+            tmp.unlink(missing_ok=True)
 
 
 def first_non_finite(model: torch.nn.Module) -> str | None:
@@ -105,9 +114,11 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
         cause = _os_error_behind(e)
         if cause is None:
             raise
+        where = f": {cause.filename}" if cause.filename not in (None, str(path)) else ""
         raise CheckpointError(
-            f"could not write {path} ({cause.strerror or cause}); the checkpoint there before, "
-            "if any, is untouched: free space (or fix the folder) and continue with --resume"
+            f"could not write {path} ({cause.strerror or cause}{where}); the checkpoint there "
+            "before, if any, is untouched: free space (or fix the folder) and continue with "
+            "--resume"
         ) from e
 
 

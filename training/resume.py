@@ -16,7 +16,13 @@ import torch
 from data.loader import TokenBatches
 from data.meta import DataError, load_meta, rebuild_command
 from model import GPT
-from training.checkpoint import CHECKPOINT, CheckpointError, load_checkpoint, restoring
+from training.checkpoint import (
+    CHECKPOINT,
+    CheckpointError,
+    first_non_finite,
+    load_checkpoint,
+    restoring,
+)
 from training.config import Config, ConfigError, TrainConfig
 from training.cpu_linear import LINEAR_PATHS
 from training.optim import SCHEDULE_FIELDS, load_optimizer_state, lr_at
@@ -203,6 +209,12 @@ def restore_state(
     position; returns its step. A bad entry is an error naming it."""
     with restoring(ckpt_path, "model"):
         model.load_state_dict(ckpt["model"])
+    # train.py never saves them (it stops at the first NaN): edited, or written by another program
+    broken = first_non_finite(model)
+    if broken is not None:
+        raise CheckpointError(
+            f"{ckpt_path} holds NaN or infinite weights, in {broken}: there is nothing to resume"
+        )
     with restoring(ckpt_path, "optimizer"):
         load_optimizer_state(optimizer, ckpt["optimizer"], tc)
         # A checkpoint follows a step, which gave every parameter AdamW's moments: fewer

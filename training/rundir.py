@@ -79,6 +79,16 @@ def check_out_dir(out_dir: Path, config: Config, resume: bool) -> None:
         )
 
 
+def check_run_files(out_dir: Path) -> None:
+    """No folder stands where the run writes one of its files, or the temporary file it writes
+    first: the run would stop at that write, after training it then could not keep."""
+    for name in sorted(RUN_FILES - {CHECKPOINT, ".lock"}):  # open_run and the lock say theirs
+        if (path := out_dir / name).is_dir():
+            raise RunDirError(
+                f"{path} is a folder, where the run writes a file; move it away, then run again"
+            )
+
+
 def _check_not_a_file(out_dir: Path) -> None:
     if out_dir.exists() and not out_dir.is_dir():
         raise RunDirError(f"--out {out_dir} is a file; give a run directory")
@@ -297,6 +307,7 @@ def run_config(out: Path, config_file: Path | None, overrides: list[str], resume
     back to that file's values), with the overrides given now on top; otherwise --config's.
     Without config.toml, the config ckpt.pt records is the run's."""
     saved = out / "config.toml"
+    check_run_files(out)
     if not resume:
         return load_config(config_file, overrides)
     _check_not_a_file(out)  # said as such, not as a missing out/ckpt.pt
