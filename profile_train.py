@@ -279,6 +279,8 @@ def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
             _alone(args, overrides, "--compare", ("compare",), "reads the sweeps as measured")
             say(compare_folders(args.compare), end="")
             return 0
+        if args.config is not None and not is_utf8(str(args.config)):  # the report names it
+            raise ConfigError(f"--config {str(args.config)!r}: not valid UTF-8; rename the file")
         config = load_config(args.config, overrides)
         default_out = args.out is None
         args.out = args.out or _default_out(args.config)

@@ -87,6 +87,13 @@ def test_an_out_folder_that_cannot_be_written_is_refused_before_measuring(
     assert profile_train.main(["--variants", "naive", "--layers", "1", "--out", undecodable]) == 2
     assert "not valid UTF-8; give another folder" in capsys.readouterr().err
     assert not Path(undecodable).exists()
+    # So is a config file's, which the report names too (it failed writing results.csv)
+    config = Path(os.fsdecode(bytes(tmp_path / "c") + b"\xff.toml"))
+    shutil.copyfile(ROOT / "configs" / "profile.toml", config)
+    argv = ["--config", str(config), "--variants", "naive", "--layers", "1"]
+    assert profile_train.main([*argv, "--out", str(tmp_path / "o")]) == 2
+    assert "--config" in (err := capsys.readouterr().err) and "not valid UTF-8" in err
+    assert not (tmp_path / "o").exists()
 
 
 @pytest.mark.png  # its plots, with a failed cell among the rows, rendered for real
