@@ -262,6 +262,12 @@ def test_a_batch_larger_than_the_corpus_is_an_error(
     assert run(data_root, tmp_path / "run", "--train.batch_size=100000000") == 2
     err = error_of(capsys.readouterr().err)
     assert "train.batch_size=100000000" in err and "lower train.batch_size" in err
+    # The same through the micro-batches a global batch makes: the step-0 evaluation of
+    # eval_batches x that many would have run for hours
+    assert run(data_root, tmp_path / "run2", "--train.global_batch_size=40000000") == 2
+    err = error_of(capsys.readouterr().err)
+    assert "x 10000000 micro-batches" in err and "lower train.global_batch_size" in err
+    assert not (tmp_path / "run2" / "metrics.jsonl").exists()
 
 
 def test_data_vocab_larger_than_the_model_is_an_error(
