@@ -50,6 +50,19 @@ def is_utf8(text: str) -> bool:
     return True
 
 
+def cannot_show(e: UnicodeEncodeError, what: str) -> str:
+    """Why `what` could not be written to stdout, and the fix: a character its encoding lacks
+    (PYTHONIOENCODING), or bytes of a name given on the command line that are not UTF-8, which
+    Python holds as lone surrogates and no encoding writes."""
+    chars = e.object[e.start : e.end]
+    if not is_utf8(chars) and e.encoding.replace("-", "").lower() == "utf8":
+        return f"{what} holds {chars!r}, bytes of a name that are not UTF-8; give UTF-8 names"
+    return (
+        f"stdout's encoding, {e.encoding}, cannot show {what} ({chars!r}); "
+        "set PYTHONIOENCODING=utf-8"
+    )
+
+
 class Droppable:
     """A stream whose failed writes are dropped, not raised, and after the first, not tried:
     for progress bars, which must not stop the work they show where stderr is gone

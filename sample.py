@@ -34,7 +34,7 @@ import torch
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from console import StdoutClosed, cli_path, say, stdout_closed
+from console import StdoutClosed, cannot_show, cli_path, say, stdout_closed
 from data.meta import EOT, file_sha256
 from model import GPT, VARIANTS
 from training.checkpoint import (
@@ -422,11 +422,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         say()
     except UnicodeEncodeError as e:  # the prompt is checked: this is stdout's encoding
-        print(
-            f"error: stdout's encoding, {e.encoding}, cannot show the sampled text "
-            f"({e.object[e.start : e.end]!r}); set PYTHONIOENCODING=utf-8",
-            file=sys.stderr,
-        )
+        print(f"error: {cannot_show(e, 'the sampled text')}", file=sys.stderr)
         return 2
     except (*USER_ERRORS, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -23,7 +23,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from console import StdoutClosed, cli_path, dropping, first_line, one_line, stdout_closed
+from console import (
+    StdoutClosed,
+    cannot_show,
+    cli_path,
+    dropping,
+    first_line,
+    one_line,
+    stdout_closed,
+)
 from data.loader import TokenBatches
 from data.meta import DataError, check_vocab
 from training.checkpoint import (
@@ -434,8 +442,7 @@ def _main(argv: list[str] | None) -> int:
     except UnicodeEncodeError as e:  # a line stdout's encoding lacks a character of: a path's
         saved = out is not None and (out / CHECKPOINT).is_file()
         _say_error(
-            f"error: stdout's encoding, {e.encoding}, cannot show a line of the run "
-            f"({e.object[e.start : e.end]!r}); set PYTHONIOENCODING=utf-8, then "
+            f"error: {cannot_show(e, 'a line of the run')}, then "
             + (f"continue with {resume_hint(out)}" if saved else "run again")
         )
         return 2

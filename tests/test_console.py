@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from console import cli_path, first_line, stdout_closed
+from console import cannot_show, cli_path, first_line, stdout_closed
 
 
 def test_stdout_closed_where_stdout_has_no_descriptor(capsys: pytest.CaptureFixture[str]) -> None:
@@ -22,3 +22,21 @@ def test_cli_path_expands_what_no_shell_did() -> None:
 def test_first_line_names_an_error_without_a_message() -> None:
     assert first_line(ValueError("bad value\nsecond line")) == "bad value"
     assert first_line(ValueError("  ")) == "ValueError"
+
+
+def test_what_stdout_cannot_show_is_blamed_on_the_encoding_or_on_a_name() -> None:
+    """A character the encoding lacks: PYTHONIOENCODING. A name given in bytes that are not
+    UTF-8 (held as lone surrogates, which no encoding writes): not the encoding's fault."""
+
+    def error(text: str, encoding: str) -> UnicodeEncodeError:
+        with pytest.raises(UnicodeEncodeError) as raised:
+            text.encode(encoding)
+        return raised.value
+
+    said = cannot_show(error("caf\u00e9", "ascii"), "the text")
+    assert (
+        said
+        == "stdout's encoding, ascii, cannot show the text ('\u00e9'); set PYTHONIOENCODING=utf-8"
+    )
+    said = cannot_show(error("runs/\udcffx", "utf-8"), "a line")
+    assert said == "a line holds '\\udcff', bytes of a name that are not UTF-8; give UTF-8 names"
