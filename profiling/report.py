@@ -467,7 +467,7 @@ def _method(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
         f"- **Peak memory**: {meta.get('resident', 'parameters and optimizer state')} resident "
         "before the step, plus the step's own peak above that: on CUDA from the caching "
         "allocator (`max_memory_allocated`) over one more step, on CPU from the profiler's "
-        "allocation events in the profiled step"
+        "allocation events in the profiled step; tensor bytes, not the process's RSS"
         + ("; on MPS not measured (no allocator peak)." if meta["device"] == "mps" else "."),
         "- **FLOPs and MFU**: `torch.utils.flop_counter` over one eager `naive` step at each depth"
         + flop_count_text(meta)
