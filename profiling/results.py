@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -42,7 +43,7 @@ def _is(what: str, holds: Callable[[Any], bool]) -> Check:
 
 
 def _number(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _count(v: Any) -> bool:
@@ -82,6 +83,9 @@ def _fields(checks: dict[str, Check]) -> Check:
 
 _TEXT = _is("text", lambda v: isinstance(v, str))
 _NUMBER = _is("a number", _number)
+# A cell's outcome: measured; failed (its reason); out of memory; a variant that cannot run
+# here; or stopped part-way by an interruption (its steps kept)
+STATUSES = ("ok", "failed", "oom", "unsupported", "interrupted")
 _COUNT = _is("a whole number", _count)
 _BY_NAME = _each(_NUMBER)
 
@@ -92,7 +96,7 @@ ROW_FIELDS: dict[str, Check] = {
     "variant": _TEXT,
     "n_layer": _is("a whole number of 1 or more", lambda v: _count(v) and v >= 1),
     "compile": _is("true or false", lambda v: isinstance(v, bool)),
-    "status": _TEXT,
+    "status": _is("one of " + ", ".join(STATUSES), lambda v: isinstance(v, str) and v in STATUSES),
     "reason": _TEXT,
     "step_ms": _fields({"median": _NUMBER, "p10": _NUMBER, "p90": _NUMBER, "n": _COUNT}),
     "tokens_per_s": _NUMBER,

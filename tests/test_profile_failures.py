@@ -7,6 +7,7 @@ import contextlib
 import errno
 import fcntl
 import json
+import math
 import os
 import re
 import shutil
@@ -482,6 +483,14 @@ def test_damaged_results_json_is_an_error_not_a_traceback(
         (lambda r: r["rows"][0].update(step_ms=None), "rows[0] (naive L1): status is 'ok' but"),
         (lambda r: r["rows"][2].pop("status"), "rows[2] (sdpa-math L1) has no 'status'"),
         (lambda r: r["rows"][2].update(compile="no"), 'rows[2]: compile is "no", not true or'),
+        (
+            lambda r: r["rows"][2].update(status="weird"),
+            'status is "weird", not one of ok, failed, oom, unsupported, interrupted',
+        ),
+        (
+            lambda r: r["rows"][2].update(peak_mem_bytes=math.inf),
+            "rows[2] (sdpa-math L1): peak_mem_bytes is Infinity, not a number",
+        ),
         (lambda r: r["rows"][1].update(n_layer=0), "rows[1]: n_layer is 0, not a whole number"),
         (lambda r: r["rows"][4]["step_ms"].pop("n"), "rows[4] (inplace L2): step_ms.n is missing"),
         (
