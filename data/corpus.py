@@ -103,6 +103,8 @@ def _expand_files(patterns: Sequence[str]) -> list[Path]:
                 raise PrepareError(
                     f"{pattern!r} is a directory; pass a glob like '{pattern}/*.txt'"
                 )
+            if path.exists() and not path.is_file():  # a device, a pipe: no corpus to hash
+                raise PrepareError(f"{pattern!r} is not a regular file")
             if not path.is_file():
                 raise PrepareError(f"file {pattern!r} does not exist")
             matches = [path]

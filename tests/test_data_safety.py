@@ -266,6 +266,7 @@ def test_a_killed_runs_temporary_files_go_with_the_next_build(corpus: Path, tmp_
         ({"files": ["{corpus}/*.nothing"]}, r"glob '.*\*\.nothing' matched no files"),
         ({"files": ["{corpus}/missing.txt"]}, r"file '.*missing\.txt' does not exist"),
         ({"files": ["{corpus}"]}, r"is a directory"),
+        ({"files": ["/dev/null"]}, r"'/dev/null' is not a regular file"),
         ({"files": ["{corpus}/*.txt", "{corpus}/empty.md"]}, r"empty\.md is empty; every input"),
         (
             {"files": ["{corpus}/*.txt", "{corpus}/empty.md", "{corpus}/empty2.md"]},
