@@ -281,6 +281,8 @@ def load_results(folder: Path, flag: str) -> dict:
             f"{flag} {folder}: a sweep (pid {running}) is still writing there; its report.md "
             "is redrawn after every cell: read that, or wait for it to end"
         )
+    if path.exists() and not path.is_file():
+        raise ConfigError(f"{path} is not a file: not a results.json of profile_train.py")
     if not path.is_file():
         raise ConfigError(f"{flag} {folder}: no results.json there")
     try:

@@ -462,6 +462,13 @@ def test_damaged_results_json_is_an_error_not_a_traceback(
         assert profile_train.main(["--report", str(tmp_path)]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and expect in err and "results.json" in err, err
+    # A folder named results.json: said so, not "no results.json there"
+    (tmp_path / "results.json").unlink()
+    (tmp_path / "results.json").mkdir()
+    assert profile_train.main(["--report", str(tmp_path)]) == 2
+    assert f"{tmp_path / 'results.json'} is not a file" in capsys.readouterr().err
+    (tmp_path / "results.json").rmdir()
+    (tmp_path / "results.json").write_text("{}")
     # Not a folder at all: said so, not "no results.json there"
     results = tmp_path / "results.json"
     for flag, then in (("--report", []), ("--compare", [str(tmp_path)])):  # named first
