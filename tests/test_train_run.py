@@ -222,10 +222,13 @@ def test_out_that_is_a_file_or_holds_corpora_is_refused(
     """A run written into a corpus would overwrite its tokenizer.json with the run's."""
     a_file = tmp_path / "notes.txt"
     a_file.write_text("mine")
+    dangling = tmp_path / "link"
+    dangling.symlink_to(tmp_path / "gone")
     before = {p: p.read_bytes() for p in data_root.rglob("*") if p.is_file()}
     for out, named in [
         (a_file, "is a file"),
         (a_file / "run", "cannot make the directory"),
+        (dangling, f"is a link to {tmp_path / 'gone'}, which does not exist"),
         (data_root / "tiny", "holds prepared corpora"),  # the corpus trained on
         (data_root / "other", "holds prepared corpora"),  # another one
         (data_root, "holds prepared corpora"),

@@ -271,6 +271,10 @@ def lock_run_dir(
             try:
                 out_dir.mkdir(parents=True, exist_ok=True)
             except OSError as e:  # a file on the path, a dangling link, no permission
+                if out_dir.is_symlink() and not out_dir.exists():  # mkdir says "exists" of it
+                    raise RunDirError(
+                        f"--out {out_dir} is a link to {os.readlink(out_dir)}, which does not exist"
+                    ) from None
                 raise RunDirError(
                     f"--out {out_dir}: cannot make the directory ({e.strerror})"
                 ) from None
