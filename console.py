@@ -55,7 +55,7 @@ def cannot_show(e: UnicodeEncodeError, what: str) -> str:
     (PYTHONIOENCODING), or bytes of a name given on the command line that are not UTF-8, which
     Python holds as lone surrogates and no encoding writes."""
     chars = e.object[e.start : e.end]
-    if not is_utf8(chars) and e.encoding.replace("-", "").lower() == "utf8":
+    if not is_utf8(chars):
         return f"{what} holds {chars!r}, bytes of a name that are not UTF-8; give UTF-8 names"
     return (
         f"stdout's encoding, {e.encoding}, cannot show {what} ({chars!r}); "

@@ -38,5 +38,8 @@ def test_what_stdout_cannot_show_is_blamed_on_the_encoding_or_on_a_name() -> Non
         said
         == "stdout's encoding, ascii, cannot show the text ('\u00e9'); set PYTHONIOENCODING=utf-8"
     )
-    said = cannot_show(error("runs/\udcffx", "utf-8"), "a line")
-    assert said == "a line holds '\\udcff', bytes of a name that are not UTF-8; give UTF-8 names"
+    for encoding in ("utf-8", "ascii"):
+        said = cannot_show(error("runs/\udcffx", encoding), "a line")
+        assert (
+            said == "a line holds '\\udcff', bytes of a name that are not UTF-8; give UTF-8 names"
+        )
