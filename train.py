@@ -135,17 +135,25 @@ def token_batches(
     }
 
 
-def check_step_tokens(config: Config, meta: dict[str, Any], grad_accum: int, ranks: int) -> None:
-    """A step of more tokens than the train split holds is surely a typo (the loader refuses such
-    a batch; this is the same for the micro-batches a global batch makes): each evaluation reads
-    train.eval_batches x those micro-batches, and would run for hours before the first step."""
+def check_step_tokens(
+    config: Config, meta: dict[str, Any], grad_accum: int, ckpt: dict[str, Any] | None
+) -> None:
+    """One process's step of more tokens than the train split holds is surely a typo
+    (global_batch_size=4000000): each evaluation reads train.eval_batches x its micro-batches,
+    and would run for hours before the first step. The loader refuses a micro-batch that large;
+    this is the same for the micro-batches a step makes. A resume with the batch its run had
+    is not refused now: the run chose it."""
     tc = config.train
-    tokens = tc.batch_size * grad_accum * ranks * config.model.block_size
+    batch = ("batch_size", "grad_accum", "global_batch_size")
+    before = (ckpt or {}).get("config", {}).get("train", {})
+    if ckpt is not None and all(before.get(k) == getattr(tc, k) for k in batch):
+        return
+    tokens = tc.batch_size * grad_accum * config.model.block_size
     held = meta["splits"]["train"]["tokens"]
     if grad_accum > 1 and tokens > held:
         raise DataError(
-            f"train.batch_size={tc.batch_size} x {grad_accum} micro-batches x {ranks} rank(s) x "
-            f"model.block_size={config.model.block_size} is {tokens:,} tokens a step, more than "
+            f"train.batch_size={tc.batch_size} x {grad_accum} micro-batches x model.block_size="
+            f"{config.model.block_size} is {tokens:,} tokens a step in each process, more than "
             f"{config.data.dir / 'train.bin'} holds ({held:,}): lower train.global_batch_size "
             "(or train.grad_accum)"
         )
@@ -241,7 +249,7 @@ def _train(
     # before the model's vocab_size is checked against it: that advice is for new runs.
     ckpt_path, ckpt = open_run(out_dir, config, meta["tokenizer_sha256"], resume)
     check_vocab(meta, config.model.vocab_size, config.data.name)
-    check_step_tokens(config, meta, grad_accum, world_size)
+    check_step_tokens(config, meta, grad_accum, ckpt)
     if ckpt is not None:
         check_seed(ckpt, tc.seed, out_dir)
     # On CPU, which nn.Linear ran: train.cpu_linear=auto picks by CPU, so a run resumed on

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shlex
 from pathlib import Path
@@ -40,6 +41,8 @@ def load_meta(root: str | Path, name: str, vocab_size: int | None = None) -> dic
     if (problem := corpus_name_problem(name)) is not None:
         raise DataError(problem)
     path = Path(root) / name / "meta.json"
+    if os.path.isfile(root):  # else the hint would prepare into --out-root FILE, which fails
+        raise DataError(f"data.root {str(root)!r} is a file; give the folder of corpora")
     if not path.is_file():
         too_few = vocab_size is not None and vocab_size < MIN_VOCAB_SIZE
         raise DataError(

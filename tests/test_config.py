@@ -166,11 +166,6 @@ BAD = {
         ["did you mean --config configs/tiny.toml"],
     ),
     "n_head-not-dividing": (None, ["--model.n_head=3"], ["model.n_embd", "n_head"]),
-    "data-root-a-file": (
-        None,
-        ["--data.root=configs/tiny.toml"],
-        ["data.root 'configs/tiny.toml' is a file; give the folder of corpora"],
-    ),
     "unknown-variant": (
         None,
         ["--model.attention=bogus"],

@@ -7,6 +7,7 @@ import itertools
 import json
 import shlex
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ import torch
 
 import train
 from data import meta as data_meta
+from data.meta import DataError
 from data.prepare import prepare, split_documents
 from tiny_runs import (
     CUDA_ONLY,
@@ -31,6 +33,7 @@ from tiny_runs import (
     run_argv,
 )
 from training import checkpoint
+from training.config import load_config
 from training.probe import unavailable_reason
 
 # tiny_runs.py's stand-in, for every test here.
@@ -130,6 +133,12 @@ def test_missing_corpus_hints_at_prepare(
     assert "--vocab-size 512" in err and f"--out-root {data_root}" in err
     assert not (tmp_path / "run").exists()
     assert "to resume" not in err
+    # data.root naming a file: said, not a prepare into --out-root FILE, which prepare refuses
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("")
+    assert run(data_root, tmp_path / "run", f"--data.root={a_file}") == 2
+    err = error_of(capsys.readouterr().err)
+    assert f"data.root '{a_file}' is a file; give the folder of corpora" in err
 
 
 def test_run_from_another_folder_the_hints_say_where_they_looked_and_what_to_run(
@@ -268,6 +277,16 @@ def test_a_batch_larger_than_the_corpus_is_an_error(
     err = error_of(capsys.readouterr().err)
     assert "x 10000000 micro-batches" in err and "lower train.global_batch_size" in err
     assert not (tmp_path / "run2" / "metrics.jsonl").exists()
+    # A resume keeps the batch its run chose (made before this check, or on fewer ranks); one
+    # that changes it is checked as a new run is
+    config = load_config(TINY, ["--train.global_batch_size=40000000"])
+    corpus = {"splits": {"train": {"tokens": 1000}}}
+    grad_accum = config.train.micro_batches(1)
+    ran = {"config": {"train": asdict(config.train)}}
+    train.check_step_tokens(config, corpus, grad_accum, ran)
+    ran["config"]["train"]["global_batch_size"] = 8
+    with pytest.raises(DataError, match="tokens a step in each process"):
+        train.check_step_tokens(config, corpus, grad_accum, ran)
 
 
 def test_data_vocab_larger_than_the_model_is_an_error(

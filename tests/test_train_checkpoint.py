@@ -220,6 +220,15 @@ def test_resume_from_nan_weights_is_an_error_naming_them(
     assert f"{out / 'ckpt.pt'} holds NaN or infinite weights, in wte.weight" in err
     assert "nothing to resume" in err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    # The same for AdamW's moments
+    ckpt["model"]["lm_head.weight"][0, 0] = 0.0
+    next(iter(ckpt["optimizer"]["state"].values()))["exp_avg_sq"][0] = math.nan
+    torch.save(ckpt, out / checkpoint.CHECKPOINT)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert run(data_root, out, f"--train.max_steps={STEPS + 2}", "--resume") == 2
+    err = error_of(capsys.readouterr().err)
+    assert "NaN or infinite optimizer state" in err and "optimizer" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
 @pytest.mark.parametrize(("edit", "named"), [("n_layer = 3", "n_layer"), ("n_head = 1", "n_head")])

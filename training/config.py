@@ -51,8 +51,6 @@ class DataConfig:
         self.root = os.path.expanduser(self.root)
         if (problem := corpus_name_problem(self.name)) is not None:  # here, the file is named
             raise ValueError(problem)
-        if Path(self.root).is_file():  # else "prepare it with --out-root FILE", which fails
-            raise ValueError(f"data.root {self.root!r} is a file; give the folder of corpora")
 
     @property
     def dir(self) -> Path:

@@ -224,6 +224,9 @@ def restore_state(
         params = len(list(model.parameters()))
         if have != params:
             raise ValueError(f"it holds AdamW's moments for {have} of {params} parameters")
+        state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+        if any(not t.isfinite().all() for t in state):
+            raise ValueError("it holds NaN or infinite optimizer state: there is nothing to resume")
     with restoring(ckpt_path, "data"):
         train_batches.load_state_dict(ckpt["data"])
     return ckpt["step"]

@@ -83,7 +83,7 @@ def check_run_files(out_dir: Path) -> None:
     """No folder stands where the run writes one of its files, or the temporary file it writes
     first: the run would stop at that write, after training it then could not keep."""
     for name in sorted(RUN_FILES - {CHECKPOINT, ".lock"}):  # open_run and the lock say theirs
-        if (path := out_dir / name).is_dir():
+        if (path := out_dir / name).is_dir() and not path.is_symlink():  # a link is replaced
             raise RunDirError(
                 f"{path} is a folder, where the run writes a file; move it away, then run again"
             )
