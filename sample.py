@@ -34,7 +34,7 @@ import torch
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from console import StdoutClosed, cannot_show, cli_path, say, stdout_closed
+from console import StdoutClosed, cannot_show, cli_path, is_utf8, say, stdout_closed
 from data.meta import EOT, file_sha256
 from model import GPT, VARIANTS
 from training.checkpoint import (
@@ -397,6 +397,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {flag} {value}: {problem}", file=sys.stderr)
             return 2
 
+    if not is_utf8(str(args.run)):  # the tokenizer library cannot open such a path
+        print(
+            f"error: --run {str(args.run)!r}: not valid UTF-8; rename the folder", file=sys.stderr
+        )
+        return 2
     printed: list[str] = []  # the text so far, as it is sampled
 
     def stream(piece: str) -> None:

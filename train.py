@@ -29,6 +29,7 @@ from console import (
     cli_path,
     dropping,
     first_line,
+    is_utf8,
     one_line,
     stdout_closed,
 )
@@ -422,6 +423,8 @@ def _main(argv: list[str] | None) -> int:
         # runs/<config name>; the built-in defaults are not configs/default.toml, so not
         # runs/default, where `make train` keeps that config's run.
         out = args.out or Path("runs") / (args.config.stem if args.config else "builtin")
+        if not is_utf8(str(out)):  # sample.py could not open it: tokenizers takes UTF-8 paths
+            raise TrainError(f"--out {str(out)!r}: not valid UTF-8; give another folder")
         saved = out / "config.toml"
         config_read = None
         if args.resume and saved.is_file():

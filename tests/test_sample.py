@@ -402,6 +402,10 @@ def test_sample_to_a_full_disk_or_a_stdout_that_cannot_encode_says_so(
     err = capsys.readouterr().err
     assert "error: stdout's encoding, ascii, cannot show the sampled text" in err
     assert "PYTHONIOENCODING=utf-8" in err
+    # A run folder whose name is not UTF-8, which the tokenizer library cannot open: said so
+    undecodable = os.fsdecode(bytes(base_run) + b"\xff")
+    assert sample.main(["--run", undecodable, "--tokens", "2"]) == 2
+    assert "not valid UTF-8; rename the folder" in capsys.readouterr().err
 
 
 def test_a_healed_prompt_is_shown_whole_before_the_first_draw(base_run: Path) -> None:

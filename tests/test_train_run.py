@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import math
+import os
 import platform
 import shutil
 import signal
@@ -229,6 +230,7 @@ def test_out_that_is_a_file_or_holds_corpora_is_refused(
         (a_file, "is a file"),
         (a_file / "run", "cannot make the directory"),
         (dangling, f"is a link to {tmp_path / 'gone'}, which does not exist"),
+        (Path(os.fsdecode(bytes(tmp_path / "r") + b"\xff")), "not valid UTF-8; give another"),
         (data_root / "tiny", "holds prepared corpora"),  # the corpus trained on
         (data_root / "other", "holds prepared corpora"),  # another one
         (data_root, "holds prepared corpora"),
