@@ -19,7 +19,7 @@ import torch
 
 from console import one_line
 from profiling.analysis import label
-from profiling.measure import summarize_ms
+from training.metrics import summarize_ms
 
 # What a row keeps where another backend than the variant's ran: which cell it is, what ran
 # (the backend, ops, kernels, trace: they show why) and the step's counted FLOPs. Every other

@@ -11,7 +11,6 @@ import itertools
 import os
 import re
 import shutil
-import statistics
 import sys
 import time
 from collections import Counter, defaultdict
@@ -70,15 +69,6 @@ def timed(fn: Callable[[], object], device: torch.device) -> float:
     fn()
     synchronize(device)
     return time.perf_counter() - t0
-
-
-def summarize_ms(seconds: list[float]) -> dict[str, float | int]:
-    """Median and 10th/90th percentiles in milliseconds."""
-    ms = sorted(s * 1e3 for s in seconds)
-    if len(ms) == 1:
-        return {"median": ms[0], "p10": ms[0], "p90": ms[0], "n": 1}
-    deciles = statistics.quantiles(ms, n=10, method="inclusive")
-    return {"median": statistics.median(ms), "p10": deciles[0], "p90": deciles[-1], "n": len(ms)}
 
 
 def matmul_peaks(

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import os
-import statistics
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -21,7 +20,7 @@ from model import GPT
 from training.checkpoint import first_non_finite, rng_states, save_checkpoint, write_atomically
 from training.config import Config
 from training.host import OtherLoad
-from training.metrics import MetricsLog
+from training.metrics import MetricsLog, summarize_ms
 from training.optim import lr_at
 from training.rundir import resume_hint
 from training.runtime import StepReadout, StopSignal, agreed_signal, stop_cause
@@ -361,15 +360,10 @@ class Run:
         runs by: their median, whatever the first steps' set-up cost, and its spread."""
         if not self.master or not self.step_seconds:
             return
-        ms = [s * 1e3 for s in self.step_seconds]
-        median = statistics.median(ms)
-        spread = ""
-        if len(ms) >= 10:
-            deciles = statistics.quantiles(ms, n=10, method="inclusive")  # as numpy's default
-            spread = f" (p10 {deciles[0]:.1f}, p90 {deciles[-1]:.1f})"
-        steps = (
-            f"step {self.step}" if len(ms) == 1 else f"steps {self.step - len(ms) + 1}-{self.step}"
-        )
+        times = summarize_ms(self.step_seconds)
+        median, n = times["median"], times["n"]
+        spread = f" (p10 {times['p10']:.1f}, p90 {times['p90']:.1f})" if n >= 10 else ""
+        steps = f"step {self.step}" if n == 1 else f"steps {self.step - n + 1}-{self.step}"
         print(
             f"{self.config.model.attention}, {steps}: median {median:.1f} ms/step{spread}, "
             f"{self.tokens_per_step / median * 1e3:,.0f} tokens/s"

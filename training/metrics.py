@@ -7,12 +7,23 @@ writes them on rank 0 only. docs/training.md lists the fields.
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from training.checkpoint import write_atomically
+
+
+def summarize_ms(seconds: list[float]) -> dict[str, float | int]:
+    """Median and 10th/90th percentiles in milliseconds (inclusive, as numpy's default rule):
+    the profiler's step times and a training call's."""
+    ms = sorted(s * 1e3 for s in seconds)
+    if len(ms) == 1:
+        return {"median": ms[0], "p10": ms[0], "p90": ms[0], "n": 1}
+    deciles = statistics.quantiles(ms, n=10, method="inclusive")
+    return {"median": statistics.median(ms), "p10": deciles[0], "p90": deciles[-1], "n": len(ms)}
 
 
 def start_metrics(path: Path, resume_step: int | None, complete: bool = False) -> None:
