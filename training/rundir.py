@@ -159,16 +159,21 @@ def run_lock(out_dir: Path) -> Iterator[None]:
         yield
 
 
+def _dangling_link(out: Path) -> str | None:
+    """What to say of --out where it is a link to nothing (mkdir says only that it exists)."""
+    if out.is_symlink() and not out.exists():
+        return f"--out {out} is a link to {os.readlink(out)}, which does not exist"
+    return None
+
+
 def make_sweep_folder(out: Path, exclusive: bool) -> None:
     """A sweep's --out folder, made (`exclusive`: one that exists is another sweep's, an error),
     and checked writable before anything is measured."""
     try:
         out.mkdir(parents=True, exist_ok=not exclusive)
     except FileExistsError:
-        if out.is_symlink() and not out.exists():  # mkdir says "exists" of it
-            raise ConfigError(
-                f"--out {out} is a link to {os.readlink(out)}, which does not exist"
-            ) from None
+        if (dangling := _dangling_link(out)) is not None:
+            raise ConfigError(dangling) from None
         raise ConfigError(
             f"{out} was taken by another sweep started at the same time; run again"
         ) from None
@@ -271,10 +276,8 @@ def lock_run_dir(
             try:
                 out_dir.mkdir(parents=True, exist_ok=True)
             except OSError as e:  # a file on the path, a dangling link, no permission
-                if out_dir.is_symlink() and not out_dir.exists():  # mkdir says "exists" of it
-                    raise RunDirError(
-                        f"--out {out_dir} is a link to {os.readlink(out_dir)}, which does not exist"
-                    ) from None
+                if (dangling := _dangling_link(out_dir)) is not None:
+                    raise RunDirError(dangling) from None
                 raise RunDirError(
                     f"--out {out_dir}: cannot make the directory ({e.strerror})"
                 ) from None
