@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from data.meta import DataError, rebuild_hint, token_file_problem
+from data.meta import TOKEN_DTYPE, DataError, rebuild_hint, token_file_problem
 
 
 class TokenBatches:
@@ -43,7 +43,7 @@ class TokenBatches:
         problem = token_file_problem(path, expected_tokens)
         if problem is not None:
             raise DataError(f"{problem}; {rebuild_hint(path.parent)}")
-        self.tokens = np.memmap(path, dtype=np.uint16, mode="r")
+        self.tokens = np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
         if len(self.tokens) < block_size + 1:
             raise DataError(
                 f"{path} holds {len(self.tokens)} tokens, fewer than block_size + 1 = "

@@ -20,6 +20,7 @@ EOT = "<|endoftext|>"  # the separator prepare.py puts between documents, a spec
 EOT_ID = 0  # the tokenizer trainer gives special tokens the first ids
 MIN_VOCAB_SIZE = 256 + 1  # a byte-level tokenizer's least: every byte, plus EOT
 MAX_VOCAB_SIZE = 2**16  # ids are stored as uint16
+TOKEN_DTYPE = "uint16"  # meta.json's "dtype": what the token files hold
 CORPUS_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # a plain folder name under data.root
 CORPUS_NAME_RULE = "a plain folder name: a letter or digit, then letters, digits, '.', '_' or '-'"
 
@@ -68,6 +69,12 @@ def load_meta(root: str | Path, name: str, vocab_size: int | None = None) -> dic
         ) from None
     if not all(isinstance(n, int) and n >= 0 for n in counts):
         raise DataError(f"{path} is damaged (counts {counts}); {rebuild_hint(path.parent)}")
+    if meta.get("dtype", TOKEN_DTYPE) != TOKEN_DTYPE:  # the loader maps every file as uint16
+        raise DataError(
+            f"{path} says its token files hold {meta['dtype']!r}; this project reads "
+            f"{TOKEN_DTYPE} token files, as data/prepare.py writes them: "
+            + rebuild_hint(path.parent)
+        )
     tokenizer = path.parent / "tokenizer.json"
     if not tokenizer.is_file():
         raise DataError(

@@ -113,6 +113,7 @@ from data.meta import (
     EOT_ID,
     MAX_VOCAB_SIZE,
     MIN_VOCAB_SIZE,
+    TOKEN_DTYPE,
     file_sha256,
 )
 from data.store import (
@@ -456,7 +457,7 @@ def _write_tokens(tokenizer: Tokenizer, documents: "Dataset", path: Path, split:
         for texts in _text_batches(documents):
             encodings = tokenizer.encode_batch(texts, add_special_tokens=False)
             ids = itertools.chain.from_iterable((*enc.ids, EOT_ID) for enc in encodings)
-            array = np.fromiter(ids, dtype=np.uint16)
+            array = np.fromiter(ids, dtype=TOKEN_DTYPE)
             out.write(memoryview(array))  # not tofile: its OSError on a full disk has no errno
             n_tokens += len(array)
             n_bytes += sum(len(text.encode("utf-8")) for text in texts)
@@ -489,7 +490,7 @@ def _write_outputs(
             "vocab_size": tokenizer.get_vocab_size(),  # may be below the request on tiny corpora
             "eot_id": EOT_ID,
             "eot_token": EOT,
-            "dtype": "uint16",
+            "dtype": TOKEN_DTYPE,
             "content_sha256": content_sha256,
             "tokenizer_sha256": file_sha256(temporary["tokenizer.json"]),
             "splits": counts,

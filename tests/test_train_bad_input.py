@@ -60,6 +60,7 @@ def test_onednn_linears_where_they_cannot_run_are_a_config_error(
         ("train.bin deleted", "train.bin is missing"),
         ("meta.json cut short", "meta.json is damaged (JSONDecodeError"),
         ("meta.json without splits", "meta.json is damaged (KeyError"),
+        ("meta.json saying uint32", "meta.json says its token files hold 'uint32'; this"),
         ("tokenizer.json deleted", "has no tokenizer.json"),
         ("tokenizer.json cut short", "tokenizer.json is not the tokenizer meta.json records"),
         ("train.bin holding an id beyond the tokenizer", "is id 60000, beyond its tokenizer's"),
@@ -88,6 +89,8 @@ def test_a_damaged_corpus_is_an_error_naming_the_file(
             ids.tofile(corpus / "train.bin")
         case "meta.json cut short":
             meta.write_text(meta.read_text()[:40])
+        case "meta.json saying uint32":
+            meta.write_text(json.dumps(json.loads(meta.read_text()) | {"dtype": "uint32"}))
         case "meta.json without splits":
             meta.write_text(
                 json.dumps({k: v for k, v in json.loads(meta.read_text()).items() if k != "splits"})
