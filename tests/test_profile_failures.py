@@ -75,6 +75,11 @@ def test_an_out_folder_that_cannot_be_written_is_refused_before_measuring(
     assert profile_train.main(["--variants", "naive", "--layers", "1", "--out", str(dangling)]) == 2
     err = capsys.readouterr().err
     assert f"--out {dangling} is a link to {tmp_path / 'gone'}, which does not exist" in err
+    # Or a folder above it: mkdir's "File exists" read as another sweep's doing
+    below = dangling / "sweep"
+    assert profile_train.main(["--variants", "naive", "--layers", "1", "--out", str(below)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {below}: {dangling} is a link to {tmp_path / 'gone'}, which does not" in err
     # A file is named as one; a name that is not UTF-8 (the report names the folder) refused
     (tmp_path / "afile").write_text("")
     assert (

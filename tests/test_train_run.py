@@ -225,11 +225,15 @@ def test_out_that_is_a_file_or_holds_corpora_is_refused(
     a_file.write_text("mine")
     dangling = tmp_path / "link"
     dangling.symlink_to(tmp_path / "gone")
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop.name)  # resolving it raised RuntimeError, a traceback
     before = {p: p.read_bytes() for p in data_root.rglob("*") if p.is_file()}
     for out, named in [
         (a_file, "is a file"),
         (a_file / "run", "cannot make the directory"),
         (dangling, f"is a link to {tmp_path / 'gone'}, which does not exist"),
+        (dangling / "run", f"run: {dangling} is a link to {tmp_path / 'gone'}, which does not"),
+        (loop, "is a link to loop, which cannot be followed (Too many levels of symbolic links)"),
         (Path(os.fsdecode(bytes(tmp_path / "r") + b"\xff")), "not valid UTF-8; give another"),
         (data_root / "tiny", "holds prepared corpora"),  # the corpus trained on
         (data_root / "other", "holds prepared corpora"),  # another one

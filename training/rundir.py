@@ -11,6 +11,7 @@ train.py calls these before its first step; errors name the directory or file at
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import shlex
@@ -59,6 +60,8 @@ RUN_FILES = frozenset(
 def check_out_dir(out_dir: Path, config: Config, resume: bool) -> None:
     """`out_dir` is a directory for a run, or can be made one; not a corpus folder, nor, for a
     new run, a folder of other files (`--out .` would write the run among a project's)."""
+    if (broken := _broken_link(out_dir)) is not None:
+        raise RunDirError(broken)
     _check_not_a_file(out_dir)
     if (out_dir / "meta.json").exists() or out_dir.resolve() == Path(config.data.root).resolve():
         # Writing a run there would overwrite a corpus's tokenizer.json with this one's.
@@ -159,25 +162,34 @@ def run_lock(out_dir: Path) -> Iterator[None]:
         yield
 
 
-def _dangling_link(out: Path) -> str | None:
-    """What to say of --out where it is a link to nothing (mkdir says only that it exists)."""
-    if out.is_symlink() and not out.exists():
-        return f"--out {out} is a link to {os.readlink(out)}, which does not exist"
+def _broken_link(out: Path) -> str | None:
+    """What to say where --out, or a folder above it, is a link to nothing or into a loop of
+    links: mkdir calls such a link existing (or another sweep's), and resolving a loop raises."""
+    for path in (out, *out.parents):
+        if not path.is_symlink():
+            continue
+        try:
+            path.stat()
+        except OSError as e:
+            gone = e.errno == errno.ENOENT
+            what = "which does not exist" if gone else f"which cannot be followed ({e.strerror})"
+            where = "" if path == out else f": {path}"
+            return f"--out {out}{where} is a link to {os.readlink(path)}, {what}"
     return None
 
 
 def make_sweep_folder(out: Path, exclusive: bool) -> None:
     """A sweep's --out folder, made (`exclusive`: one that exists is another sweep's, an error),
     and checked writable before anything is measured."""
+    if (broken := _broken_link(out)) is not None:
+        raise ConfigError(broken)
     try:
         out.mkdir(parents=True, exist_ok=not exclusive)
     except FileExistsError:
-        if (dangling := _dangling_link(out)) is not None:
-            raise ConfigError(dangling) from None
         raise ConfigError(
             f"{out} was taken by another sweep started at the same time; run again"
         ) from None
-    except OSError as e:  # a file on the path, a dangling link, no permission
+    except OSError as e:  # a file on the path, no permission
         raise ConfigError(f"--out {out}: cannot make the folder ({e.strerror})") from None
     try:  # an empty folder that exists may still be read-only: know before measuring
         tempfile.TemporaryFile(dir=out).close()
@@ -275,9 +287,7 @@ def lock_run_dir(
             made_lock = not (out_dir / ".lock").exists()
             try:
                 out_dir.mkdir(parents=True, exist_ok=True)
-            except OSError as e:  # a file on the path, a dangling link, no permission
-                if (dangling := _dangling_link(out_dir)) is not None:
-                    raise RunDirError(dangling) from None
+            except OSError as e:  # a file on the path, no permission
                 raise RunDirError(
                     f"--out {out_dir}: cannot make the directory ({e.strerror})"
                 ) from None
