@@ -6,6 +6,7 @@ import errno
 import math
 import os
 import shutil
+import stat
 import struct
 import zipfile
 from pathlib import Path
@@ -528,3 +529,26 @@ def test_a_log_that_cannot_be_written_is_an_error_naming_it(
     )
     assert f"raise the file-size limit (ulimit -f), then continue with --resume --out {out}" in err
     assert (out / checkpoint.CHECKPOINT).read_bytes() == saved
+
+
+def test_a_flush_that_fails_after_the_rename_says_the_new_checkpoint_is_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the folder's fsync failing: the old checkpoint is gone, so the error must not call
+    it untouched."""
+    path = tmp_path / "ckpt.pt"
+    checkpoint.save_checkpoint(path, {"step": 1})
+    real_fsync = os.fsync
+
+    def folder_fsync_fails(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EIO, "Input/output error")
+        real_fsync(fd)
+
+    monkeypatch.setattr(checkpoint.os, "fsync", folder_fsync_fails)
+    with pytest.raises(checkpoint.CheckpointError) as raised:
+        checkpoint.save_checkpoint(path, {"step": 2})
+    said = str(raised.value)
+    assert said.startswith(f"wrote {path}, but could not flush its folder to disk (Input/output")
+    assert "untouched" not in said and "the new checkpoint is in place" in said
+    assert torch.load(path)["step"] == 2 and not list(tmp_path.glob("*.tmp"))

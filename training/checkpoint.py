@@ -61,6 +61,11 @@ def provenance() -> dict[str, str | None]:
     return {"torch": str(torch.__version__), "python": platform.python_version(), "commit": commit}
 
 
+class UnsyncedWrite(OSError):
+    """The new file replaced the old one, but the rename could not be flushed to disk (an
+    fsync of its folder failed): a power cut may still undo it."""
+
+
 def write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
     """`write` into a temporary file, flush it to disk, then rename it over `path`, keeping its
     mode (a file made private stays so): a crash mid-write leaves the old file whole; rename is
@@ -82,11 +87,14 @@ def write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
         if path.exists():
             shutil.copymode(path, tmp)
         os.replace(tmp, path)
-        directory = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
+        try:  # make the rename itself durable
+            directory = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(directory)
+            finally:
+                os.close(directory)
+        except OSError as e:
+            raise UnsyncedWrite(e.errno, e.strerror or str(e), str(path)) from e
     except OSError as e:
         # A failed write (a full disk) names no file, and a failed rename (onto a folder of
         # that name) names the temporary file first: the error names `path`.
@@ -106,14 +114,21 @@ def first_non_finite(model: torch.nn.Module) -> str | None:
 
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
     """Write the checkpoint atomically (write_atomically). A write that fails for want of space
-    or access is a CheckpointError that says the previous checkpoint is untouched; any other
-    failure is raised as it is."""
+    or access is a CheckpointError that says the previous checkpoint is untouched (or, where
+    only the flush after the rename failed, that the new one is in place); any other failure
+    is raised as it is."""
     try:
         write_atomically(path, lambda f: torch.save(state, f))
     except (OSError, RuntimeError) as e:  # torch.save reports a short write as RuntimeError
         cause = _os_error_behind(e)
         if cause is None:
             raise
+        if isinstance(cause, UnsyncedWrite):
+            raise CheckpointError(
+                f"wrote {path}, but could not flush its folder to disk ({cause.strerror}): the "
+                "new checkpoint is in place, though a power cut may undo it; check the disk, "
+                "then continue with --resume"
+            ) from e
         where = f": {cause.filename}" if cause.filename not in (None, str(path)) else ""
         raise CheckpointError(
             f"could not write {path} ({cause.strerror or cause}{where}); the checkpoint there "
