@@ -111,10 +111,14 @@ class GPT(nn.Module):
 
     def flops_per_token(self) -> int:
         """Matmul FLOPs of one training step (forward and backward) per token of block_size
-        context: 6N for the weights plus 12 * n_layer * block_size * n_embd for attention's
-        two (T, T) products over the full T x T, as nanoGPT and PaLM count them."""
+        context: 6N for the N weights that multiply (the linear layers' and the tied head's:
+        not biases, norms or the position table, which nanoGPT's N includes), plus
+        12 * n_layer * block_size * n_embd for attention's two (T, T) products over the full
+        T x T, as nanoGPT and PaLM count them. The profiler's FLOP counter gets the same."""
         c = self.config
-        return 6 * self.num_params() + 12 * c.n_layer * c.block_size * c.n_embd
+        matmul_weights = sum(p.numel() for p in self.parameters() if p.dim() == 2)
+        matmul_weights -= self.wpe.weight.numel()  # looked up, not multiplied
+        return 6 * matmul_weights + 12 * c.n_layer * c.block_size * c.n_embd
 
     def attention_mask(self, T: int) -> Mask:
         """The causal mask for length T in the form this model's attention variant takes."""
