@@ -456,6 +456,12 @@ def unattributed_lines(rows: list[dict[str, Any]]) -> list[str]:
     ]
 
 
+def _percent(x: float) -> str:
+    """x as a percentage, to one decimal, or two significant figures below 1% (a tiny test
+    sweep's MFU), where one decimal would read the same for both numbers compared."""
+    return f"{100 * x:.1f}%" if x >= 0.01 else f"{100 * x:.2g}%"
+
+
 def causal_note(rows: list[dict[str, Any]]) -> str:
     """What MFU would read with attention's masked half left out, for the best measured cell."""
     cells = [r for r in ok_rows(rows) if r.get("mfu") and r.get("attention_flops_per_step")]
@@ -468,8 +474,8 @@ def causal_note(rows: list[dict[str, Any]]) -> str:
     return (
         f" Attention's T×T products are {share:.1%} of the count at L{deepest}; with only their "
         f"causal half counted, {label(best['variant'], best['compile'])} at L{deepest} would "
-        f"read {causal:.1%} MFU instead of {best['mfu']:.1%}. The half is a convention, not "
-        "what a kernel does: a causal kernel skips only the blocks wholly above the diagonal, "
-        "so it computes more than half, how much more depending on its block sizes and the "
-        "sequence length."
+        f"read {_percent(causal)} MFU instead of {_percent(best['mfu'])}. The half is a "
+        "convention, not what a kernel does: a causal kernel skips only the blocks wholly "
+        "above the diagonal, so it computes more than half, how much more depending on its "
+        "block sizes and the sequence length."
     )

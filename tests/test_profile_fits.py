@@ -382,3 +382,6 @@ def test_causal_mfu_is_called_a_convention() -> None:
     note = causal_note([row])
     assert "would read 40.5% MFU instead of 45.0%" in note
     assert "convention" in note and "block sizes" in note and "about half" not in note
+    # A tiny sweep's MFU: not "0.2% MFU instead of 0.2%"
+    note = causal_note([row | {"mfu": 0.0021}])
+    assert "would read 0.19% MFU instead of 0.21%" in note
