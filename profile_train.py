@@ -147,7 +147,13 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         help=f"timed steps per cell (default: {MIN_TIMED_STEPS}, rounded up to whole sets of the "
         "round orders that balance the cells)",
     )
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps per cell before timing")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=3,
+        help="steps per cell before the timed ones, left out of the step time (the first one's "
+        "time gives a compiled cell's compile time)",
+    )
     p.add_argument(
         "--profile-steps", type=int, default=1, help="active steps in the profiled window"
     )
