@@ -69,7 +69,7 @@ def load_meta(root: str | Path, name: str, vocab_size: int | None = None) -> dic
         ) from None
     if not all(isinstance(n, int) and n >= 0 for n in counts):
         raise DataError(f"{path} is damaged (counts {counts}); {rebuild_hint(path.parent)}")
-    if meta.get("dtype", TOKEN_DTYPE) != TOKEN_DTYPE:  # the loader maps every file as uint16
+    if not holds_token_dtype(meta):
         raise DataError(
             f"{path} says its token files hold {meta['dtype']!r}; this project reads "
             f"{TOKEN_DTYPE} token files, as data/prepare.py writes them: "
@@ -93,6 +93,12 @@ def load_meta(root: str | Path, name: str, vocab_size: int | None = None) -> dic
             + rebuild_hint(path.parent)
         )
     return meta
+
+
+def holds_token_dtype(meta: dict[str, Any]) -> bool:
+    """Whether meta.json's token files are of TOKEN_DTYPE, the one the loader maps them as (a
+    meta.json without "dtype" is an older prepare's, which wrote the same)."""
+    return meta.get("dtype", TOKEN_DTYPE) == TOKEN_DTYPE
 
 
 def file_sha256(path: Path) -> str:

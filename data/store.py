@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from data.corpus import PrepareError, sha256_text
-from data.meta import file_sha256, token_file_problem
+from data.meta import file_sha256, holds_token_dtype, token_file_problem
 
 OUTPUT_FILES = ("tokenizer.json", "train.bin", "val.bin")  # meta.json is written last
 
@@ -163,7 +163,7 @@ def is_complete(out_dir: Path, content_sha256: str) -> bool:
     """Whether out_dir already holds whole outputs for exactly these inputs and settings."""
     try:
         meta = json.loads((out_dir / "meta.json").read_text())
-        if meta["content_sha256"] != content_sha256:
+        if meta["content_sha256"] != content_sha256 or not holds_token_dtype(meta):
             return False
         for split in ("train", "val"):
             if token_file_problem(out_dir / f"{split}.bin", meta["splits"][split]["tokens"]):

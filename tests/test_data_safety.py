@@ -65,6 +65,12 @@ def test_rerun_reuses_and_changes_rebuild(
     prepare("tiny", files=files, vocab_size=VOCAB, out_root=tmp_path)
     assert "reusing" not in capsys.readouterr().out
     assert (out / "tokenizer.json").read_bytes() == tokenizer  # the same, made again
+    # A meta.json naming token files of another dtype, which the loader refuses: made again,
+    # as that refusal's advice says
+    (out / "meta.json").write_text(json.dumps(read_meta(out) | {"dtype": "uint32"}))
+    prepare("tiny", files=files, vocab_size=VOCAB, out_root=tmp_path)
+    assert "reusing" not in capsys.readouterr().out
+    assert read_meta(out)["dtype"] == "uint16"
     before = mtimes(out)
 
     # The same documents from a copied folder: reused, and meta.json says where they are now.
