@@ -142,6 +142,11 @@ def test_missing_corpus_hints_at_prepare(
     assert run(data_root, tmp_path / "run", f"--data.root={a_file}") == 2
     err = error_of(capsys.readouterr().err)
     assert f"data.root '{a_file}' is a file; give the folder of corpora" in err
+    # A loop of links: no corpus there, not a traceback from resolving it
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop.name)
+    assert run(data_root, tmp_path / "run", f"--data.root={loop}") == 2
+    assert f"no prepared corpus at {loop}/tiny/" in error_of(capsys.readouterr().err)
 
 
 def test_run_from_another_folder_the_hints_say_where_they_looked_and_what_to_run(
