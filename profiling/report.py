@@ -265,7 +265,8 @@ def write_report(
 
 def replace_file(path: Path, text: str) -> None:
     """`path` replaced whole (write_atomically): a reader never sees half a file, and a failed
-    write (a full disk) names the file and leaves the one there before."""
+    write (a full disk) names the file and leaves the one there before (unless only the flush
+    after the rename failed: then the new one is there)."""
     write_atomically(path, lambda f: f.write(text.encode("utf-8")))  # the CSV's \r\n as made
 
 

@@ -69,7 +69,9 @@ class UnsyncedWrite(OSError):
 def write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
     """`write` into a temporary file, flush it to disk, then rename it over `path`, keeping its
     mode (a file made private stays so): a crash mid-write leaves the old file whole; rename is
-    atomic on POSIX. One writer at a time: train.py holds the run directory's lock."""
+    atomic on POSIX. Only where the folder's fsync after the rename fails is the new file in
+    place when this raises (UnsyncedWrite). One writer at a time: train.py holds the run
+    directory's lock."""
     tmp = path.with_name(path.name + ".tmp")
     made = False
     try:
@@ -124,10 +126,11 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
         if cause is None:
             raise
         if isinstance(cause, UnsyncedWrite):
+            fix = _WRITE_FIXES.get(cause.errno, "check the disk")
             raise CheckpointError(
                 f"wrote {path}, but could not flush its folder to disk ({cause.strerror}): the "
-                "new checkpoint is in place, though a power cut may undo it; check the disk, "
-                "then continue with --resume"
+                f"new checkpoint is in place, though a power cut may undo it; {fix}, then "
+                "continue with --resume"
             ) from e
         where = f": {cause.filename}" if cause.filename not in (None, str(path)) else ""
         raise CheckpointError(
