@@ -151,8 +151,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         "--warmup",
         type=int,
         default=3,
-        help="steps per cell before the timed ones, left out of the step time (the first one's "
-        "time gives a compiled cell's compile time)",
+        help="steps per cell before the timed ones, left out of the step time (a compiled "
+        "cell's compile time is its first step's excess over the median)",
     )
     p.add_argument(
         "--profile-steps", type=int, default=1, help="active steps in the profiled window"

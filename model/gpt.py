@@ -111,8 +111,8 @@ class GPT(nn.Module):
 
     def flops_per_token(self) -> int:
         """Matmul FLOPs of one training step (forward and backward) per token of block_size
-        context: 6N for the N weights that multiply (the linear layers' and the tied head's:
-        not biases, norms or the position table, which nanoGPT's N includes), plus
+        context: 6N for the N weights that multiply (the linear layers' and the tied head's;
+        nanoGPT's N, also without the position table, counts biases and norms too), plus
         12 * n_layer * block_size * n_embd for attention's two (T, T) products over the full
         T x T, as nanoGPT and PaLM count them. The profiler's FLOP counter gets the same."""
         c = self.config

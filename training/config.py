@@ -94,7 +94,7 @@ class TrainConfig:
     # dense bf16); 0: none. metrics.jsonl logs the job's achieved TFLOP/s, and MFU against this
     # times the number of ranks.
     peak_tflops: float = 0.0
-    sample_tokens: int = 200  # tokens sampled when a run ends (`make train`'s sample); 0: none
+    sample_tokens: int = 200  # tokens sampled when a run reaches max_steps; 0: none
     sample_prompt: str = "def"  # no trailing space: a space begins the next word's token
 
     def __post_init__(self) -> None:
