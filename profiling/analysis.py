@@ -22,6 +22,14 @@ def cell_name(row: dict[str, Any]) -> str:
     return f"{label(row['variant'], row['compile'])} L{row['n_layer']}"
 
 
+def mfu_text(mfu: float | None) -> str:
+    """An MFU as the report writes it: a percentage to one decimal, or to two significant
+    figures below 1% (a tiny test sweep's), where one decimal would read alike; – for none."""
+    if not mfu:
+        return "–"
+    return f"{100 * mfu:.1f}%" if mfu >= 0.01 else f"{100 * mfu:.2g}%"
+
+
 def labels(rows: list[dict[str, Any]]) -> list[str]:
     """The labels of the rows, each once, in the order the sweep ran them."""
     return list(dict.fromkeys(label(r["variant"], r["compile"]) for r in rows))

@@ -6,7 +6,15 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from profiling.analysis import baselines, describe_diff, label, labels, ok_rows, op_diff
+from profiling.analysis import (
+    baselines,
+    describe_diff,
+    label,
+    labels,
+    mfu_text,
+    ok_rows,
+    op_diff,
+)
 from profiling.names import CATEGORIES, OTHER, kernel_label, time_split, unnumbered
 
 
@@ -59,7 +67,7 @@ def _time_line(name: str, r: dict[str, Any], profile_steps: int) -> str:
     of = (lambda ms: f" ({100 * ms / median:.0f}%)") if median else (lambda ms: "")
     parts = ", ".join(f"{k} {ms:.1f} ms{of(ms)}" for k, ms in split.items())
     what = "Kernel time" if cuda else "Operators' self time"
-    mfu = f", MFU {100 * r['mfu']:.1f}%" if r.get("mfu") else ""
+    mfu = f", MFU {mfu_text(r['mfu'])}" if r.get("mfu") else ""
     line = f"- **{name}** at L{r['n_layer']}{mfu}: "
     if median:
         line += f"timed median {median:.1f} ms, the base of the percentages. "

@@ -10,7 +10,7 @@ import statistics
 from collections import Counter
 from typing import Any
 
-from profiling.analysis import balanced_orders, cell_name, label, ok_rows
+from profiling.analysis import balanced_orders, cell_name, label, mfu_text, ok_rows
 
 # The profiler's schedule: steps it skips, then steps it records and drops, before the active
 # window whose events are counted. A cell runs PROFILE_LEAD_STEPS + --profile-steps of them.
@@ -456,12 +456,6 @@ def unattributed_lines(rows: list[dict[str, Any]]) -> list[str]:
     ]
 
 
-def _percent(x: float) -> str:
-    """x as a percentage, to one decimal, or two significant figures below 1% (a tiny test
-    sweep's MFU), where one decimal would read the same for both numbers compared."""
-    return f"{100 * x:.1f}%" if x >= 0.01 else f"{100 * x:.2g}%"
-
-
 def causal_note(rows: list[dict[str, Any]]) -> str:
     """What MFU would read with attention's masked half left out, for the best measured cell."""
     cells = [r for r in ok_rows(rows) if r.get("mfu") and r.get("attention_flops_per_step")]
@@ -474,7 +468,7 @@ def causal_note(rows: list[dict[str, Any]]) -> str:
     return (
         f" Attention's T×T products are {share:.1%} of the count at L{deepest}; with only their "
         f"causal half counted, {label(best['variant'], best['compile'])} at L{deepest} would "
-        f"read {_percent(causal)} MFU instead of {_percent(best['mfu'])}. The half is a "
+        f"read {mfu_text(causal)} MFU instead of {mfu_text(best['mfu'])}. The half is a "
         "convention, not what a kernel does: a causal kernel skips only the blocks wholly "
         "above the diagonal, so it computes more than half, how much more depending on its "
         "block sizes and the sequence length."

@@ -14,6 +14,7 @@ from profiling.analysis import (
     label,
     labels,
     measured_saving,
+    mfu_text,
     ok_rows,
     paired_savings,
     savings,
@@ -125,10 +126,7 @@ def headline_table(results: dict[str, Any]) -> list[str]:
         cells.append(_pm(s["per_layer"], s["per_layer_se"], "+.2f", " ms") if s else "–")
         cells.append(_measured_saving(rows, name, reference_of[name], layers[-1]))
         last = by.get((name, layers[-1]))
-        cells.append(
-            _fmt(last["mfu"] * 100 if last and last["mfu"] else None, ".1f")
-            + ("%" if last and last["mfu"] else "")
-        )
+        cells.append(mfu_text(last["mfu"] if last else None))
         for kind in ["ops_per_step"] + ["kernels_per_step"] * kernels:
             count_fit = fits.get(name, {}).get(f"{kind}.total")
             cells.append(_fmt(count_fit["slope"] if count_fit else None, ".0f"))
@@ -261,7 +259,7 @@ def cell_table(rows: list[dict[str, Any]]) -> list[str]:
                     r["status"],
                     f"{t['median']:.2f} [{t['p10']:.2f}, {t['p90']:.2f}] ({t['n']})" if t else "–",
                     _fmt(r["tokens_per_s"], ",.0f"),
-                    _fmt(r["mfu"] * 100 if r["mfu"] else None) + ("%" if r["mfu"] else ""),
+                    mfu_text(r["mfu"]),
                     _fmt(r["peak_mem_bytes"] / MiB if r["peak_mem_bytes"] else None),
                     _fmt(r["compile_s"]) + compile_mark(r),
                     r["backend"] or "–",

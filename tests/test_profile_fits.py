@@ -385,3 +385,6 @@ def test_causal_mfu_is_called_a_convention() -> None:
     # A tiny sweep's MFU: not "0.2% MFU instead of 0.2%"
     note = causal_note([row | {"mfu": 0.0021}])
     assert "would read 0.19% MFU instead of 0.21%" in note
+    from profiling.analysis import mfu_text  # the tables' and findings' MFU too
+
+    assert [mfu_text(x) for x in (0.45, 0.01, 0.0021, None)] == ["45.0%", "1.0%", "0.21%", "–"]
