@@ -353,7 +353,8 @@ def check_compatible(
 
 def _same_folder(a: str, b: str) -> bool:
     """Whether two data.root values name one folder (relative ones from here)."""
-    return Path(os.path.expanduser(a)).resolve() == Path(os.path.expanduser(b)).resolve()
+    # realpath, not Path.resolve: that raises on a loop of links (Python 3.11)
+    return os.path.realpath(os.path.expanduser(a)) == os.path.realpath(os.path.expanduser(b))
 
 
 @contextlib.contextmanager
