@@ -321,7 +321,7 @@ def heal(tokenizer: Tokenizer, ids: list[int]) -> tuple[list[int], torch.Tensor 
     return ids[:-1], allowed
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -382,7 +382,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps"
     )
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def args_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the flags given, naming the flag, or None."""
     # Each flag's valid values (comparisons that NaN fails too) and what to say otherwise.
     problems = {
         "--tokens": (lambda v: v >= 0, "must be >= 0"),
@@ -394,13 +398,16 @@ def main(argv: list[str] | None = None) -> int:
     for flag, (valid, problem) in problems.items():
         value = getattr(args, flag[2:].replace("-", "_"))
         if not valid(value):
-            print(f"error: {flag} {value}: {problem}", file=sys.stderr)
-            return 2
-
+            return f"{flag} {value}: {problem}"
     if not is_utf8(str(args.run)):  # the tokenizer library cannot open such a path
-        print(
-            f"error: --run {str(args.run)!r}: not valid UTF-8; rename the folder", file=sys.stderr
-        )
+        return f"--run {str(args.run)!r}: not valid UTF-8; rename the folder"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if (problem := args_problem(args)) is not None:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     printed: list[str] = []  # the text so far, as it is sampled
 
