@@ -19,8 +19,9 @@ PROJECT = Path(__file__).resolve().parents[1]
 EOT = "<|endoftext|>"  # the separator prepare.py puts between documents, a special token
 EOT_ID = 0  # the tokenizer trainer gives special tokens the first ids
 MIN_VOCAB_SIZE = 256 + 1  # a byte-level tokenizer's least: every byte, plus EOT
-MAX_VOCAB_SIZE = 2**16  # ids are stored as uint16
 TOKEN_DTYPE = "uint16"  # meta.json's "dtype": what the token files hold
+TOKEN_BYTES = 2  # of a TOKEN_DTYPE id
+MAX_VOCAB_SIZE = 2 ** (8 * TOKEN_BYTES)  # every id fits a TOKEN_DTYPE
 CORPUS_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # a plain folder name under data.root
 CORPUS_NAME_RULE = "a plain folder name: a letter or digit, then letters, digits, '.', '_' or '-'"
 
@@ -181,20 +182,21 @@ def rebuild_command(corpus: Path, source: dict[str, Any], settings: dict[str, An
 
 
 def token_file_problem(path: Path, expected_tokens: int | None = None) -> str | None:
-    """What keeps `path` from being a whole uint16 token file (of `expected_tokens`, where
-    meta.json says how many), or None."""
+    """What keeps `path` from being a whole token file of TOKEN_DTYPE ids (`expected_tokens`
+    of them, where meta.json says how many), or None."""
     try:
         size = path.stat().st_size
     except FileNotFoundError:
         return f"{path} is missing"
     if path.is_dir():
         return f"{path} is a folder, not a token file"
-    if size % 2 or (expected_tokens is not None and size != 2 * expected_tokens):
+    whole, part = divmod(size, TOKEN_BYTES)
+    if part or (expected_tokens is not None and whole != expected_tokens):
         said = (
             f", not the {expected_tokens:,} meta.json says" if expected_tokens is not None else ""
         )
-        tokens = f"{size // 2:,}{'.5' if size % 2 else ''}"
-        return f"{path} is damaged: {size:,} bytes is {tokens} uint16 tokens{said}"
+        tokens = f"{size / TOKEN_BYTES:,.2f}".rstrip("0").rstrip(".")  # 49.5, or 50
+        return f"{path} is damaged: {size:,} bytes is {tokens} {TOKEN_DTYPE} tokens{said}"
     if size == 0:  # np.memmap cannot map an empty file
         return f"{path} holds no tokens"
     return None
