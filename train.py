@@ -149,7 +149,7 @@ def check_step_tokens(
     before = (ckpt or {}).get("config", {}).get("train", {})
     if ckpt is not None and all(before.get(k) == getattr(tc, k) for k in batch):
         return
-    tokens = tc.batch_size * grad_accum * config.model.block_size
+    tokens = tc.batch_size * grad_accum * config.model.block_size  # one process's micro-batches
     held = meta["splits"]["train"]["tokens"]
     if grad_accum > 1 and tokens > held:
         raise DataError(
@@ -282,7 +282,7 @@ def _train(
     del ckpt  # its copy of the weights and optimizer state: host memory the run no longer needs
     model = wrap_ddp(raw_model, device) if world_size > 1 else raw_model
 
-    tokens_per_step = tc.batch_size * grad_accum * world_size * config.model.block_size
+    tokens_per_step = config.tokens_per_step(world_size)
     unsaved_config = None
     if master:  # the directory was made and locked by lock_run_dir
         unsaved_config = write_run_files(config, out_dir, data_dir, step if resumed else None)

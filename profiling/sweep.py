@@ -145,8 +145,7 @@ class Sweep:
         self.raise_if_interrupted = raise_if_interrupted
         # Timed steps per cell; without --steps, run rounds it up to whole sets of orders
         self.steps = MIN_TIMED_STEPS if options.steps is None else options.steps
-        tc = config.train
-        self.tokens_per_step = tc.batch_size * tc.grad_accum * config.model.block_size
+        self.tokens_per_step = config.tokens_per_step()
         self.latest_pending = options.link_latest  # `latest` is pointed here at the first write
         self.render_failed = False  # warned once, between cells
         self.rows: list[dict[str, Any]] = []

@@ -210,12 +210,15 @@ BAD = {
 def test_a_global_batch_size_holds_whatever_the_ranks(world_size: int, micro_batches: int) -> None:
     tc = TrainConfig(batch_size=4, global_batch_size=32)
     assert tc.micro_batches(world_size) == micro_batches
-    assert tc.batch_size * tc.micro_batches(world_size) * world_size == 32
+    config = Config(model=GPTConfig(block_size=16), train=tc)
+    assert config.tokens_per_step(world_size) == 32 * 16  # the same global batch
 
 
 def test_without_a_global_batch_size_grad_accum_is_per_rank() -> None:
     tc = TrainConfig(batch_size=4, grad_accum=3)
     assert [tc.micro_batches(n) for n in (1, 2, 8)] == [3, 3, 3]
+    config = Config(model=GPTConfig(block_size=16), train=tc)
+    assert [config.tokens_per_step(n) for n in (1, 2)] == [4 * 3 * 16, 2 * 4 * 3 * 16]
 
 
 @pytest.mark.parametrize(

@@ -183,6 +183,12 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
+    def tokens_per_step(self, world_size: int = 1) -> int:
+        """Tokens one optimizer step trains on, over `world_size` ranks: each rank's
+        micro-batches of batch_size sequences of block_size tokens."""
+        tc = self.train
+        return tc.batch_size * tc.micro_batches(world_size) * world_size * self.model.block_size
+
 
 class ConfigError(ValueError):
     """A config file or override that cannot be used; the message names the key."""
