@@ -150,6 +150,20 @@ def median_interval(values: list[float], level: float = 0.95) -> tuple[float, fl
     return ordered[k - 1], ordered[n - k]
 
 
+def baseline_pairs(
+    rows: list[dict[str, Any]],
+) -> list[tuple[str, int, dict[str, Any], dict[str, Any]]]:
+    """Each measured (ok) cell beside its BASELINE cell of the same depth and compile mode:
+    (label, n_layer, its row, the baseline's row)."""
+    by = {(label(r["variant"], r["compile"]), r["n_layer"]): r for r in ok_rows(rows)}
+    reference_of = baselines(rows)
+    return [
+        (name, n_layer, row, reference)
+        for (name, n_layer), row in by.items()
+        if (reference := by.get((reference_of[name], n_layer))) is not None and reference is not row
+    ]
+
+
 def paired_savings(rows: list[dict[str, Any]]) -> dict[str, dict[int, dict[str, Any]]]:
     """label -> n_layer -> the saving against BASELINE (like against like, as in savings)
     from the timed rounds: each round runs every cell of a depth once, so round i's baseline
@@ -157,13 +171,8 @@ def paired_savings(rows: list[dict[str, Any]]) -> dict[str, dict[int, dict[str, 
     a round. Their median (ms), its 95% interval (median_interval; None below 6 rounds) and
     the number of rounds. Only cells that measured (ok) and recorded their times, in round
     order (`times_ms`), of the same number of rounds."""
-    by = {(label(r["variant"], r["compile"]), r["n_layer"]): r for r in ok_rows(rows)}
-    reference_of = baselines(rows)
     out: dict[str, dict[int, dict[str, Any]]] = {}
-    for (name, n_layer), row in by.items():
-        reference = by.get((reference_of[name], n_layer))
-        if reference is None or reference is row:
-            continue
+    for name, n_layer, row, reference in baseline_pairs(rows):
         ours, theirs = row.get("times_ms"), reference.get("times_ms")
         if not ours or not theirs or len(ours) != len(theirs):
             continue

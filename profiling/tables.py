@@ -10,6 +10,7 @@ from typing import Any
 from profiling.analysis import (
     BASELINE,
     REGIONS,
+    baseline_pairs,
     baselines,
     label,
     labels,
@@ -357,15 +358,7 @@ def paired_table(rows: list[dict[str, Any]]) -> list[str]:
     line for one whose rows keep no `times_ms` to take them from."""
     paired = paired_savings(rows)
     if not paired:
-        measured = ok_rows(rows)
-        reference_of = baselines(measured)
-        names = {(label(r["variant"], r["compile"]), r["n_layer"]) for r in measured}
-        pairs = [
-            (name, n)
-            for name, n in names
-            if name != reference_of[name] and (reference_of[name], n) in names
-        ]
-        if pairs and not any(r.get("times_ms") for r in measured):
+        if baseline_pairs(rows) and not any(r.get("times_ms") for r in ok_rows(rows)):
             return [
                 "None: this sweep's rows keep no per-step times (`times_ms`, recorded by sweeps "
                 "made since commit 26cc8bc) to pair; the fitted savings above stand."
