@@ -334,7 +334,7 @@ def check_compatible(
             again = ", from the source and with the settings the run trained on"
         if isinstance(trained, str) and trained != config.data.name:
             hint = f"; it trained on corpus '{trained}' (--data.name={trained})"
-        elif isinstance(root, str) and not _same_folder(root, config.data.root):
+        elif isinstance(root, str) and not same_folder(root, config.data.root):
             hint = (
                 f"; it trained on the corpus in {Path(root) / config.data.name} (--data.root="
                 f"{root}), or make the run's in {data_dir}{again}"
@@ -351,8 +351,8 @@ def check_compatible(
         )
 
 
-def _same_folder(a: str, b: str) -> bool:
-    """Whether two data.root values name one folder (relative ones from here)."""
+def same_folder(a: str | Path, b: str | Path) -> bool:
+    """Whether two paths name one folder (relative ones from here, ~ expanded)."""
     # realpath, not Path.resolve: that raises on a loop of links (Python 3.11)
     return os.path.realpath(os.path.expanduser(a)) == os.path.realpath(os.path.expanduser(b))
 

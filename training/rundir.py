@@ -30,6 +30,7 @@ from training.checkpoint import (
     check_compatible,
     load_checkpoint,
     no_checkpoint,
+    same_folder,
     write_atomically,
 )
 from training.config import (
@@ -63,10 +64,7 @@ def check_out_dir(out_dir: Path, config: Config, resume: bool) -> None:
     if (broken := _broken_link(out_dir)) is not None:
         raise RunDirError(broken)
     _check_not_a_file(out_dir)
-    # realpath, not Path.resolve: that raises on a loop of links (Python 3.11)
-    if (out_dir / "meta.json").exists() or os.path.realpath(out_dir) == os.path.realpath(
-        config.data.root
-    ):
+    if (out_dir / "meta.json").exists() or same_folder(out_dir, config.data.root):
         # Writing a run there would overwrite a corpus's tokenizer.json with this one's.
         raise RunDirError(f"--out {out_dir} holds prepared corpora; give the run its own directory")
     if resume or not out_dir.is_dir() or (out_dir / CHECKPOINT).exists():
