@@ -71,6 +71,7 @@ from training.runtime import (
     autocast_dtype,
     init_distributed,
     launched_ranks,
+    missing_bf16_instructions,
     out_of_memory,
     precision,
     set_fp32_matmul_precision,
@@ -299,6 +300,8 @@ def _train(
             kept_host_memory,
             computes_in,
         )
+        if (slow := missing_bf16_instructions(device, amp_dtype)) is not None:
+            print(f"warning: train.dtype={tc.dtype!r}: {slow}", file=sys.stderr)
     run = Run(
         config=config,
         out_dir=out_dir,

@@ -9,6 +9,7 @@ import json
 import math
 import re
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,13 @@ import pytest
 import torch
 
 from training.config import ConfigError, TrainConfig
-from training.runtime import StepReadout, autocast_dtype, pick_device, set_fp32_matmul_precision
+from training.runtime import (
+    StepReadout,
+    autocast_dtype,
+    missing_bf16_instructions,
+    pick_device,
+    set_fp32_matmul_precision,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 SLEEP_CYCLES = 1_000_000_000  # torch.cuda._sleep: about half a second at a GPU's ~2 GHz
@@ -66,6 +73,21 @@ def test_a_gpu_without_bf16_tensor_cores_gets_fp32_or_a_clear_error(
     with pytest.raises(ConfigError, match=rf"train.dtype='tf32' needs TF32 {why}"):
         set_fp32_matmul_precision("tf32", cuda)
     assert torch.get_float32_matmul_precision() == "highest", "a refusal changes nothing"
+
+
+def test_a_cpu_without_bf16_instructions_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bfloat16 autocast on a CPU whose matmuls have no bf16 instructions runs (train.py and
+    sample.py take it) but slowly: the reason is given for bfloat16 on such a CPU only."""
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    for supported in (True, False):
+        monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda s=supported: s)
+        assert missing_bf16_instructions(cpu, None) is None
+        assert missing_bf16_instructions(torch.device("cuda"), bf16) is None
+        reason = missing_bf16_instructions(cpu, bf16)
+        assert (reason is None) == supported
+    assert reason.startswith("this CPU has no bfloat16 matmul instructions (oneDNN's need")
+    monkeypatch.setattr(torch.ops, "mkldnn", types.SimpleNamespace())  # a build without it
+    assert missing_bf16_instructions(cpu, bf16) is None  # a build that cannot tell claims nothing
 
 
 @pytest.mark.cuda

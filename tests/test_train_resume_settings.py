@@ -203,12 +203,18 @@ def test_resume_through_another_linear_path_says_so(
 
 
 def test_resume_in_another_precision_says_so(
-    base_run: Path, data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    base_run: Path,
+    data_root: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """fp32 to bf16 autocast: one line for the precision, with the Linear path that follows from
-    it, not a line blaming train.cpu_linear for the path."""
+    it, not a line blaming train.cpu_linear for the path; and, on a CPU without bf16
+    instructions, a warning that it trains far slower so."""
     out = copy_run(base_run, tmp_path / "run")
     capsys.readouterr()
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
     argv = [f"--train.max_steps={STEPS + 1}", "--train.dtype=bfloat16", "--resume"]
     assert run(data_root, out, *argv) == 0
     err = capsys.readouterr().err
@@ -217,6 +223,7 @@ def test_resume_in_another_precision_says_so(
         "the run trained in float32 so far: the same function, rounded differently" in err
     ), err
     assert "resuming with nn.Linear" not in err
+    assert "warning: train.dtype='bfloat16': this CPU has no bfloat16 matmul instructions" in err
     assert load_ckpt(out)["written_by"]["precision"] == "bfloat16 autocast"
     # A checkpoint from before written_by recorded it: told by its config's train.dtype
     older = copy_run(base_run, tmp_path / "older")
