@@ -173,6 +173,21 @@ def _peak_paths(meta: dict[str, Any]) -> str:
     return f"; best of each path: {rates} {unit}"
 
 
+def _peak_dtype(meta: dict[str, Any]) -> str:
+    """The dtype the peak was measured in: the run's, but float32 for bfloat16 on a CPU without
+    bf16 instructions."""
+    return meta.get("peak_dtype", meta["dtype"])
+
+
+def _peak_dtype_why(meta: dict[str, Any]) -> str:
+    if "peak_dtype_why" not in meta:
+        return ""
+    return (
+        f"; {meta['peak_dtype']}'s, not {meta['dtype']}'s: {meta['peak_dtype_why']}, so MFU is "
+        "against the fastest matmul this CPU has"
+    )
+
+
 def _machine_line(meta: dict[str, Any]) -> str:
     extra = f", CUDA {meta['cuda']}" if meta.get("cuda") else ""
     other = meta.get("other_cpu_share")
@@ -236,10 +251,11 @@ def write_report(
         "Full training steps (forward + backward + AdamW), median step time in ms",
         f"machine: {_machine_line(meta)}",
         f"setup:   {_setup_line(meta)}",
-        f"peak:    {meta['peak_flops'] / scale:.1f} {unit} {meta['dtype']} matmul, "
+        f"peak:    {meta['peak_flops'] / scale:.1f} {unit} {_peak_dtype(meta)} matmul, "
         "measured on the spot"
         + ("" if "peak_flops_end" in meta else " at the start only (the sweep stopped first)")
-        + _peak_paths(meta),
+        + _peak_paths(meta)
+        + _peak_dtype_why(meta),
         f"command: {meta['command']}{_commit_text(meta)}",
         "",
         *_completeness(meta, rows),
@@ -382,7 +398,8 @@ def _header(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
         f"- **Machine**: {_machine_line(meta)}",
         f"- **Setup**: {_setup_line(meta)}; {_steps(meta['steps'], 'timed step')} per cell "
         f"after {_steps(meta['warmup'], 'warm-up step')}",
-        f"- **Matmul peak** ({meta['dtype']}): {_peak_readings(meta)}{_peak_paths(meta)}",
+        f"- **Matmul peak** ({_peak_dtype(meta)}): {_peak_readings(meta)}{_peak_paths(meta)}"
+        + _peak_dtype_why(meta),
         f"- **Command**: `{meta['command']}` "
         f"(config `{meta['config_file']}`{_commit_text(meta)}), started {meta['started_at']}",
     ]
@@ -474,8 +491,9 @@ def _method(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
         + flop_count_text(meta)
         + " (matmul-class ops; attention counted over the full T×T, not halved for causality). "
         "All variants compute the same function, so they share that count. MFU = FLOPs / median "
-        "step time / matmul peak, the peak measured on the spot with square matmuls in the run's "
-        "dtype by every path PyTorch offers here (`torch.mm`, i.e. the BLAS; on CPUs also "
+        "step time / matmul peak, the peak measured on the spot with square matmuls in "
+        + ("float32 (see the matmul peak above)" if "peak_dtype" in meta else "the run's dtype")
+        + " by every path PyTorch offers here (`torch.mm`, i.e. the BLAS; on CPUs also "
         "oneDNN), the fastest taken." + causal_note(rows),
         "- **Backend check**: every pinned SDPA cell's trace must contain its backend's ATen op "
         "(and, on CUDA, a kernel whose name matches the flash, efficient or cuDNN backend's; "

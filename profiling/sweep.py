@@ -64,6 +64,7 @@ from training.rundir import make_sweep_folder, point_latest, sweep_lock
 from training.runtime import (
     autocast_dtype,
     dtype_name,
+    missing_bf16_instructions,
     out_of_memory,
     pick_device,
     set_fp32_matmul_precision,
@@ -122,6 +123,18 @@ class Sweep:
         set_fp32_matmul_precision(config.train.dtype, self.device)  # before the peak is measured
         self.amp_dtype = autocast_dtype(config.train.dtype, self.device)
         self.dtype = self.amp_dtype or torch.float32
+        # The peak is measured in the run's dtype, but for bfloat16 on a CPU without bf16
+        # instructions: that rate is a slow path's (1 GFLOP/s on a 2-core AVX2 VM, 17 s a
+        # 2048-square matmul), which the model's small matmuls beat (MFU read 350%); float32's
+        # is the fastest matmul such a CPU has.
+        self.slow_bf16 = missing_bf16_instructions(self.device, self.amp_dtype)
+        self.peak_dtype = torch.float32 if self.slow_bf16 else self.dtype
+        if self.slow_bf16:
+            print(
+                f"warning: train.dtype={config.train.dtype!r}: {self.slow_bf16}; MFU here is "
+                "against float32's matmul peak, the fastest this CPU has",
+                file=sys.stderr,
+            )
         # tf32: fp32 tensors, TF32 matmuls; the peak is measured with them too
         self.dtype_name = dtype_name(config.train.dtype, self.amp_dtype)
         self.onednn = wants_onednn(config.train.cpu_linear, self.device, self.amp_dtype is not None)
@@ -194,6 +207,9 @@ class Sweep:
         if self.device.type == "cuda":
             meta["cuda"] = torch.version.cuda
             meta["cudnn"] = torch.backends.cudnn.version()
+        if self.peak_dtype != self.dtype:
+            meta["peak_dtype"] = str(self.peak_dtype).removeprefix("torch.")
+            meta["peak_dtype_why"] = self.slow_bf16
         return meta
 
     def _left_out(self, variant: str, compiled: bool) -> str | None:
@@ -261,10 +277,11 @@ class Sweep:
     def _run(self, variants: list[str], layers: list[int], compile_modes: list[bool]) -> None:
         self.other_load = OtherLoad(running=False)  # counts in the timed rounds only
         print(
-            f"measuring the {self.dtype_name} matmul peak of {self.meta['device_name']} ...",
+            f"measuring the {self.meta.get('peak_dtype', self.dtype_name)} matmul peak of "
+            f"{self.meta['device_name']} ...",
             file=sys.stderr,
         )
-        start = matmul_peaks(self.device, self.dtype, self.options.peak_seconds)
+        start = matmul_peaks(self.device, self.peak_dtype, self.options.peak_seconds)
         self.meta["peak_flops_start"] = max(start.values())
         self.meta["peak_flops"] = self.meta["peak_flops_start"]
         self.meta["peak_flops_by_path"] = start
@@ -317,7 +334,7 @@ class Sweep:
                     if self.device.type == "cuda":
                         torch.cuda.empty_cache()
             # A second reading of the peak: the MFU denominator is the higher of the two.
-            end = matmul_peaks(self.device, self.dtype, self.options.peak_seconds)
+            end = matmul_peaks(self.device, self.peak_dtype, self.options.peak_seconds)
         except BaseException:  # Ctrl-C above all: the plots of what was measured, then stop
             self._record_timed_only()
             if self.rows:

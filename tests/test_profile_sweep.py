@@ -40,6 +40,38 @@ def test_host_memory_release_grows_no_heap_and_says_so(tmp_path: Path) -> None:
     assert "returned to the OS" in (tmp_path / "sweep" / "report.md").read_text()
 
 
+def test_bfloat16_on_a_cpu_without_bf16_instructions_is_held_to_float32_s_peak(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """There bfloat16's matmul rate is a slow path's, which the model's small matmuls beat
+    (MFU read 350%), and oneDNN's bf16 linear raises (it ended such a sweep at its start): the
+    peak is float32's, the fastest matmul the CPU has, and the sweep and report say so."""
+    import profiling.sweep
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    stand_in, dtypes = profiling.sweep.matmul_peaks, []
+
+    def peaks(device: torch.device, dtype: torch.dtype, seconds: float) -> dict[str, float]:
+        dtypes.append(dtype)
+        return stand_in(device, dtype, seconds)
+
+    monkeypatch.setattr(profiling.sweep, "matmul_peaks", peaks)
+    rc, results = sweep(tmp_path, "--variants", "sdpa", "--layers", "1", "--train.dtype=bfloat16")
+    assert rc == 0 and results["rows"][0]["status"] == "ok"
+    assert dtypes == [torch.float32, torch.float32]  # at the start and the end
+    meta = results["meta"]
+    assert (meta["dtype"], meta["peak_dtype"]) == ("bfloat16", "float32")
+    assert meta["peak_dtype_why"].startswith("this CPU has no bfloat16 matmul instructions")
+    assert "warning: train.dtype='bfloat16': this CPU has no bfloat16" in capsys.readouterr().err
+    report = (tmp_path / "sweep" / "report.md").read_text()
+    assert "- **Matmul peak** (float32): " in report
+    assert "; float32's, not bfloat16's: this CPU has no bfloat16 matmul" in report
+    assert "square matmuls in float32 (see the matmul peak above)" in report
+    assert (
+        " float32 matmul, measured on the spot" in (tmp_path / "sweep" / "summary.txt").read_text()
+    )
+
+
 def test_hidden_copy_through_the_profiler(naive_vs_inplace: dict) -> None:
     """naive minus inplace = exactly n_layer aten::clone per step, in the forward region."""
     rows = {(r["variant"], r["n_layer"]): r for r in naive_vs_inplace["rows"]}
