@@ -183,7 +183,7 @@ def _peak_dtype_why(meta: dict[str, Any]) -> str:
     if "peak_dtype_why" not in meta:
         return ""
     return (
-        f"; {meta['peak_dtype']}'s, not {meta['dtype']}'s: {meta['peak_dtype_why']}, so MFU is "
+        f"; {_peak_dtype(meta)}'s, not {meta['dtype']}'s: {meta['peak_dtype_why']}, so MFU is "
         "against the fastest matmul this CPU has"
     )
 
