@@ -51,6 +51,7 @@ from training.rundir import MAKE_TRAIN_RUN, lock_holder, saved_config
 from training.runtime import (
     autocast,
     autocast_dtype,
+    missing_bf16_instructions,
     missing_tensor_cores,
     pick_device,
     set_fp32_matmul_precision,
@@ -80,19 +81,25 @@ def _train_first(run_dir: Path) -> str:
 
 
 def sampling_precision(config: Config, device: torch.device, dtype: str | None) -> Config:
-    """The config with the precision to sample in: `dtype` if given, else the run's; on a GPU
-    without the tensor cores it needs (before Ampere), a given one is an error and the run's
-    own gives way to float32, said."""
+    """The config with the precision to sample in: `dtype` if given, else the run's. On a GPU
+    without the tensor cores it needs (before Ampere), a given one is an error; on a CPU without
+    bf16 instructions, a given bfloat16 runs, warned. On either, the run's own gives way to
+    float32, said."""
     if dtype is not None:
         config = replace(config, train=replace(config.train, dtype=dtype))
     missing = missing_tensor_cores(config.train.dtype, device)
-    if missing is None:
+    slow = config.train.dtype == "bfloat16" and missing_bf16_instructions(device, torch.bfloat16)
+    if missing is None and not slow:
         return config
     if dtype is not None:
+        if slow:
+            print(f"warning: --dtype {dtype}: {slow}", file=sys.stderr)
+            return config
         raise SampleError(f"--dtype {dtype} {missing}; use float32")
-    # The run's own precision, which this GPU lacks: fp32 computes the same function.
+    # The run's own precision, which this device lacks: fp32 computes the same function.
+    why = f"which {missing}" if missing else f"and {slow}"
     print(
-        f"note: the run trained in {config.train.dtype}, which {missing}; sampling in float32",
+        f"note: the run trained in {config.train.dtype}, {why}; sampling in float32",
         file=sys.stderr,
     )
     return replace(config, train=replace(config.train, dtype="float32"))

@@ -254,7 +254,8 @@ def test_sample_dtype_overrides_the_runs_precision(
 ) -> None:
     """--dtype picks the precision the forward runs in, whatever the run trained with: a
     bfloat16 run sampled in float32 runs without autocast, and float32 gives the fp32 run's
-    own text; tf32 off CUDA is refused, naming the flag."""
+    own text; tf32 off CUDA is refused, naming the flag. On a CPU without bf16 instructions a
+    bfloat16 run samples in float32, said, and --dtype bfloat16 runs, warned."""
     seen: list[torch.dtype | None] = []
     real = GPT.generate
 
@@ -264,6 +265,8 @@ def test_sample_dtype_overrides_the_runs_precision(
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(GPT, "generate", recorded)
+    bf16_instructions = True
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: bf16_instructions)
     greedy = sample_text(capsys, base_run, "--temperature", "0")
     assert sample_text(capsys, base_run, "--temperature", "0", "--dtype", "float32") == greedy
     sample_text(capsys, base_run, "--temperature", "0", "--dtype", "bfloat16")
@@ -273,6 +276,16 @@ def test_sample_dtype_overrides_the_runs_precision(
     assert seen == [None, None, torch.bfloat16, torch.bfloat16, None]
     assert sample.main(["--run", str(base_run), "--dtype", "tf32"]) == 2
     assert "--dtype tf32: TF32 is a CUDA mode" in capsys.readouterr().err
+
+    bf16_instructions, seen[:] = False, []
+    assert sample.main(["--run", str(bf16_run), "--prompt", "def ", "--tokens", "20"]) == 0
+    err = capsys.readouterr().err
+    assert "note: the run trained in bfloat16, and this CPU has no bfloat16 matmul" in err
+    assert "run far slower than float32's; sampling in float32" in err
+    sample_text(capsys, bf16_run, "--temperature", "0", "--dtype", "bfloat16")
+    assert seen == [None, torch.bfloat16]
+    assert sample.main(["--run", str(bf16_run), "--tokens", "5", "--dtype", "bfloat16"]) == 0
+    assert "warning: --dtype bfloat16: this CPU has no bfloat16" in capsys.readouterr().err
 
 
 def test_sample_longer_than_the_context(
