@@ -97,7 +97,7 @@ def sampling_precision(config: Config, device: torch.device, dtype: str | None) 
             return config
         raise SampleError(f"--dtype {dtype} {missing}; use float32")
     # The run's own precision, which this device lacks: fp32 computes the same function.
-    why = f"which {missing}" if missing else f"and {slow}"
+    why = f"which {missing}" if missing else f"but {slow} (--dtype bfloat16 to insist)"
     print(
         f"note: the run trained in {config.train.dtype}, {why}; sampling in float32",
         file=sys.stderr,

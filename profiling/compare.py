@@ -37,6 +37,8 @@ SAME = {
     "threads": lambda r: r["meta"].get("torch_threads"),
     "torch": lambda r: r["meta"]["torch_version"],
     "dtype": lambda r: r["meta"]["dtype"],
+    # float32's for bfloat16 on a CPU without bf16 instructions (sweeps before it: bfloat16's)
+    "the matmul peak's dtype": lambda r: r["meta"].get("peak_dtype", r["meta"]["dtype"]),
     "linears": lambda r: r["meta"].get("linear"),
     "model": lambda r: {
         k: v for k, v in r["meta"]["config"]["model"].items() if k not in ("n_layer", "attention")
@@ -223,8 +225,11 @@ def _sweep_list(sweeps: list[tuple[Path, dict[str, Any]]], busy: list[bool]) -> 
             if _stopped(results)
             else ""
         )
+        in_dtype = f" ({m['peak_dtype']})" if m.get("peak_dtype") else ""
         peak = (
-            f", matmul peak {rate_text(m['peak_flops'], top_peak)}" if m.get("peak_flops") else ""
+            f", matmul peak {rate_text(m['peak_flops'], top_peak)}{in_dtype}"
+            if m.get("peak_flops")
+            else ""
         )
         if m.get("other_cpu_share") is not None:
             peak += f", other processes {m['other_cpu_share']:.0%} of the CPUs"

@@ -78,7 +78,9 @@ def matmul_peaks(
 
     `torch.mm` goes to the BLAS (MKL or OpenBLAS on CPUs, cuBLAS on GPUs). On CPUs PyTorch also
     ships oneDNN, whose matmul can be much faster: MKL runs AVX2 code on AMD processors, oneDNN
-    their AVX-512. The device's peak, the MFU denominator, is the highest of these.
+    their AVX-512. The device's peak, the MFU denominator, is the highest of these. (oneDNN's
+    bfloat16 path raises on a CPU without bf16 instructions: a sweep asks for float32's there,
+    see missing_bf16_instructions.)
     """
     sizes = (1024, 2048) if device.type == "cpu" else (4096, 8192)
     peaks = {"torch.mm": max(_matmul_rate(n, device, dtype, seconds) for n in sizes)}

@@ -492,7 +492,11 @@ def _method(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
         + " (matmul-class ops; attention counted over the full T×T, not halved for causality). "
         "All variants compute the same function, so they share that count. MFU = FLOPs / median "
         "step time / matmul peak, the peak measured on the spot with square matmuls in "
-        + ("float32 (see the matmul peak above)" if "peak_dtype" in meta else "the run's dtype")
+        + (
+            f"{meta['peak_dtype']} (see the matmul peak above)"
+            if "peak_dtype" in meta
+            else "the run's dtype"
+        )
         + " by every path PyTorch offers here (`torch.mm`, i.e. the BLAS; on CPUs also "
         "oneDNN), the fastest taken." + causal_note(rows),
         "- **Backend check**: every pinned SDPA cell's trace must contain its backend's ATen op "

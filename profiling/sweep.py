@@ -124,17 +124,12 @@ class Sweep:
         self.amp_dtype = autocast_dtype(config.train.dtype, self.device)
         self.dtype = self.amp_dtype or torch.float32
         # The peak is measured in the run's dtype, but for bfloat16 on a CPU without bf16
-        # instructions: that rate is a slow path's (1 GFLOP/s on a 2-core AVX2 VM, 17 s a
-        # 2048-square matmul), which the model's small matmuls beat (MFU read 350%); float32's
-        # is the fastest matmul such a CPU has.
+        # instructions: ATen's generic kernel is at its slowest in the peak's layout (a @ b, both
+        # row-major: 1 GFLOP/s on a 2-core AVX2 VM, 17 s a 2048-square matmul), nn.Linear's
+        # transposed layouts ran 10 to 15 times as fast (MFU read 350% against it), and
+        # float32's is the fastest matmul such a CPU has.
         self.slow_bf16 = missing_bf16_instructions(self.device, self.amp_dtype)
         self.peak_dtype = torch.float32 if self.slow_bf16 else self.dtype
-        if self.slow_bf16:
-            print(
-                f"warning: train.dtype={config.train.dtype!r}: {self.slow_bf16}; MFU here is "
-                "against float32's matmul peak, the fastest this CPU has",
-                file=sys.stderr,
-            )
         # tf32: fp32 tensors, TF32 matmuls; the peak is measured with them too
         self.dtype_name = dtype_name(config.train.dtype, self.amp_dtype)
         self.onednn = wants_onednn(config.train.cpu_linear, self.device, self.amp_dtype is not None)
@@ -276,6 +271,12 @@ class Sweep:
 
     def _run(self, variants: list[str], layers: list[int], compile_modes: list[bool]) -> None:
         self.other_load = OtherLoad(running=False)  # counts in the timed rounds only
+        if self.slow_bf16:  # once every setting has passed its check
+            print(
+                f"warning: train.dtype={self.config.train.dtype!r}: {self.slow_bf16}; MFU here "
+                "is against float32's matmul peak, the fastest this CPU has",
+                file=sys.stderr,
+            )
         print(
             f"measuring the {self.meta.get('peak_dtype', self.dtype_name)} matmul peak of "
             f"{self.meta['device_name']} ...",

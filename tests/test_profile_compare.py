@@ -257,6 +257,19 @@ def test_compare_reads_the_savings_of_several_sweeps(
         assert err.startswith(f"error: {folders[1] / 'results.json'}: "), err
 
 
+def test_compare_refuses_bfloat16_sweeps_held_to_peaks_of_other_dtypes() -> None:
+    """A bfloat16 sweep on a CPU without bf16 instructions divides by float32's peak; one from
+    before that divided by bfloat16's: their MFUs and peaks are not one quantity."""
+    from profiling.compare import comparable
+
+    meta = {"device_name": "AMD EPYC", "torch_version": "2.13.0", "dtype": "bfloat16"}
+    meta["config"] = {"model": {}, "train": {"batch_size": 8}}
+    older, newer = {"meta": meta, "rows": []}, {"meta": meta | {"peak_dtype": "float32"}}
+    problem = comparable([(Path("older"), older), (Path("newer"), newer | {"rows": []})])
+    assert problem is not None
+    assert problem.startswith("the sweeps differ in the matmul peak's dtype (older: bfloat16; ")
+
+
 def test_compare_of_sweeps_stopped_in_their_first_depth_says_so(
     naive_vs_inplace: dict, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:

@@ -20,7 +20,7 @@ from model import GPT, attention
 from profiling.analysis import op_diff
 from profiling.sweep import KEPT_ON_WRONG_BACKEND, Sweep
 from sweeps import ROOT, TINY, sweep
-from training import probe
+from training import probe, runtime
 from training.config import load_config
 
 # The stand-ins of sweeps.py, for every test here.
@@ -48,7 +48,7 @@ def test_bfloat16_on_a_cpu_without_bf16_instructions_is_held_to_float32_s_peak(
     peak is float32's, the fastest matmul the CPU has, and the sweep and report say so."""
     import profiling.sweep
 
-    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    monkeypatch.setattr(runtime, "bf16_matmul_instructions", lambda: False)
     stand_in, dtypes = profiling.sweep.matmul_peaks, []
 
     def peaks(device: torch.device, dtype: torch.dtype, seconds: float) -> dict[str, float]:
@@ -70,6 +70,10 @@ def test_bfloat16_on_a_cpu_without_bf16_instructions_is_held_to_float32_s_peak(
     assert (
         " float32 matmul, measured on the spot" in (tmp_path / "sweep" / "summary.txt").read_text()
     )
+    # Warned once the settings passed their checks: not before a setting that stops the sweep
+    rc, _ = sweep(tmp_path, "--train.dtype=bfloat16", "--train.cpu_linear=onednn", name="no")
+    err = capsys.readouterr().err
+    assert rc == 2 and "error: train.cpu_linear='onednn'" in err and "warning" not in err
 
 
 def test_hidden_copy_through_the_profiler(naive_vs_inplace: dict) -> None:

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from training import runtime
 from training.config import ConfigError, TrainConfig
 from training.runtime import (
     StepReadout,
@@ -79,15 +80,18 @@ def test_a_cpu_without_bf16_instructions_is_named(monkeypatch: pytest.MonkeyPatc
     """bfloat16 autocast on a CPU whose matmuls have no bf16 instructions runs (train.py and
     sample.py take it) but slowly: the reason is given for bfloat16 on such a CPU only."""
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    assert runtime.bf16_matmul_instructions() == check()  # oneDNN's own check, where it has one
     for supported in (True, False):
-        monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda s=supported: s)
+        monkeypatch.setattr(runtime, "bf16_matmul_instructions", lambda s=supported: s)
         assert missing_bf16_instructions(cpu, None) is None
         assert missing_bf16_instructions(torch.device("cuda"), bf16) is None
         reason = missing_bf16_instructions(cpu, bf16)
         assert (reason is None) == supported
     assert reason.startswith("this CPU has no bfloat16 matmul instructions (oneDNN's need")
+    monkeypatch.undo()
     monkeypatch.setattr(torch.ops, "mkldnn", types.SimpleNamespace())  # a build without it
-    assert missing_bf16_instructions(cpu, bf16) is None  # a build that cannot tell claims nothing
+    assert runtime.bf16_matmul_instructions(), "a build that cannot tell: nothing is claimed"
 
 
 @pytest.mark.cuda

@@ -21,7 +21,7 @@ from data.prepare import EOT, EOT_ID
 from model import GPT
 from streams import FullDisk
 from tiny_runs import ROOT, TINY, copy_run, copy_run_trained_with, error_of, run
-from training import checkpoint, rundir
+from training import checkpoint, rundir, runtime
 from training.config import load_config
 
 # tiny_runs.py's stand-in, for every test here.
@@ -266,7 +266,7 @@ def test_sample_dtype_overrides_the_runs_precision(
 
     monkeypatch.setattr(GPT, "generate", recorded)
     bf16_instructions = True
-    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: bf16_instructions)
+    monkeypatch.setattr(runtime, "bf16_matmul_instructions", lambda: bf16_instructions)
     greedy = sample_text(capsys, base_run, "--temperature", "0")
     assert sample_text(capsys, base_run, "--temperature", "0", "--dtype", "float32") == greedy
     sample_text(capsys, base_run, "--temperature", "0", "--dtype", "bfloat16")
@@ -280,8 +280,8 @@ def test_sample_dtype_overrides_the_runs_precision(
     bf16_instructions, seen[:] = False, []
     assert sample.main(["--run", str(bf16_run), "--prompt", "def ", "--tokens", "20"]) == 0
     err = capsys.readouterr().err
-    assert "note: the run trained in bfloat16, and this CPU has no bfloat16 matmul" in err
-    assert "run far slower than float32's; sampling in float32" in err
+    assert "note: the run trained in bfloat16, but this CPU has no bfloat16 matmul" in err
+    assert "far slower than float32's (--dtype bfloat16 to insist); sampling in float32" in err
     sample_text(capsys, bf16_run, "--temperature", "0", "--dtype", "bfloat16")
     assert seen == [None, torch.bfloat16]
     assert sample.main(["--run", str(bf16_run), "--tokens", "5", "--dtype", "bfloat16"]) == 0

@@ -9,7 +9,7 @@ import torch
 
 import train
 from tiny_runs import SHARED_OVERRIDES, STEPS, copy_run, eval_lines, load_ckpt, run, train_lines
-from training import checkpoint
+from training import checkpoint, runtime
 from training.config import TrainConfig, load_config
 from training.cpu_linear import onednn_unavailable_reason
 
@@ -214,7 +214,7 @@ def test_resume_in_another_precision_says_so(
     instructions, a warning that it trains far slower so."""
     out = copy_run(base_run, tmp_path / "run")
     capsys.readouterr()
-    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    monkeypatch.setattr(runtime, "bf16_matmul_instructions", lambda: False)
     argv = [f"--train.max_steps={STEPS + 1}", "--train.dtype=bfloat16", "--resume"]
     assert run(data_root, out, *argv) == 0
     err = capsys.readouterr().err

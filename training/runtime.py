@@ -90,20 +90,24 @@ def missing_tensor_cores(dtype: str, device: torch.device) -> str | None:
 
 
 def missing_bf16_instructions(device: torch.device, amp_dtype: torch.dtype | None) -> str | None:
-    """Why this CPU runs `amp_dtype`'s matmuls far below its float32 rate: bfloat16 on a
-    processor without bf16 instructions (a 2-core AVX2 VM: 1 GFLOP/s against float32's 170).
-    None where it has them, for float32, and off the CPU (an older GPU's bfloat16 is refused
-    instead: autocast_dtype)."""
-    if device.type != "cpu" or amp_dtype != torch.bfloat16:
-        return None
-    # oneDNN's check, which ATen's CPU matmuls consult before taking oneDNN's bf16 kernel
-    supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    if supported is None or supported():  # a build that cannot tell: nothing is claimed
+    """Why this CPU runs `amp_dtype`'s matmuls far slower than float32's: bfloat16 on a
+    processor without bf16 instructions, where ATen takes a generic kernel (on a 2-core AVX2 VM a
+    training step at make profile's shape took 15 times as long as in float32). None where it has
+    them, for float32, and off the CPU (an older GPU's bfloat16 is refused: autocast_dtype)."""
+    if device.type != "cpu" or amp_dtype != torch.bfloat16 or bf16_matmul_instructions():
         return None
     return (
         "this CPU has no bfloat16 matmul instructions (oneDNN's need AVX-512 or AVX-NE-CONVERT "
-        "on x86, BF16 on Arm), and its bfloat16 matmuls run far slower than float32's"
+        "on x86, BF16 on Arm), so its bfloat16 matmuls run in a generic kernel, far slower than "
+        "float32's"
     )
+
+
+def bf16_matmul_instructions() -> bool:
+    """oneDNN's check, which ATen's CPU matmuls consult before taking oneDNN's bf16 kernel.
+    True where this build has no such check: nothing is claimed of it."""
+    supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return supported is None or bool(supported())
 
 
 def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
