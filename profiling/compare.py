@@ -25,7 +25,7 @@ from profiling.analysis import (
     savings,
 )
 from profiling.method import METHOD
-from profiling.report import BUSY_SHARE, rate_text
+from profiling.report import BUSY_SHARE, peak_dtype, rate_text
 from profiling.results import cannot_read, load_results
 from training.config import ConfigError
 
@@ -38,7 +38,7 @@ SAME = {
     "torch": lambda r: r["meta"]["torch_version"],
     "dtype": lambda r: r["meta"]["dtype"],
     # float32's for bfloat16 on a CPU without bf16 instructions (sweeps before it: bfloat16's)
-    "the matmul peak's dtype": lambda r: r["meta"].get("peak_dtype", r["meta"]["dtype"]),
+    "the matmul peak's dtype": lambda r: peak_dtype(r["meta"]),
     "linears": lambda r: r["meta"].get("linear"),
     "model": lambda r: {
         k: v for k, v in r["meta"]["config"]["model"].items() if k not in ("n_layer", "attention")

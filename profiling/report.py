@@ -173,7 +173,7 @@ def _peak_paths(meta: dict[str, Any]) -> str:
     return f"; best of each path: {rates} {unit}"
 
 
-def _peak_dtype(meta: dict[str, Any]) -> str:
+def peak_dtype(meta: dict[str, Any]) -> str:
     """The dtype the peak was measured in: the run's, but float32 for bfloat16 on a CPU without
     bf16 instructions."""
     return meta.get("peak_dtype", meta["dtype"])
@@ -183,7 +183,7 @@ def _peak_dtype_why(meta: dict[str, Any]) -> str:
     if "peak_dtype_why" not in meta:
         return ""
     return (
-        f"; {_peak_dtype(meta)}'s, not {meta['dtype']}'s: {meta['peak_dtype_why']}, so MFU is "
+        f"; {peak_dtype(meta)}'s, not {meta['dtype']}'s: {meta['peak_dtype_why']}, so MFU is "
         "against the fastest matmul this CPU has"
     )
 
@@ -251,7 +251,7 @@ def write_report(
         "Full training steps (forward + backward + AdamW), median step time in ms",
         f"machine: {_machine_line(meta)}",
         f"setup:   {_setup_line(meta)}",
-        f"peak:    {meta['peak_flops'] / scale:.1f} {unit} {_peak_dtype(meta)} matmul, "
+        f"peak:    {meta['peak_flops'] / scale:.1f} {unit} {peak_dtype(meta)} matmul, "
         "measured on the spot"
         + ("" if "peak_flops_end" in meta else " at the start only (the sweep stopped first)")
         + _peak_paths(meta)
@@ -398,7 +398,7 @@ def _header(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
         f"- **Machine**: {_machine_line(meta)}",
         f"- **Setup**: {_setup_line(meta)}; {_steps(meta['steps'], 'timed step')} per cell "
         f"after {_steps(meta['warmup'], 'warm-up step')}",
-        f"- **Matmul peak** ({_peak_dtype(meta)}): {_peak_readings(meta)}{_peak_paths(meta)}"
+        f"- **Matmul peak** ({peak_dtype(meta)}): {_peak_readings(meta)}{_peak_paths(meta)}"
         + _peak_dtype_why(meta),
         f"- **Command**: `{meta['command']}` "
         f"(config `{meta['config_file']}`{_commit_text(meta)}), started {meta['started_at']}",
@@ -493,7 +493,7 @@ def _method(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
         "All variants compute the same function, so they share that count. MFU = FLOPs / median "
         "step time / matmul peak, the peak measured on the spot with square matmuls in "
         + (
-            f"{meta['peak_dtype']} (see the matmul peak above)"
+            f"{peak_dtype(meta)} (see the matmul peak above)"
             if "peak_dtype" in meta
             else "the run's dtype"
         )

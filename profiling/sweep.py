@@ -53,6 +53,7 @@ from profiling.measure import (
 )
 from profiling.method import METHOD, MIN_TIMED_STEPS, PROFILE_LEAD_STEPS, STARTUP
 from profiling.progress import Progress
+from profiling.report import peak_dtype
 from profiling.results import render_results, write_json
 from profiling.startup import BATCH_POOL, batch_pool, device_name, warm_up
 from training.checkpoint import provenance
@@ -278,8 +279,7 @@ class Sweep:
                 file=sys.stderr,
             )
         print(
-            f"measuring the {self.meta.get('peak_dtype', self.dtype_name)} matmul peak of "
-            f"{self.meta['device_name']} ...",
+            f"measuring the {peak_dtype(self.meta)} matmul peak of {self.meta['device_name']} ...",
             file=sys.stderr,
         )
         start = matmul_peaks(self.device, self.peak_dtype, self.options.peak_seconds)
