@@ -127,7 +127,7 @@ class Sweep:
         # The peak is measured in the run's dtype, but for bfloat16 on a CPU without bf16
         # instructions: ATen's generic kernel is at its slowest in the peak's layout (a @ b, both
         # row-major: 1 GFLOP/s on a 2-core AVX2 VM, 17 s a 2048-square matmul), nn.Linear's
-        # transposed layouts ran 10 to 15 times as fast (MFU read 350% against it), and
+        # transposed layouts ran 11 to 19 times as fast (MFU read 310-357% against it), and
         # float32's is the fastest matmul such a CPU has.
         self.slow_bf16 = missing_bf16_instructions(self.device, self.amp_dtype)
         self.peak_dtype = torch.float32 if self.slow_bf16 else self.dtype

@@ -92,8 +92,9 @@ def missing_tensor_cores(dtype: str, device: torch.device) -> str | None:
 def missing_bf16_instructions(device: torch.device, amp_dtype: torch.dtype | None) -> str | None:
     """Why this CPU runs `amp_dtype`'s matmuls far slower than float32's: bfloat16 on a
     processor without bf16 instructions, where ATen takes a generic kernel (on a 2-core AVX2 VM a
-    training step at make profile's shape took 15 times as long as in float32). None where it has
-    them, for float32, and off the CPU (an older GPU's bfloat16 is refused: autocast_dtype)."""
+    training step at make profile's shape took 13 times as long as in float32: docs/training.md).
+    None where it has them, for float32, and off the CPU (an older GPU's bfloat16 is refused:
+    autocast_dtype)."""
     if device.type != "cpu" or amp_dtype != torch.bfloat16 or bf16_matmul_instructions():
         return None
     return (
