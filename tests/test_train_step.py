@@ -162,7 +162,8 @@ def test_gradient_accumulation_matches_one_batch_of_all_the_rows() -> None:
 
 @pytest.mark.parametrize("dropout", [0.0, 0.5])
 def test_evaluate_is_the_mean_loss_over_its_fixed_windows(tmp_path: Path, dropout: float) -> None:
-    """In eval mode (no dropout), over the same windows each time; training mode after."""
+    """In eval mode (no dropout), over the same windows each time; the model's mode after as
+    before."""
     model = small_model(dropout=dropout)
     tokens = tmp_path / "val.bin"
     np.random.default_rng(0).integers(0, 64, 2000, dtype=np.uint16).tofile(tokens)
@@ -174,6 +175,9 @@ def test_evaluate_is_the_mean_loss_over_its_fixed_windows(tmp_path: Path, dropou
     assert step.evaluate(model, batches, 5, None) == pytest.approx(expected, rel=1e-6)
     assert step.evaluate(model, batches, 5, None) == pytest.approx(expected, rel=1e-6)
     assert model.training
+    model.eval()
+    assert step.evaluate(model, batches, 5, None) == pytest.approx(expected, rel=1e-6)
+    assert not model.training
 
 
 def test_a_steps_rows_do_not_depend_on_how_they_are_split(tmp_path: Path) -> None:

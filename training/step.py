@@ -77,7 +77,9 @@ def evaluate(
 ) -> float:
     """Mean loss over the same n_batches micro-batches every time (the generator is reset),
     over all ranks: the loop asks for eval_batches steps' worth (x grad_accum), so a config
-    with global_batch_size evaluates the same windows on any number of ranks."""
+    with global_batch_size evaluates the same windows on any number of ranks. The model is
+    left in the mode it came in."""
+    was_training = model.training
     model.eval()
     batches.restart()
     device = batches.device
@@ -86,7 +88,7 @@ def evaluate(
         x, y = batches.next()
         with autocast(device, amp_dtype):
             total += model(x, y)[1]
-    model.train()
+    model.train(was_training)
     if dist.is_initialized():
         dist.all_reduce(total)
         total /= dist.get_world_size()
