@@ -102,6 +102,21 @@ def comparable(sweeps: list[tuple[Path, dict[str, Any]]]) -> str | None:
         )
     if len(whole) > 1 or any(not set(_layers(r)) <= depths for _, r in sweeps):
         return _differ("n_layer", sweeps, [_layers(r) for _, r in sweeps]) + _stopped_early(sweeps)
+    return _nothing_shared(sweeps)
+
+
+def _nothing_shared(sweeps: list[tuple[Path, dict[str, Any]]]) -> str | None:
+    """What a sweep whose labels no other sweep has would add: a column of – only (an eager
+    sweep beside a compiled one: `naive` is not `naive+compile`); None where each shares one."""
+    each = [set(labels(results["rows"])) for _, results in sweeps]
+    for i, (path, _) in enumerate(sweeps):
+        if not each[i] & set().union(*each[:i], *each[i + 1 :]):
+            shown = "; ".join(f"{p}: {', '.join(labels(r['rows']))}" for p, r in sweeps)
+            return (
+                f"{path} shares no variant with the other sweeps ({shown}): there is nothing to "
+                "set beside it (a variant compiled and not compiled are two; --compile both "
+                "measures each)"
+            )
     return None
 
 

@@ -307,3 +307,27 @@ def test_compare_of_sweeps_of_one_depth_fits_nothing_and_says_why(
     assert "| naive | " in step_times and "n_layer=1" in measured
     assert costs.splitlines()[2] == "(none: a fit needs two depths)"
     assert fitted.splitlines()[2].startswith("(none: a fit needs two depths, and a saving naive")
+
+
+def test_compare_refuses_sweeps_that_share_no_variant(
+    naive_vs_inplace: dict, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """An eager sweep beside a compiled one: `naive` is not `naive+compile`, so every column
+    would be – and every median empty. Refused, naming the sweep and each one's labels; one
+    label in common is enough."""
+    folders = []
+    for i, compiled in enumerate((False, True)):
+        results = copy.deepcopy(naive_vs_inplace)
+        results["meta"]["started_at"] = f"2026-12-0{i + 1}T10:00:00+00:00"
+        results["rows"] = [dict(r, compile=compiled) for r in results["rows"]]
+        folders.append(tmp_path / f"s{i}")
+        folders[-1].mkdir()
+        (folders[-1] / "results.json").write_text(json.dumps(results))
+    assert profile_train.main(["--compare", *map(str, folders)]) == 2
+    err = capsys.readouterr().err
+    assert f"--compare: {folders[0]} shares no variant with the other sweeps" in err, err
+    assert f"{folders[1]}: naive+compile, inplace+compile" in err, err
+    both = json.loads((folders[1] / "results.json").read_text())
+    both["rows"] += naive_vs_inplace["rows"]  # --compile both: its eager cells are shared
+    (folders[1] / "results.json").write_text(json.dumps(both))
+    assert profile_train.main(["--compare", *map(str, folders)]) == 0, capsys.readouterr().err
