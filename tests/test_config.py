@@ -262,6 +262,16 @@ def test_an_error_names_the_file_or_the_override_its_value_came_from(tmp_path: P
     path = write(tmp_path, "[train]\nlr = 0.01\n[optim]\n")
     with pytest.raises(ConfigError, match=f"^{re.escape(str(path))}: unknown section \\[optim\\]"):
         load_config(path)
+    # A key before any table: TOML reads it as the root's, which is no section
+    for text, hint in (
+        ("n_layer = 2\n[train]\nlr = 0.01\n", "put it under [model]"),
+        ("depth = 2\n", "no table has it"),
+    ):
+        path = write(tmp_path, text)
+        with pytest.raises(ConfigError) as info:
+            load_config(path)
+        assert str(info.value).startswith(f"{path}: {text.split()[0]} = 2 is outside any table")
+        assert str(info.value).endswith(hint), info.value
     path = write(tmp_path, "[train]\nlr = 0.01\nmax_step = 5\n")
     with pytest.raises(ConfigError, match=f"^{re.escape(str(path))}: unknown key train.max_step;"):
         load_config(path)

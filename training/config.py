@@ -372,8 +372,16 @@ def build_config(
     }
     sections = [f.name for f in dataclasses.fields(Config)]
     hints = typing.get_type_hints(Config)
+    fields_of = lambda section: {f.name for f in dataclasses.fields(hints[section])}
 
     def check_section(section: str, values: Any) -> None:
+        if section not in sections and not isinstance(values, dict):  # a key before any table
+            tables = [f"[{s}]" for s in sections]
+            holders = [f"[{s}]" for s in sections if section in fields_of(s)]
+            where = f"put it under {' or '.join(holders)}" if holders else "no table has it"
+            raise ConfigError(
+                f"{section} = {values!r} is outside any table ({', '.join(tables)}): {where}"
+            )
         if section not in sections:
             raise ConfigError(f"unknown section [{section}]; valid sections: {', '.join(sections)}")
         if not isinstance(values, dict):
