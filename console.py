@@ -6,6 +6,7 @@ It imports no torch, so data/prepare.py shares it.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import signal
@@ -37,7 +38,10 @@ def quiet_profiler_start() -> None:
 
 def cli_path(text: str) -> Path:
     """A path flag's value: ~ expanded, as no shell does after '=' (--out=~/runs/x); one that
-    cannot be (~nosuchuser) is left as typed."""
+    cannot be (~nosuchuser) is left as typed. An empty one (--out=, or "$UNSET") is an error,
+    not the current folder, which is what Path('') means."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path; give a folder or file")
     return Path(os.path.expanduser(text))
 
 

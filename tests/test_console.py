@@ -19,6 +19,28 @@ def test_cli_path_expands_what_no_shell_did() -> None:
     assert cli_path("~nosuchuser-xyz/x") == Path("~nosuchuser-xyz/x")  # left as typed
 
 
+@pytest.mark.parametrize("command", ["prepare", "profile_train"])
+def test_an_empty_path_flag_is_refused_not_read_as_the_current_folder(
+    command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """Path('') is '.': `--out-root=$UNSET` wrote a corpus into the current folder, and
+    `--out=` was refused as if '.' had been typed."""
+    import profile_train
+    from data import prepare
+
+    monkeypatch.chdir(tmp_path)
+    args = {
+        "prepare": (prepare.main, ["--name", "x", "--stdlib", "--out-root="]),
+        "profile_train": (profile_train.main, ["--out="]),
+    }
+    main, argv = args[command]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert "an empty path" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
 def test_first_line_names_an_error_without_a_message() -> None:
     assert first_line(ValueError("bad value\nsecond line")) == "bad value"
     assert first_line(ValueError("  ")) == "ValueError"
