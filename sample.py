@@ -346,7 +346,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--tokens", type=int, default=200, help="tokens to generate (default: %(default)s)"
     )
     parser.add_argument(
-        "--temperature", type=float, default=0.8, help="0 is greedy (default: %(default)s)"
+        "--temperature",
+        type=float,
+        default=0.8,
+        help="0 is greedy; inf draws uniformly from the tokens --top-k/--top-p keep "
+        "(default: %(default)s)",
     )
     parser.add_argument(
         "--top-k",
