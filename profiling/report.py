@@ -85,9 +85,13 @@ def _completeness(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]
     if planned is None or done >= planned:
         return []
     timed = len(rows) - done
+    failed = sum(r.get("status") not in ("ok", "interrupted") for r in rows)
+    why = "out of memory, unsupported or an error"
+    of_them = f" ({failed} of them failed: {why})" if failed else ""
     also = f"; {timed} more were timed, not profiled (status interrupted)" if timed else ""
     return [
-        f"**Incomplete sweep**: {done} of {planned} cells were measured before it stopped{also}.",
+        f"**Incomplete sweep**: {done} of {planned} cells ran to their end before it "
+        f"stopped{of_them}{also}.",
         "",
     ]
 

@@ -187,6 +187,20 @@ def test_interrupted_sweep_keeps_what_it_measured(
         assert (tmp_path / "sweep" / name).is_file(), f"{name} not written on Ctrl-C"
 
 
+def test_an_incomplete_sweep_counts_its_failed_cells_apart() -> None:
+    """A cell that ran out of memory ran to its end, but measured nothing: the report's line
+    says so, not that it was measured."""
+    from profiling.report import _completeness
+
+    rows = [{"status": "oom"}, {"status": "ok"}, {"status": "interrupted"}]
+    assert _completeness({"cells_planned": 4}, rows) == [
+        "**Incomplete sweep**: 2 of 4 cells ran to their end before it stopped (1 of them "
+        "failed: out of memory, unsupported or an error); 1 more were timed, not profiled "
+        "(status interrupted).",
+        "",
+    ]
+
+
 def test_a_sweep_stopped_while_profiling_keeps_the_depths_timed_cells(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -216,7 +230,7 @@ def test_a_sweep_stopped_while_profiling_keeps_the_depths_timed_cells(
         assert kept["ops_per_step"] is None and kept["mfu"] is None, "not verified: not ok"
     report = (tmp_path / "sweep" / "report.md").read_text()
     assert "@L2: interrupted: the sweep was stopped before its profiled steps" in report
-    assert "**Incomplete sweep**: 2 of 4 cells were measured before it stopped; 2 more" in report
+    assert "**Incomplete sweep**: 2 of 4 cells ran to their end before it stopped; 2 more" in report
     naive_line = next(line for line in report.splitlines() if line.startswith("| naive |"))
     median = format(rows[("naive", 2)]["step_ms"]["median"], ".1f")
     shown = naive_line.split(" | ")[2].replace("*", "")
