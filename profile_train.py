@@ -54,6 +54,7 @@ from train import USER_ERRORS
 from training.checkpoint import describe_os_error
 from training.config import ConfigError, fields_help, load_config
 from training.probe import available_variants, unavailable_reason
+from training.rundir import lock_holder
 from training.runtime import SignalScope, autocast_dtype, pick_device
 
 # Config fields the sweep sets itself, from its own flags, or does not use (a config file may
@@ -350,6 +351,12 @@ def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
 
 def _check_new_out(out: Path) -> None:
     """--out for a new sweep: a folder that does not exist yet, or an empty one."""
+    running = lock_holder(out) if out.is_dir() else None
+    if running is not None:
+        raise ConfigError(
+            f"--out {out}: a process (pid {running}) is writing there now (a sweep, or a "
+            "training run); choose another folder"
+        )
     if (out / "results.json").exists():
         raise ConfigError(f"--out {out} holds an earlier sweep; choose another folder")
     if out.is_file():

@@ -595,6 +595,11 @@ def test_a_running_sweep_holds_its_folder(
         for flag in (["--report", str(running)], ["--compare", str(other), str(running)]):
             assert profile_train.main(flag) == 2
             assert "is still writing there" in capsys.readouterr().err
+        # A new sweep given its folder: refused as running, not as holding an earlier sweep
+        assert sweep(tmp_path, "--variants", "naive", "--layers", "1")[0] == 2
+        assert re.search(
+            r"--out \S+: a process \(pid \d+\) is writing there now", capsys.readouterr().err
+        )
     assert profile_train.main(["--report", str(running)]) == 0
 
 
