@@ -86,7 +86,7 @@ def stdlib_corpus(max_bytes: int | None) -> Corpus:
     return corpus
 
 
-def _expand_files(patterns: Sequence[str]) -> list[Path]:
+def expand_files(patterns: Sequence[str]) -> list[Path]:
     """Paths and globs -> existing files, in argument order, each glob sorted, no repeats."""
     found: dict[Path, None] = {}  # an ordered set
     for pattern in map(os.path.expanduser, patterns):  # --files=~/t/*.txt: no shell expanded it
@@ -113,7 +113,7 @@ def _expand_files(patterns: Sequence[str]) -> list[Path]:
 
 
 def files_corpus(patterns: Sequence[str], encoding_errors: str, max_bytes: int | None) -> Corpus:
-    paths = _expand_files(patterns)
+    paths = expand_files(patterns)
     # Names are hashed relative to the common folder of the files --max-bytes keeps, so that
     # files it leaves out (added or dropped) cannot change them
     root = Path(os.path.commonpath([path.parent for path in _within_budget(paths, max_bytes)]))

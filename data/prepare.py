@@ -69,10 +69,10 @@ Decisions, so that a reader need not reverse-engineer them:
   are moved into place and the new one is written last, so an interrupted run never leaves a
   meta.json that describes files it did not finish. Bad input fails before anything is written,
   except --hub's download cache (a wrong --text-column, say, is found after the download,
-  which the retry then reuses). Token files beside files no prepare wrote, with no corpus's
-  meta.json (another tool's train.bin and val.bin), are refused, not written over. One prepare
-  at a time per out-root: a second one waits (a lock on the folder; where the filesystem has
-  no locks, none).
+  which the retry then reuses). A folder with no corpus's meta.json that holds anything but a
+  prepare's files and the --files inputs (another tool's train.bin and val.bin; a project's
+  own folder) is refused, not written into. One prepare at a time per out-root: a second one
+  waits (a lock on the folder; where the filesystem has no locks, none).
 """
 
 import argparse
@@ -101,6 +101,7 @@ from console import Droppable, StdoutClosed, cli_path, dropping, say, stdout_clo
 from data.corpus import (
     Corpus,
     PrepareError,
+    expand_files,
     files_corpus,
     hub_corpus,
     load_text_files,
@@ -169,7 +170,8 @@ def prepare(
     kind = _check_arguments(name, stdlib, files, hub, hub_config, split, text_column)
     _check_settings(vocab_size, val_fraction, max_bytes, encoding_errors, seed, kind)
     out_dir = Path(out_root if out_root is not None else DEFAULT_OUT_ROOT) / name
-    check_out_dir(out_dir)
+    # --files may sit in the corpus's folder, as nanoGPT keeps its input.txt
+    check_out_dir(out_dir, expand_files(files) if kind == "files" and files else ())
     settings: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "tokenizers_version": tokenizers.__version__,

@@ -16,7 +16,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -211,8 +211,11 @@ def sync(path: Path) -> None:
         os.close(descriptor)
 
 
-def check_out_dir(out_dir: Path) -> None:
-    """Fail before any work if out_dir cannot be a corpus folder."""
+def check_out_dir(out_dir: Path, inputs: Sequence[Path] = ()) -> None:
+    """Fail before any work if out_dir cannot be a corpus folder: a corpus's (rebuilt in
+    place), a new or empty one, or one that holds only the inputs (a file, or the folder
+    they are in: --files data/shakespeare/input.txt --name shakespeare, as nanoGPT keeps
+    them)."""
     for path in (out_dir, *out_dir.parents):
         if path.exists():
             if not path.is_dir():
@@ -227,35 +230,45 @@ def check_out_dir(out_dir: Path) -> None:
             f"{out_dir} holds a training run ({', '.join(run_files)}); give the corpus another "
             "--name or --out-root"
         )
-    others = _not_a_corpus(out_dir)
+    others = _not_a_corpus(out_dir, inputs)
     if others:
         listed = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        if any((out_dir / name).exists() for name in OUTPUT_FILES):
+            raise PrepareError(
+                f"{out_dir} holds files no prepare wrote ({listed}) beside token files, and no "
+                "corpus's meta.json: they may be another tool's, and would be overwritten; give "
+                "the corpus another --name or --out-root (or, if a prepare left them, delete "
+                f"{', '.join(OUTPUT_FILES)} there)"
+            )
         raise PrepareError(
-            f"{out_dir} holds files no prepare wrote ({listed}) beside token files, and no "
-            "corpus's meta.json: they may be another tool's, and would be overwritten; give "
-            "the corpus another --name or --out-root (or, if a prepare left them, delete "
-            f"{', '.join(OUTPUT_FILES)} there)"
+            f"{out_dir} holds files no prepare wrote ({listed}): a corpus is written into a "
+            "folder of its own (new, empty, or holding only its --files inputs); give it "
+            "another --name or --out-root"
         )
 
 
-def _not_a_corpus(out_dir: Path) -> list[str]:
-    """The names in out_dir that show that the token files there are someone else's (nanoGPT's
-    train.bin and val.bin beside its meta.pkl): any but a prepare's own and hidden ones, where
-    files a prepare writes are there and no meta.json of a corpus. A prepare stopped between its
-    renames (its meta.json removed first) leaves only its own names, and is rebuilt."""
-    if not any((out_dir / name).exists() for name in OUTPUT_FILES):
-        return []  # nothing there to overwrite
+def _not_a_corpus(out_dir: Path, inputs: Sequence[Path]) -> list[str]:
+    """The names in out_dir that show it is someone else's folder (nanoGPT's train.bin and
+    val.bin beside its meta.pkl; a project's own folder, --out-root . --name data): any but a
+    prepare's own, hidden ones and the inputs (or folders holding them), where there is no
+    meta.json of a corpus. A prepare stopped between its renames (its meta.json removed first)
+    leaves only its own names, and is rebuilt."""
     try:
         json.loads((out_dir / "meta.json").read_text())["content_sha256"]
         return []  # a corpus: files added beside it are kept, never written
     except (OSError, ValueError, TypeError, KeyError):
         pass
     try:
-        names = [p.name for p in out_dir.iterdir()]
-    except OSError:  # unreadable: the writes say so
+        entries = [p for p in out_dir.iterdir() if not p.name.startswith(".")]
+    except OSError:  # not there, or unreadable: the writes say so
         return []
     ours = {*OUTPUT_FILES, "meta.json"}  # a damaged meta.json is rebuilt, as before
-    return sorted(n for n in names if n not in ours and not n.startswith("."))
+    given = [p.resolve() for p in inputs]
+    return sorted(
+        p.name
+        for p in entries
+        if p.name not in ours and not any(p.resolve() in (i, *i.parents) for i in given)
+    )
 
 
 def check_writable(out_dir: Path, folder: Path) -> None:

@@ -334,7 +334,9 @@ def test_another_tools_token_files_are_not_overwritten(corpus: Path, tmp_path: P
     """Token files beside files no prepare wrote, without a corpus's meta.json (nanoGPT's
     train.bin, val.bin and meta.pkl), are refused; a folder with nothing to overwrite is
     written; one a prepare left without meta.json (stopped between its renames) or with a
-    damaged one is rebuilt; beside a corpus, added files stay."""
+    damaged one is rebuilt; beside a corpus, added files stay. A folder of other files (a
+    project's own: --out-root . --name data) is refused, unless they are the --files inputs
+    (nanoGPT's data/shakespeare/input.txt)."""
     files = [str(corpus / "*.txt")]
     theirs = write_corpus(
         tmp_path / "shake", {"meta.pkl": "vocab", "train.bin": "1", "val.bin": "2"}
@@ -343,10 +345,23 @@ def test_another_tools_token_files_are_not_overwritten(corpus: Path, tmp_path: P
     with pytest.raises(PrepareError, match=r"shake holds files no prepare wrote \(meta\.pkl\)"):
         prepare("shake", files=files, vocab_size=VOCAB, out_root=tmp_path)
     assert contents_of(theirs) == before
-    # Nothing there to overwrite (a folder of texts, a .DS_Store): written
-    write_corpus(tmp_path / "texts", {"d1.txt": "mine"})
-    prepare("texts", files=files, vocab_size=VOCAB, out_root=tmp_path)
-    assert (tmp_path / "texts" / "d1.txt").read_text() == "mine"
+    # Nothing to overwrite, but a folder of someone else's: refused, nothing written there
+    project = write_corpus(tmp_path / "data", {"__init__.py": "", "prepare.py": ""})
+    (project / "raw").mkdir()
+    before = sorted(project.iterdir())
+    with pytest.raises(PrepareError) as refused:
+        prepare("data", files=files, vocab_size=VOCAB, out_root=tmp_path)
+    assert str(refused.value).startswith(
+        f"{project} holds files no prepare wrote (__init__.py, prepare.py, raw): a corpus is "
+        "written into a folder of its own"
+    )
+    assert sorted(project.iterdir()) == before
+    # Its own inputs, in the folder or in one below it, and a .DS_Store: written beside them
+    texts = write_corpus(tmp_path / "texts", {"d1.txt": document("one"), ".DS_Store": ""})
+    write_corpus(texts / "raw", {"d2.txt": "mine"})
+    inputs = [*files, str(texts / "d1.txt"), str(texts / "raw" / "*.txt")]
+    prepare("texts", files=inputs, vocab_size=VOCAB, out_root=tmp_path)
+    assert (texts / "raw" / "d2.txt").read_text() == "mine" and (texts / "meta.json").is_file()
     out = prepare("ours", files=files, vocab_size=VOCAB, out_root=tmp_path)
     (out / "meta.json").unlink()
     (out / ".train.bin.123.tmp").write_bytes(b"")
