@@ -216,8 +216,11 @@ def prepare(
                 check_writable(out_dir, out_dir)
             meta = _build(out_dir, name, corpus, settings, content_sha256)
         counts = meta["splits"]
+        short = meta["vocab_size"] < vocab_size  # a small corpus: no pair left to merge
         _say(
-            f"prepared {out_dir}: vocab {meta['vocab_size']}, "
+            f"prepared {out_dir}: vocab {meta['vocab_size']}"
+            + (f" (of {vocab_size} asked: the corpus had no more pairs to merge)" if short else "")
+            + ", "
             f"train {counts['train']['documents']} docs / {counts['train']['tokens']} tokens, "
             f"val {counts['val']['documents']} docs / {counts['val']['tokens']} tokens"
         )

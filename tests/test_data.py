@@ -469,6 +469,10 @@ def test_cli_prepares_and_reports_errors_without_traceback(corpus: Path, tmp_pat
     done = _run_cli(*common, "--files", str(corpus / "*.txt"))
     assert done.returncode == 0, done.stderr
     assert read_meta(tmp_path / "cli")["splits"]["val"]["documents"] >= 1
+    # Six words' documents merge into fewer tokens than asked: the summary says so
+    got = read_meta(tmp_path / "cli")["vocab_size"]
+    assert got < VOCAB
+    assert f"vocab {got} (of {VOCAB} asked: the corpus had no more pairs to merge), " in done.stdout
 
     failed = _run_cli(*common, "--files", str(corpus / "*.nothing"))
     assert failed.returncode == 2
