@@ -361,6 +361,8 @@ def _check_new_out(out: Path) -> None:
         raise ConfigError(f"--out {out} holds an earlier sweep; choose another folder")
     if out.is_file():
         raise ConfigError(f"--out {out} is a file; give a folder")
+    if out.exists() and not out.is_dir():  # /dev/null, a pipe: not "a folder, not empty"
+        raise ConfigError(f"--out {out} is neither a file nor a folder; give a new folder")
     if out.exists() and not (out.is_dir() and not any(out.iterdir())):
         raise ConfigError(f"--out {out} exists and is not an empty folder; choose another")
     if not is_utf8(str(out)):  # the report and results.json name it

@@ -89,6 +89,9 @@ def test_an_out_folder_that_cannot_be_written_is_refused_before_measuring(
         == 2
     )
     assert f"--out {tmp_path / 'afile'} is a file; give a folder" in capsys.readouterr().err
+    os.mkfifo(tmp_path / "pipe")  # as /dev/null: neither
+    assert profile_train.main(["--out", str(tmp_path / "pipe")]) == 2
+    assert "pipe is neither a file nor a folder; give a new folder" in capsys.readouterr().err
     undecodable = os.fsdecode(bytes(tmp_path / "out") + b"\xff")
     assert profile_train.main(["--variants", "naive", "--layers", "1", "--out", undecodable]) == 2
     assert "not valid UTF-8; give another folder" in capsys.readouterr().err
