@@ -112,6 +112,8 @@ def load_run(
     returned holds the precision to sample in, the run's train.dtype or `dtype`."""
     if run_dir.is_file():
         raise SampleError(f"--run {run_dir} is a file; give the run directory ({run_dir.parent})")
+    if run_dir.exists() and not run_dir.is_dir():  # /dev/null, a pipe
+        raise SampleError(f"--run {run_dir} is neither a file nor a folder; give a run directory")
     if not run_dir.is_dir():
         raise SampleError(f"run directory {run_dir} does not exist; {_train_first(run_dir)}")
     if (run_dir / "meta.json").is_file():  # it has a tokenizer.json too, but no run

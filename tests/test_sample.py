@@ -482,6 +482,11 @@ def test_sample_piped_into_a_reader_that_stops_ends_quietly(base_run: Path) -> N
 def test_sample_from_a_missing_dir_or_a_file_says_so(
     base_run: Path, data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    os.mkfifo(tmp_path / "pipe")  # as /dev/null: there, and not a run's folder
+    assert sample.main(["--run", str(tmp_path / "pipe")]) == 2
+    assert error_of(capsys.readouterr().err).endswith(
+        "pipe is neither a file nor a folder; give a run directory\n"
+    )
     nope = tmp_path / "nope"
     assert sample.main(["--run", str(nope)]) == 2
     err = error_of(capsys.readouterr().err)

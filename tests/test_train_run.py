@@ -245,6 +245,9 @@ def test_out_that_is_a_file_or_holds_corpora_is_refused(
     assert run(data_root, a_file, "--resume") == 2
     assert error_of(capsys.readouterr().err) == f"--out {a_file} is a file; give a run directory\n"
     assert a_file.read_text() == "mine"
+    os.mkfifo(tmp_path / "pipe")  # as /dev/null
+    assert run(data_root, tmp_path / "pipe") == 2
+    assert "pipe is neither a file nor a folder; give a run directory" in capsys.readouterr().err
     assert {p: p.read_bytes() for p in data_root.rglob("*") if p.is_file()} == before
 
 

@@ -95,7 +95,8 @@ def check_run_files(out_dir: Path) -> None:
 
 def _check_not_a_file(out_dir: Path) -> None:
     if out_dir.exists() and not out_dir.is_dir():
-        raise RunDirError(f"--out {out_dir} is a file; give a run directory")
+        what = "a file" if out_dir.is_file() else "neither a file nor a folder"  # /dev/null
+        raise RunDirError(f"--out {out_dir} is {what}; give a run directory")
 
 
 MAKE_TRAIN_RUN = Path("runs/default")  # where `make train` trains (the Makefile's --out)
