@@ -393,8 +393,14 @@ def _sweep_flags(args: argparse.Namespace, overrides: list[str]) -> tuple[list[i
             f"name, {CORPUS_NAME_RULE}"
         )
     for override in overrides:
-        if override.split("=")[0] in SWEEP_SETS:
-            raise ConfigError(SWEEP_SETS[override.split("=")[0]])
+        flag = override.split("=")[0]
+        if flag in SWEEP_SETS:
+            raise ConfigError(SWEEP_SETS[flag])
+        if flag == "--data.root" and args.data == "synthetic":  # read for a corpus only
+            raise ConfigError(
+                "--data.root: a sweep on --data synthetic reads no corpus; give --data NAME too "
+                "to sweep one prepared there"
+            )
     layers = _csv_list(args.layers, int, "--layers")
     if not layers or min(layers) < 1:
         raise ConfigError(f"--layers={args.layers!r}: give positive integers, e.g. 1,2,4,8")

@@ -73,6 +73,7 @@ def test_bad_arguments_name_the_problem(tmp_path: Path, capsys: pytest.CaptureFi
         ("--model.n_layer=3", None),  # the sweep sets n_layer itself
         ("--train.compile=true", None),  # --compile decides, per cell
         ("--data.name=stdlib", None),  # --data decides
+        ("--data.root=/corpora", None),  # read for --data NAME only
         ("--train.warmup_steps=0", None),  # the sweep has no schedule: --warmup is its own
         ("--train.peak_tflops=989", None),  # MFU is against the peak measured
         ("--data", "../data/tiny"),  # a path: outside data.root
@@ -91,6 +92,10 @@ def test_bad_arguments_name_the_problem(tmp_path: Path, capsys: pytest.CaptureFi
         assert rc == 2 and f"{given[0]} with --no-traces: no trace is written" in err, err
     rc, _ = sweep(tmp_path, "--layers", "1", "--data.name=stdlib")
     assert "--data synthetic or --data NAME" in capsys.readouterr().err
+    rc, _ = sweep(tmp_path, "--layers", "1", "--data.root=/corpora")
+    assert (
+        "a sweep on --data synthetic reads no corpus; give --data NAME" in capsys.readouterr().err
+    )
     rc, _ = sweep(tmp_path, "--layers", "1", "--train.warmup_steps=0")
     assert "the sweep does not use it; its steps run at train.lr" in capsys.readouterr().err
     assert not (tmp_path / "sweep").exists(), "bad input wrote nothing"
