@@ -263,11 +263,12 @@ def _not_a_corpus(out_dir: Path, inputs: Sequence[Path]) -> list[str]:
     except OSError:  # not there, or unreadable: the writes say so
         return []
     ours = {*OUTPUT_FILES, "meta.json"}  # a damaged meta.json is rebuilt, as before
-    given = [p.resolve() for p in inputs]
+    given = [Path(os.path.realpath(p)) for p in inputs]  # not resolve(): a link loop is no error
     return sorted(
         p.name
         for p in entries
-        if p.name not in ours and not any(p.resolve() in (i, *i.parents) for i in given)
+        if p.name not in ours
+        and not any(Path(os.path.realpath(p)) in (i, *i.parents) for i in given)
     )
 
 
