@@ -88,7 +88,13 @@ def stdlib_corpus(max_bytes: int | None) -> Corpus:
 
 def expand_files(patterns: Sequence[str]) -> list[Path]:
     """Paths and globs -> existing files, in argument order, each glob sorted, no repeats."""
-    found: dict[Path, None] = {}  # an ordered set
+    return list(dict.fromkeys(match_files(patterns)))
+
+
+def match_files(patterns: Sequence[str]) -> list[Path]:
+    """Each pattern's files, resolved, in argument order: a file two patterns match is there
+    twice (expand_files keeps the first)."""
+    found: list[Path] = []
     for pattern in map(os.path.expanduser, patterns):  # --files=~/t/*.txt: no shell expanded it
         # An existing file is taken literally even if its name holds glob characters.
         if not Path(pattern).is_file() and any(char in pattern for char in "*?["):
@@ -108,8 +114,8 @@ def expand_files(patterns: Sequence[str]) -> list[Path]:
             if not path.is_file():
                 raise PrepareError(f"file {pattern!r} does not exist")
             matches = [path]
-        found.update(dict.fromkeys(match.resolve() for match in matches))
-    return list(found)
+        found.extend(match.resolve() for match in matches)
+    return found
 
 
 def files_corpus(patterns: Sequence[str], encoding_errors: str, max_bytes: int | None) -> Corpus:

@@ -38,8 +38,10 @@ Decisions, so that a reader need not reverse-engineer them:
   __init__.py) and non-UTF-8 files are skipped too; meta.json counts all three, since the
   corpus is fixed and the user cannot fix it. That leaves about 10 MB / 600 files for CPython
   3.11, which prepare in ~6 s on 2 cores, so there is no cap by default.
-* `--files`: an empty file is an error (a glob that picked one up is more likely a mistake
-  than intent), and so is non-UTF-8 input, naming the file and byte offset;
+* `--files`: each file is one document, read once however many patterns match it (said, as
+  `--files a.txt a.txt` is one document). An empty file is an error (a glob that picked one
+  up is more likely a mistake than intent), and so is non-UTF-8 input, naming the file and
+  byte offset;
   `--encoding-errors replace` instead decodes with Python's "replace" handler, which puts
   one U+FFFD for each invalid sequence (one or more bytes), and meta.json counts the
   undecodable bytes. Hub documents that are empty or None are skipped and counted.
@@ -76,6 +78,7 @@ Decisions, so that a reader need not reverse-engineer them:
 """
 
 import argparse
+import collections
 import contextlib
 import hashlib
 import itertools
@@ -101,10 +104,10 @@ from console import Droppable, StdoutClosed, cli_path, dropping, say, stdout_clo
 from data.corpus import (
     Corpus,
     PrepareError,
-    expand_files,
     files_corpus,
     hub_corpus,
     load_text_files,
+    match_files,
     stdlib_corpus,
 )
 from data.meta import (
@@ -170,8 +173,10 @@ def prepare(
     kind = _check_arguments(name, stdlib, files, hub, hub_config, split, text_column)
     _check_settings(vocab_size, val_fraction, max_bytes, encoding_errors, seed, kind)
     out_dir = Path(out_root if out_root is not None else DEFAULT_OUT_ROOT) / name
+    inputs = match_files(files) if kind == "files" and files else []
     # --files may sit in the corpus's folder, as nanoGPT keeps its input.txt
-    check_out_dir(out_dir, expand_files(files) if kind == "files" and files else ())
+    check_out_dir(out_dir, inputs)
+    _say_repeated(inputs)
     settings: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "tokenizers_version": tokenizers.__version__,
@@ -225,6 +230,19 @@ def prepare(
             f"val {counts['val']['documents']} docs / {counts['val']['tokens']} tokens"
         )
         return out_dir
+
+
+def _say_repeated(matches: list[Path]) -> None:
+    """A file that --files matches twice (named twice, or by two globs) is one document, read
+    once: said, as `--files a.txt a.txt` would otherwise read as two documents and count one."""
+    repeated = [path for path, n in collections.Counter(matches).items() if n > 1]
+    if repeated:
+        names = ", ".join(os.path.relpath(path) for path in repeated[:3])
+        _say(
+            f"note: --files matched {len(repeated)} file{'s' * (len(repeated) > 1)} more than "
+            f"once ({names}{', ...' if len(repeated) > 3 else ''}); each file is read once, as "
+            "one document"
+        )
 
 
 def _say(text: str) -> None:

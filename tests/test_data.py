@@ -76,6 +76,28 @@ def test_a_vocabulary_the_text_cannot_fill_is_said(
     )
 
 
+def test_a_file_matched_twice_is_read_once_and_said(
+    corpus: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A file named twice, or by a name and a glob, is one document: the note says why fewer
+    documents were read than named."""
+    monkeypatch.chdir(corpus)
+    files = ["quokka.txt", "*.txt", "quokka.txt", "zephyr.txt"]
+    out = prepare("twice", files=files, vocab_size=VOCAB, out_root=tmp_path)
+    counts = read_meta(out)["splits"]
+    assert counts["train"]["documents"] + counts["val"]["documents"] == len(WORDS)
+    assert read_meta(out)["duplicate_documents"] == 0
+    said = capsys.readouterr().out
+    note = "note: --files matched 2 files more than once (quokka.txt, zephyr.txt); each file"
+    assert note in said
+    # Distinct files, one match each: nothing to say.
+    prepare("once", files=["*.txt"], vocab_size=VOCAB, out_root=tmp_path)
+    assert "more than once" not in capsys.readouterr().out
+
+
 def test_a_corpus_records_where_its_documents_are_from_anywhere(
     corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
