@@ -64,26 +64,33 @@ def _time_line(name: str, r: dict[str, Any], profile_steps: int) -> str:
     total = sum(times.values())
     split, _ = _split_ms(r)
     median = r["step_ms"]["median"] if r.get("step_ms") else None
-    of = (lambda ms: f" ({100 * ms / median:.0f}%)") if median else (lambda ms: "")
+    # Profiled steps that ran slower than the timed ones (a busy moment) are their own base:
+    # against the median, the categories would add up to more than 100%.
+    slower = median is not None and total > median
+    base = total if slower else median
+    of = (lambda ms: f" ({100 * ms / base:.0f}%)") if base else (lambda ms: "")
     parts = ", ".join(f"{k} {ms:.1f} ms{of(ms)}" for k, ms in split.items())
     what = "Kernel time" if cuda else "Operators' self time"
     mfu = f", MFU {mfu_text(r['mfu'])}" if r.get("mfu") else ""
     line = f"- **{name}** at L{r['n_layer']}{mfu}: "
     if median:
-        line += f"timed median {median:.1f} ms, the base of the percentages. "
+        line += f"timed median {median:.1f} ms" + (
+            ". " if slower else ", the base of the percentages. "
+        )
     profiled = "per profiled step" if profile_steps > 1 else "in the profiled step"
     line += f"{what} {profiled} {total:.1f} ms: {parts}"
-    if median:
+    if slower:
+        line += (
+            f"; {total - median:.1f} ms more than the timed median: the profiled "
+            + ("steps ran" if profile_steps > 1 else "step ran")
+            + " slower than the timed ones, so the percentages are of its own time and this "
+            "says nothing of the time outside the " + ("kernels" if cuda else "operators")
+        )
+    elif median:
         rest = median - total
         line += (
             f"; {'no kernel running' if cuda else 'outside the operators'} {rest:+.1f} ms{of(rest)}"
         )
-        if rest < 0:
-            line += (
-                f" ({what.lower()} exceeds the timed median: the profiled "
-                + ("steps ran" if profile_steps > 1 else "step ran")
-                + " slower than the timed ones, so this says nothing of the time outside them)"
-            )
     if r["compile"] and not cuda:
         line += (
             ". Inductor's fused kernels are not ATen operators: their time is in the remainder, "
