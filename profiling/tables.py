@@ -376,7 +376,7 @@ def paired_table(rows: list[dict[str, Any]]) -> list[str]:
         "order statistics (it covers the median at least 95% of the time, more where rounds are "
         "few: from 6 to 8 it spans them all; it assumes nothing about how the times spread, only "
         "that the rounds vary independently; under 6 rounds give none). An interval that "
-        "excludes 0 is a saving measured in this run, though of many intervals about one in "
+        "excludes 0 is a saving measured in this run, though of many intervals up to one in "
         "twenty would exclude 0 by chance where there is no saving; the ms/layer columns above "
         "are fitted across depths.",
         "",
