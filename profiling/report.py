@@ -227,6 +227,26 @@ def _busy_warning(meta: dict[str, Any]) -> list[str]:
     ]
 
 
+# The matmul peak's start and end readings of one sweep on a quiet machine: within 6% of each
+# other in every published sweep. Further apart, the machine's speed changed while it ran.
+PEAK_DRIFT = 1.15
+
+
+def _peak_drift_warning(meta: dict[str, Any]) -> list[str]:
+    start, end = meta.get("peak_flops_start"), meta.get("peak_flops_end")
+    if not start or not end or max(start, end) <= PEAK_DRIFT * min(start, end):
+        return []
+    high = max(start, end)
+    return [
+        f"**Warning**: the matmul peak read {rate_text(start, unit_of=high)} at the start and "
+        f"{rate_text(end, unit_of=high)} at the end, {high / min(start, end):.2f}× apart: the "
+        "machine's speed changed during this sweep (other processes, its clocks, a neighbour "
+        "on a shared VM). MFU divides by the higher reading; cells timed in the slower part "
+        "ran slower than this machine can. Rerun on a quiet machine.",
+        "",
+    ]
+
+
 def _while(meta: dict[str, Any], before: str) -> str:
     """When other processes' share of the CPUs was counted; `before` for sweeps that counted
     it over the whole sweep, compiling and profiling too."""
@@ -264,6 +284,7 @@ def write_report(
         "",
         *_completeness(meta, rows),
         *_busy_warning(meta),
+        *_peak_drift_warning(meta),
         *_compiled_while_timed(rows),
         *headline_table(results),
         *paired_deepest(rows),
@@ -398,6 +419,7 @@ def _header(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
         "",
         *_completeness(meta, rows),
         *_busy_warning(meta),
+        *_peak_drift_warning(meta),
         *_compiled_while_timed(rows),
         f"- **Machine**: {_machine_line(meta)}",
         f"- **Setup**: {_setup_line(meta)}; {_steps(meta['steps'], 'timed step')} per cell "

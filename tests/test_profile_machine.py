@@ -54,6 +54,27 @@ def test_the_report_warns_when_other_processes_took_over_a_tenth_of_the_cpus(
     assert not _slowed(meta)
 
 
+def test_the_report_warns_when_the_peaks_readings_drift_apart(
+    naive_vs_inplace: dict, tmp_path: Path
+) -> None:
+    """The peak read at the start and at the end of a sweep: a few percent apart on a quiet
+    machine; further apart, the machine's speed changed under the sweep, and MFU's base with it."""
+    from profiling.report import write_report
+
+    results = copy.deepcopy(naive_vs_inplace)
+    meta = results["meta"]
+    for start, end, warned in [(150e9, 160e9, False), (88.4e9, 148.6e9, True), (90e9, 60e9, True)]:
+        meta |= {"peak_flops_start": start, "peak_flops_end": end, "peak_flops": max(start, end)}
+        write_report(tmp_path, results, plots=False)
+        for name in ("summary.txt", "report.md"):
+            said = (tmp_path / name).read_text()
+            assert ("**Warning**: the matmul peak read" in said) == warned, (start, end)
+    assert "read 90.0 GFLOP/s at the start and 60.0 GFLOP/s at the end, 1.50× apart" in said
+    del meta["peak_flops_end"]  # a sweep stopped before its end reading: one reading, no drift
+    write_report(tmp_path, results, plots=False)
+    assert "**Warning**: the matmul peak" not in (tmp_path / "report.md").read_text()
+
+
 def test_allocator_counts_read_device_calls_and_retries() -> None:
     from profiling.cells import allocator_counts
 
