@@ -63,15 +63,24 @@ def rate_text(flops: float, unit_of: float | None = None) -> str:
     return f"{flops / scale:.1f} {unit}"
 
 
+def _unfinished(meta: dict[str, Any]) -> str:
+    """Why a sweep's results lack cells or its closing peak reading: a sweep writes them after
+    every cell, so one still running reads as unfinished too; one stopped (Ctrl-C, SIGTERM, an
+    error) says so on its way out."""
+    if "stopped_at" in meta:
+        return "the sweep stopped first"
+    return "the sweep is still running, or was killed before its end"
+
+
 def _peak_readings(meta: dict[str, Any]) -> str:
     scale, unit = _rate_unit(meta["peak_flops"])
     start = meta.get("peak_flops_start", meta["peak_flops"]) / scale
     if "peak_flops_end" not in meta:
         return (
-            f"{start:.1f} {unit}, measured at the start only: the sweep stopped before the end "
-            "reading, whose higher value a whole sweep divides by. One reading taken while "
-            "something else ran reads low, and every MFU here high: compare it with a whole "
-            "sweep's peak on this machine"
+            f"{start:.1f} {unit}, measured at the start only ({_unfinished(meta)}): the end "
+            "reading, whose higher value a whole sweep divides by, follows its last cell. One "
+            "reading taken while something else ran reads low, and every MFU here high: compare "
+            "it with a whole sweep's peak on this machine"
         )
     end = meta["peak_flops_end"] / scale
     return (
@@ -80,7 +89,7 @@ def _peak_readings(meta: dict[str, Any]) -> str:
 
 
 def _completeness(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
-    """A line saying the sweep stopped early, if it did."""
+    """A line saying the sweep has cells still to run, if it has."""
     planned, done = meta.get("cells_planned"), cells_done(rows)
     if planned is None or done >= planned:
         return []
@@ -89,11 +98,11 @@ def _completeness(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]
     why = "out of memory, unsupported or an error"
     of_them = f" ({failed} of them failed: {why})" if failed else ""
     also = f"; {timed} more were timed, not profiled (status interrupted)" if timed else ""
-    return [
-        f"**Incomplete sweep**: {done} of {planned} cells ran to their end before it "
-        f"stopped{of_them}{also}.",
-        "",
-    ]
+    if "stopped_at" in meta:
+        text = f"ran to their end before it stopped{of_them}{also}"
+    else:
+        text = f"have run to their end{of_them}{also}: {_unfinished(meta)}"
+    return [f"**Incomplete sweep**: {done} of {planned} cells {text}.", ""]
 
 
 def _compiled_while_timed(rows: list[dict[str, Any]]) -> list[str]:
@@ -277,7 +286,7 @@ def write_report(
         f"setup:   {_setup_line(meta)}",
         f"peak:    {meta['peak_flops'] / scale:.1f} {unit} {peak_dtype(meta)} matmul, "
         "measured on the spot"
-        + ("" if "peak_flops_end" in meta else " at the start only (the sweep stopped first)")
+        + ("" if "peak_flops_end" in meta else f" at the start only ({_unfinished(meta)})")
         + _peak_paths(meta)
         + _peak_dtype_why(meta),
         f"command: {meta['command']}{_commit_text(meta)}",

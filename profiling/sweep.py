@@ -337,6 +337,8 @@ class Sweep:
             # A second reading of the peak: the MFU denominator is the higher of the two.
             end = matmul_peaks(self.device, self.peak_dtype, self.options.peak_seconds)
         except BaseException:  # Ctrl-C above all: the plots of what was measured, then stop
+            # The report tells a stopped sweep from one still running (it writes after each cell)
+            self.meta["stopped_at"] = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
             self._record_timed_only()
             if self.rows:
                 self._write(plots=True)

@@ -192,14 +192,22 @@ def test_interrupted_sweep_keeps_what_it_measured(
 
 def test_an_incomplete_sweep_counts_its_failed_cells_apart() -> None:
     """A cell that ran out of memory ran to its end, but measured nothing: the report's line
-    says so, not that it was measured."""
+    says so, not that it was measured. A report written between cells (no stopped_at) does
+    not say the sweep stopped: it may be running still."""
     from profiling.report import _completeness
 
     rows = [{"status": "oom"}, {"status": "ok"}, {"status": "interrupted"}]
-    assert _completeness({"cells_planned": 4}, rows) == [
+    stopped = {"cells_planned": 4, "stopped_at": "2026-12-07T20:00:00+00:00"}
+    assert _completeness(stopped, rows) == [
         "**Incomplete sweep**: 2 of 4 cells ran to their end before it stopped (1 of them "
         "failed: out of memory, unsupported or an error); 1 more were timed, not profiled "
         "(status interrupted).",
+        "",
+    ]
+    assert _completeness({"cells_planned": 4}, rows[:2]) == [
+        "**Incomplete sweep**: 2 of 4 cells have run to their end (1 of them failed: out of "
+        "memory, unsupported or an error): the sweep is still running, or was killed before "
+        "its end.",
         "",
     ]
 
@@ -325,8 +333,9 @@ def test_ctrl_c_during_the_closing_peak_reading_still_draws_the_plots(
     rc, results = sweep(tmp_path, "--variants", "naive", "--layers", "1")
     assert rc == 130 and len(results["rows"]) == 1
     assert "finished_at" not in results["meta"]  # what gpu_check.sh tells a whole sweep by
+    assert "stopped_at" in results["meta"]
     report = (tmp_path / "sweep" / "report.md").read_text()
-    assert "measured at the start only: the sweep stopped before the end reading" in report
+    assert "measured at the start only (the sweep stopped first): the end reading" in report
     assert "every MFU here high" in report, "one reading, maybe low: said"
     summary = (tmp_path / "sweep" / "summary.txt").read_text()
     assert "matmul, measured on the spot at the start only (the sweep stopped first)" in summary
