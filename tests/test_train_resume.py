@@ -272,6 +272,11 @@ def test_extending_a_finished_run_says_the_learning_rate_climbs_again(
     resume.say_the_schedule_changed({"step": STEPS, "config": {"train": fields}}, warm)
     err = capsys.readouterr().err
     assert "learning-rate schedule is recomputed" in err and "min_lr instead" not in err
+    # Nor one that sets train.lr itself: the hint would contradict the command just given.
+    higher = dataclasses.replace(tc, max_steps=STEPS + 10, lr=2 * tc.lr)
+    resume.say_the_schedule_changed({"step": STEPS, "config": {"train": fields}}, higher)
+    err = capsys.readouterr().err
+    assert f"train.lr {tc.lr} -> {2 * tc.lr}" in err and "min_lr instead" not in err
     split = tmp_path / "split"
     assert run(data_root, split, *SHARED_OVERRIDES, "--stop-after", "5") == 0
     assert run(data_root, split, "--resume", "--stop-after", "5") == 0

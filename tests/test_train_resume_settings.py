@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -232,6 +233,34 @@ def test_resume_in_another_precision_says_so(
     torch.save(ckpt, older / checkpoint.CHECKPOINT)
     assert run(data_root, older, *argv) == 0
     assert "the run trained in float32 so far" in capsys.readouterr().err
+
+
+def test_resume_compiled_where_the_run_ran_eagerly_says_so(
+    base_run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """torch.compile fuses and reorders the same ops: a run resumed compiled (or eager after
+    compiled) rounds differently from then on, said as another precision or variant is."""
+    from training.resume import say_what_resuming_changes
+
+    ckpt = load_ckpt(base_run)
+    eager = load_config(base_run / "config.toml")
+    assert not eager.train.compile and not ckpt["config"]["train"]["compile"]
+    compiled = dataclasses.replace(eager, train=dataclasses.replace(eager.train, compile=True))
+    how = (ckpt["written_by"]["linear"], ckpt["written_by"]["precision"])
+    capsys.readouterr()
+    say_what_resuming_changes(ckpt, compiled, *how)
+    assert capsys.readouterr().err == (
+        "resuming compiled (train.compile=true); the run trained eagerly so far (Inductor "
+        "fuses and reorders the same ops: the same function, rounded differently, so the run "
+        "will not match one that never stopped to the last bit)\n"
+    )
+    ckpt["config"]["train"]["compile"] = True
+    say_what_resuming_changes(ckpt, eager, *how)
+    assert "resuming eager (train.compile=false); the run trained compiled so far" in (
+        capsys.readouterr().err
+    )
+    say_what_resuming_changes(ckpt, compiled, *how)  # compiled as before: nothing to say
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize("keeps_rows", ["", "global_batch_size", "grad_accum"])

@@ -96,10 +96,11 @@ def corpus_meta(config: Config, out_dir: Path, resume: bool) -> dict[str, Any]:
 def say_what_resuming_changes(
     ckpt: dict[str, Any], config: Config, linear: str | None, computes_in: str
 ) -> None:
-    """A resume in another precision, or through another attention variant or nn.Linear path,
-    computes the same function, rounded differently, and another dropout rate regularises
-    differently: said, as the run will not match an uninterrupted one. (Checkpoints from before
-    the precision and path were recorded have no "precision" and "linear".)"""
+    """A resume in another precision, through another attention variant or nn.Linear path, or
+    compiled where it ran eagerly (or back), computes the same function, rounded differently,
+    and another dropout rate regularises differently: said, as the run will not match an
+    uninterrupted one. (Checkpoints from before the precision and path were recorded have no
+    "precision" and "linear".)"""
     rounding = (
         "the same function, rounded differently, so the run will not match one that never "
         "stopped to the last bit"
@@ -120,6 +121,14 @@ def say_what_resuming_changes(
         print(
             f"resuming with attention {config.model.attention}; the run trained with "
             f"{trained_with} so far (attention holds no weights; {rounding})",
+            file=sys.stderr,
+        )
+    compiled_before = ckpt["config"].get("train", {}).get("compile")
+    if compiled_before not in (None, config.train.compile):
+        now, then = ("compiled", "eagerly") if config.train.compile else ("eager", "compiled")
+        print(
+            f"resuming {now} (train.compile={str(config.train.compile).lower()}); the run "
+            f"trained {then} so far (Inductor fuses and reorders the same ops: {rounding})",
             file=sys.stderr,
         )
     dropout_before = ckpt["config"]["model"].get("dropout")
@@ -187,7 +196,8 @@ def say_the_schedule_changed(ckpt: dict[str, Any], tc: TrainConfig) -> None:
         return
     hint = ""
     # Extending a run that had decayed to min_lr, past any new warm-up: lr=min_lr holds it there
-    if step >= was.max_steps and step >= tc.warmup_steps and now > then:
+    # (not where this command sets train.lr itself)
+    if step >= was.max_steps and step >= tc.warmup_steps and now > then and before["lr"] == tc.lr:
         hint = f"; to go on at min_lr instead, also give --train.lr={tc.min_lr:g}"
     print(
         f"resuming with train.{', train.'.join(changed)}: the learning-rate schedule is "
