@@ -315,8 +315,9 @@ def test_a_cpu_run_says_when_other_processes_took_the_cpus(
     monkeypatch.setattr(loop.OtherLoad, "share", lambda self: share)
     one_step = ["--train.max_steps=1", "--train.eval_interval=0", "--train.eval_batches=1"]
     assert run(data_root, tmp_path / "run", *one_step) == 0
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert ("note: other processes used 50% of the CPUs" in err) == (share > 0), err
+    assert "naive, step 1: median " in out and "compil" not in out
     if share:  # compiled, the run's own compile workers count among them, and it says so
         compiled: list[GPT] = []
         real = step.compile_blocks
@@ -325,9 +326,10 @@ def test_a_cpu_run_says_when_other_processes_took_the_cpus(
         # At the profiler tests' block shape (B=2, T=32, C=32, 2 heads): kernels built once
         compiled_step = [*one_step, "--train.compile=true", "--train.batch_size=2"]
         assert run(data_root, tmp_path / "compiled", *compiled_step) == 0
-        assert "other processes (Inductor's compile workers among them) used 50%" in (
-            capsys.readouterr().err
-        )
+        out, err = capsys.readouterr()
+        assert "other processes (Inductor's compile workers among them) used 50%" in err
+        # Its one step compiled: its time is no step time to compare runs by, and says so
+        assert ", its compiling included (the call's only step)\n" in out
         # train.compile=true compiles the blocks, and the step ran through the compiled graph
         assert len(compiled) == 1
         assert all(block._compiled_call_impl is not None for block in compiled[0].blocks)
@@ -470,6 +472,36 @@ def test_step_time_excludes_evaluation(
     # Resumed, the line is of the steps this call took
     assert run(data_root, out, *evals, "--train.max_steps=6", "--resume") == 0
     assert "naive, step 6: median " in capsys.readouterr().out
+
+
+def test_a_first_step_that_compiled_is_said_apart_from_the_median(
+    data_root: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A compiled call's first step compiles (seconds, where a step takes milliseconds): it is
+    left out of the median the closing line gives, and said apart with its time. Here a stand-in
+    says the first step compiled two graphs."""
+    graphs = iter([0, 2])  # before and after the call's first step; after that, no change
+
+    monkeypatch.setattr(loop, "graphs_compiled", lambda: next(graphs, 2))
+    out = tmp_path / "run"
+    argv = ["--train.eval_interval=0", "--train.eval_batches=1", "--train.max_steps=5"]
+    capsys.readouterr()
+    assert run(data_root, out, *argv) == 0
+    ms = {r["step"]: r["ms_per_step"] for r in train_lines(out)}
+    median = statistics.median(ms[s] for s in range(2, 6))
+    tokens = 4 * 32 / median * 1e3  # tiny.toml: batch_size 4, block_size 32
+    said = (
+        f"naive, steps 2-5: median {median:.1f} ms/step, {tokens:,.0f} tokens/s; step 1 "
+        f"compiled ({ms[1]:.0f} ms), left out\n"
+    )
+    assert said in capsys.readouterr().out
+    # A call whose first step compiled nothing: every step in the median
+    assert run(data_root, out, *argv, "--train.max_steps=7", "--resume") == 0
+    said = capsys.readouterr().out
+    assert "naive, steps 6-7: median " in said and "compiled" not in said
 
 
 def test_fresh_run_starts_a_fresh_metrics_file(

@@ -85,6 +85,7 @@ class Run:
     eval_micro_batches: int = field(init=False)
     to_means: Tensor = field(init=False)
     step_seconds: list[float] = field(init=False, default_factory=list)  # this call's, as read
+    first_step_compiled: bool = field(init=False, default=False)  # this call's first step
 
     def __post_init__(self) -> None:
         tc = self.config.train
@@ -142,7 +143,10 @@ class Run:
             self.model.train()
             unread: Pending | None = None  # the step before, until it is read
             while self.step < self.last_step:
+                graphs = graphs_compiled()
                 pending = self.queue_step(stop)
+                if self.step == first_step + 1:
+                    self.first_step_compiled = graphs_compiled() > graphs
                 # The host reads a step's values only once the next step is queued, so the
                 # device never idles while Python logs and fetches the next batch (on the
                 # CPU, where nothing is queued, this gains nothing). A non-finite loss is thus
@@ -357,16 +361,27 @@ class Run:
 
     def say_step_times(self) -> None:
         """This call's step times in one line (evaluations and saves not in them), to compare
-        runs by: their median, whatever the first steps' set-up cost, and its spread."""
-        if not self.master or not self.step_seconds:
+        runs by: their median, whatever the first steps' set-up cost, and its spread. A first
+        step that compiled (torch.compile, flex's kernel) is said apart, out of the median: it
+        can take a thousand steps' time, and a call of two steps would have half of it."""
+        seconds = self.step_seconds
+        if not self.master or not seconds:
             return
-        times = summarize_ms(self.step_seconds)
+        compiled = ""
+        if self.first_step_compiled and len(seconds) > 1:
+            first, seconds = seconds[0], seconds[1:]
+            compiled = (
+                f"; step {self.step - len(seconds)} compiled ({first * 1e3:.0f} ms), left out"
+            )
+        elif self.first_step_compiled:
+            compiled = ", its compiling included (the call's only step)"
+        times = summarize_ms(seconds)
         median, n = times["median"], times["n"]
         spread = f" (p10 {times['p10']:.1f}, p90 {times['p90']:.1f})" if n >= 10 else ""
         steps = f"step {self.step}" if n == 1 else f"steps {self.step - n + 1}-{self.step}"
         print(
             f"{self.config.model.attention}, {steps}: median {median:.1f} ms/step{spread}, "
-            f"{self.tokens_per_step / median * 1e3:,.0f} tokens/s"
+            f"{self.tokens_per_step / median * 1e3:,.0f} tokens/s{compiled}"
         )
 
     def note_other_load(self, other_load: OtherLoad) -> None:
@@ -383,3 +398,9 @@ class Run:
                 "trained; its step times (ms/step, tokens/s) are slower for it",
                 file=sys.stderr,
             )
+
+
+def graphs_compiled() -> int:
+    """The graphs Dynamo has compiled in this process: none where it was never imported."""
+    dynamo = sys.modules.get("torch._dynamo.utils")
+    return 0 if dynamo is None else dynamo.counters["stats"]["unique_graphs"]
