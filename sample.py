@@ -121,19 +121,20 @@ def load_run(
             f"--run {run_dir} is a prepared corpus, not a run; give --run the folder train.py "
             f"wrote (--out, by default runs/<config>: {MAKE_TRAIN_RUN} for make train)"
         )
+    ckpt_path = run_dir / CHECKPOINT
+    # A run not there yet: training (its tokenizer is copied in after set-up), or stopped
+    # before its first checkpoint
+    if not ckpt_path.exists() and (pid := lock_holder(run_dir)) is not None:
+        raise SampleError(
+            f"no checkpoint at {ckpt_path} yet: the run is training (pid {pid}) and saves "
+            "one at each evaluation (train.eval_interval) and at its end; sample it then"
+        )
     tokenizer_path = run_dir / "tokenizer.json"
     if not tokenizer_path.is_file():
         raise SampleError(
             f"{run_dir} has no tokenizer.json; is it a run directory written by train.py?"
         )
-    ckpt_path = run_dir / CHECKPOINT
-    if not ckpt_path.exists():  # a run stopped before its first checkpoint, or not there yet
-        pid = lock_holder(run_dir)
-        if pid is not None:
-            raise SampleError(
-                f"no checkpoint at {ckpt_path} yet: the run is training (pid {pid}) and saves "
-                "one at each evaluation (train.eval_interval) and at its end; sample it then"
-            )
+    if not ckpt_path.exists():
         raise SampleError(f"no checkpoint at {ckpt_path}; {_train_first(run_dir)}")
     ckpt = load_checkpoint(ckpt_path, needs=("model",))  # the rest is resuming's
     config_path = run_dir / "config.toml"

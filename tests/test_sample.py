@@ -511,6 +511,11 @@ def test_sample_from_a_missing_dir_or_a_file_says_so(
         assert sample.main(["--run", str(started)]) == 2
     err = error_of(capsys.readouterr().err)
     assert f"yet: the run is training (pid {os.getpid()})" in err and "train it" not in err
+    # In its first moments, before the tokenizer is copied in: training too, not "no run"
+    (started / "tokenizer.json").unlink()
+    with rundir.run_lock(started):
+        assert sample.main(["--run", str(started)]) == 2
+    assert f"yet: the run is training (pid {os.getpid()})" in error_of(capsys.readouterr().err)
     assert rundir.lock_holder(started) is None  # the lock went with the run
     # A corpus folder has a tokenizer.json too: not a run, and no command that trains there
     assert sample.main(["--run", str(data_root / "tiny")]) == 2
