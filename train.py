@@ -201,6 +201,24 @@ def _say_how_it_runs(
         )
 
 
+def _say_what_an_evaluation_reads(
+    tc: TrainConfig, tokens_per_step: int, meta: dict[str, Any]
+) -> None:
+    """An evaluation takes train.eval_batches steps' worth of windows from each split, drawn at
+    random: more than val.bin holds reads its tokens again and again, and can take hours
+    (eval_batches=100000, one 0 too many) before the first step. Said, as nanoGPT-style
+    settings on a small corpus do it on purpose."""
+    reads, held = tc.eval_batches * tokens_per_step, meta["splits"]["val"]["tokens"]
+    if reads > held:
+        print(
+            f"note: an evaluation reads train.eval_batches={tc.eval_batches} x "
+            f"{tokens_per_step:,} tokens from each split, {reads / held:.1f} times what val.bin "
+            f"holds ({held:,} tokens; its windows are drawn at random, so it reads them again): "
+            "lower train.eval_batches for quicker evaluations",
+            file=sys.stderr,
+        )
+
+
 def train(
     config: Config,
     out_dir: Path,
@@ -300,6 +318,7 @@ def _train(
             kept_host_memory,
             computes_in,
         )
+        _say_what_an_evaluation_reads(tc, tokens_per_step, meta)
         if (slow := missing_bf16_instructions(device, amp_dtype)) is not None:
             print(
                 f"warning: train.dtype={tc.dtype!r}: {slow}; float32 trains faster here",

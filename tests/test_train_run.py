@@ -504,6 +504,26 @@ def test_a_first_step_that_compiled_is_said_apart_from_the_median(
     assert "naive, steps 6-7: median " in said and "compiled" not in said
 
 
+def test_an_evaluation_reading_more_than_val_holds_is_said(
+    data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """eval_batches=100000 (a 0 too many) would evaluate for hours before the first step;
+    past val.bin's size an evaluation reads its tokens again. Said at the start, with the
+    numbers; up to val.bin's size, nothing."""
+    held = meta(data_root)["splits"]["val"]["tokens"]
+    per_step = 4 * 32  # tiny.toml: batch_size 4, block_size 32
+    one_step = ["--train.max_steps=1", "--train.eval_interval=0"]
+    fits = held // per_step
+    assert run(data_root, tmp_path / "fits", *one_step, f"--train.eval_batches={fits}") == 0
+    assert "an evaluation reads" not in capsys.readouterr().err
+    over = fits + 1
+    assert run(data_root, tmp_path / "over", *one_step, f"--train.eval_batches={over}") == 0
+    assert (
+        f"note: an evaluation reads train.eval_batches={over} x {per_step} tokens from each "
+        f"split, {over * per_step / held:.1f} times what val.bin holds ({held:,} tokens;"
+    ) in capsys.readouterr().err
+
+
 def test_fresh_run_starts_a_fresh_metrics_file(
     data_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
