@@ -222,20 +222,28 @@ def test_without_a_global_batch_size_grad_accum_is_per_rank() -> None:
 
 
 @pytest.mark.parametrize(
-    ("world_size", "named"),
+    ("world_size", "named", "keeps"),
     [
-        (16, ["train.global_batch_size=32", "16 ranks", "multiple of 64"]),
-        (3, ["train.global_batch_size=32", "3 ranks", "multiple of 12"]),
+        (16, ["train.global_batch_size=32", "16 ranks", "multiple of 64"], 2),
+        (3, ["train.global_batch_size=32", "3 ranks", "multiple of 12"], None),
+        (64, ["train.global_batch_size=32", "64 ranks", "multiple of 256"], None),
     ],
 )
 def test_a_global_batch_the_ranks_cannot_split_is_a_config_error(
-    world_size: int, named: list[str]
+    world_size: int, named: list[str], keeps: int | None
 ) -> None:
+    """Named with both ways out: another global batch, or (where one splits it) a smaller
+    batch_size, which keeps the rows each step trains on, as a resume on more ranks wants."""
     tc = TrainConfig(batch_size=4, global_batch_size=32)
     with pytest.raises(ConfigError) as info:
         tc.micro_batches(world_size)
     for part in named:
         assert part in str(info.value)
+    keep = "; or keep it, and so the rows each step trains on, with train.batch_size="
+    assert (keep in str(info.value)) == (keeps is not None)
+    if keeps is not None:
+        assert str(info.value).endswith(f"{keep}{keeps}")
+        assert TrainConfig(batch_size=keeps, global_batch_size=32).micro_batches(world_size)
 
 
 def load_bad(tmp_path: Path, text: str | None, overrides: list[str]) -> Config:

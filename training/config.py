@@ -163,10 +163,22 @@ class TrainConfig:
         derived, rest = divmod(self.global_batch_size, per_pass)
         ranks = f"{world_size} rank{'s' if world_size > 1 else ''}"
         if rest or not derived:
+            # The largest batch_size that splits it keeps the rows each step trains on
+            fits = [
+                b
+                for b in range(self.batch_size - 1, 0, -1)
+                if self.global_batch_size % (b * world_size) == 0
+            ]
+            keep = (
+                f"; or keep it, and so the rows each step trains on, with train.batch_size="
+                f"{fits[0]}"
+                if fits
+                else ""
+            )
             raise ConfigError(
                 f"train.global_batch_size={self.global_batch_size} does not split into "
                 f"micro-batches of train.batch_size={self.batch_size} on {ranks}: it must be a "
-                f"multiple of {per_pass}"
+                f"multiple of {per_pass}{keep}"
             )
         return derived
 
