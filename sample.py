@@ -121,15 +121,26 @@ def load_run(
             f"--run {run_dir} is a prepared corpus, not a run; give --run the folder train.py "
             f"wrote (--out, by default runs/<config>: {MAKE_TRAIN_RUN} for make train)"
         )
-    ckpt_path = run_dir / CHECKPOINT
-    # A run not there yet: training (its tokenizer is copied in after set-up), or stopped
-    # before its first checkpoint
-    if not ckpt_path.exists() and (pid := lock_holder(run_dir)) is not None:
+    if (run_dir / "results.json").is_file():
         raise SampleError(
-            f"no checkpoint at {ckpt_path} yet: the run is training (pid {pid}) and saves "
-            "one at each evaluation (train.eval_interval) and at its end; sample it then"
+            f"--run {run_dir} is a profile sweep's folder (results.json), not a run; give --run "
+            f"the folder train.py wrote (--out, by default runs/<config>: {MAKE_TRAIN_RUN} for "
+            "make train)"
         )
+    ckpt_path = run_dir / CHECKPOINT
     tokenizer_path = run_dir / "tokenizer.json"
+    # A run not there yet: training, or stopped before its first checkpoint. The lock is a
+    # sweep's too, and a run copies its tokenizer in only after its set-up.
+    if not ckpt_path.exists() and (pid := lock_holder(run_dir)) is not None:
+        who = (
+            f"the run is training (pid {pid})"
+            if tokenizer_path.is_file()
+            else f"pid {pid} holds it (a run starting, or a profile sweep writing there)"
+        )
+        raise SampleError(
+            f"no checkpoint at {ckpt_path} yet: {who}; a run saves one at each evaluation "
+            "(train.eval_interval) and at its end; sample it then"
+        )
     if not tokenizer_path.is_file():
         raise SampleError(
             f"{run_dir} has no tokenizer.json; is it a run directory written by train.py?"

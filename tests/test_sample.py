@@ -511,11 +511,22 @@ def test_sample_from_a_missing_dir_or_a_file_says_so(
         assert sample.main(["--run", str(started)]) == 2
     err = error_of(capsys.readouterr().err)
     assert f"yet: the run is training (pid {os.getpid()})" in err and "train it" not in err
-    # In its first moments, before the tokenizer is copied in: training too, not "no run"
+    # In its first moments, before the tokenizer is copied in: held, not "no run"; as a sweep
+    # in its first cell holds its folder, it does not say which
     (started / "tokenizer.json").unlink()
     with rundir.run_lock(started):
         assert sample.main(["--run", str(started)]) == 2
-    assert f"yet: the run is training (pid {os.getpid()})" in error_of(capsys.readouterr().err)
+    assert (
+        f"yet: pid {os.getpid()} holds it (a run starting, or a profile sweep writing there); "
+        "a run saves one at each evaluation"
+    ) in error_of(capsys.readouterr().err)
+    # A sweep's folder, written or being written: not a run
+    (started / "results.json").write_text("{}")
+    with rundir.sweep_lock(started):
+        assert sample.main(["--run", str(started)]) == 2
+    assert f"--run {started} is a profile sweep's folder (results.json), not a run" in (
+        error_of(capsys.readouterr().err)
+    )
     assert rundir.lock_holder(started) is None  # the lock went with the run
     # A corpus folder has a tokenizer.json too: not a run, and no command that trains there
     assert sample.main(["--run", str(data_root / "tiny")]) == 2
