@@ -142,8 +142,8 @@ class Run:
                     self.bar.write(f"step 0: {losses}, before training")
             self.model.train()
             unread: Pending | None = None  # the step before, until it is read
+            graphs = graphs_compiled()  # the step-0 evaluation's compiled before
             while self.step < self.last_step:
-                graphs = graphs_compiled()
                 pending = self.queue_step(stop)
                 if self.step == first_step + 1:
                     self.first_step_compiled = graphs_compiled() > graphs
