@@ -83,8 +83,9 @@ def _time_line(name: str, r: dict[str, Any], profile_steps: int) -> str:
         line += (
             f"; {total - median:.1f} ms more than the timed median: the profiled "
             + ("steps ran" if profile_steps > 1 else "step ran")
-            + " slower than the timed ones, so the percentages are of its own time and this "
-            "says nothing of the time outside the " + ("kernels" if cuda else "operators")
+            + " slower than the timed ones, so the percentages are of the "
+            + ("kernels'" if cuda else "operators'")
+            + " time in it, and this says nothing of the time outside them"
         )
     elif median:
         rest = median - total
@@ -92,10 +93,8 @@ def _time_line(name: str, r: dict[str, Any], profile_steps: int) -> str:
             f"; {'no kernel running' if cuda else 'outside the operators'} {rest:+.1f} ms{of(rest)}"
         )
     if r["compile"] and not cuda:
-        line += (
-            ". Inductor's fused kernels are not ATen operators: their time is in the remainder, "
-            "not in the categories"
-        )
+        where = "in none of the categories" if slower else "in the remainder, not in the categories"
+        line += f". Inductor's fused kernels are not ATen operators: their time is {where}"
     named = {n: ms for n, ms in times.items() if n != "other"}  # "other": the unlisted, summed
     if cuda:  # by short label: one operation through several launchers counts once
         by_label: dict[str, float] = defaultdict(float)

@@ -179,7 +179,8 @@ def test_where_the_time_goes_shows_the_time_outside_the_operators() -> None:
     assert "linear layers 40.0 ms (57%), attention 30.0 ms (43%)" in sdpa_line
     assert "70.0 ms: " in sdpa_line and "outside the operators -" not in sdpa_line
     assert "10.0 ms more than the timed median: the profiled step ran slower" in sdpa_line
-    assert "percentages are of its own time" in sdpa_line
+    assert "the percentages are of the operators' time in it" in sdpa_line
+    assert "their time is in none of the categories" in sdpa_line
     assert "Inductor's fused kernels are not ATen operators" in sdpa_line
     assert "Inductor" not in naive_line
     assert "predates these categories" in note[-1]  # no stored split in these rows
