@@ -125,10 +125,13 @@ def say_what_resuming_changes(
         )
     compiled_before = ckpt["config"].get("train", {}).get("compile")
     if compiled_before not in (None, config.train.compile):
-        now, then = ("compiled", "eagerly") if config.train.compile else ("eager", "compiled")
+        now, then = ("compiled", "eagerly") if config.train.compile else ("eagerly", "compiled")
+        # Inductor draws dropout masks from its own generator, not the eager one
+        masks = "; and other dropout masks" if config.model.dropout > 0 else ""
         print(
             f"resuming {now} (train.compile={str(config.train.compile).lower()}); the run "
-            f"trained {then} so far (Inductor fuses and reorders the same ops: {rounding})",
+            f"trained {then} so far (Inductor fuses and reorders the same ops: {rounding}"
+            f"{masks})",
             file=sys.stderr,
         )
     dropout_before = ckpt["config"]["model"].get("dropout")
