@@ -163,15 +163,18 @@ class TrainConfig:
         derived, rest = divmod(self.global_batch_size, per_pass)
         ranks = f"{world_size} rank{'s' if world_size > 1 else ''}"
         if rest or not derived:
-            # The largest batch_size that splits it keeps the rows each step trains on
-            fits = [
-                b
-                for b in range(self.batch_size - 1, 0, -1)
-                if self.global_batch_size % (b * world_size) == 0
-            ]
+            # A smaller batch_size that splits it (the largest: fewest micro-batches) keeps
+            # the rows each step trains on
+            fits = next(
+                (
+                    b
+                    for b in range(self.batch_size - 1, 0, -1)
+                    if not self.global_batch_size % (b * world_size)
+                ),
+                None,
+            )
             keep = (
-                f"; or keep it, and so the rows each step trains on, with train.batch_size="
-                f"{fits[0]}"
+                f"; or keep it, and so the rows each step trains on, with train.batch_size={fits}"
                 if fits
                 else ""
             )
