@@ -330,7 +330,10 @@ def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
         # sweep's, given the same --out a moment earlier.
         ours = args.out if sweep is not None and sweep.held_out else None
         if ours is not None and (ours / "results.json").exists():
-            print(f"interrupted; the cells measured so far are in {ours}", file=sys.stderr)
+            print(
+                f"interrupted; the cells measured so far are in {ours} (report.md)",
+                file=sys.stderr,
+            )
         elif ours is not None and ours.is_dir():
             _remove_unmeasured(ours, out_existed, made_above)
             print(
@@ -350,7 +353,8 @@ def _main(argv: list[str] | None, interrupts: Interrupts) -> int:
 
 
 def _check_new_out(out: Path) -> None:
-    """--out for a new sweep: a folder that does not exist yet, or an empty one."""
+    """--out for a new sweep: a folder that does not exist yet, or an empty one (but for a
+    lock no process holds)."""
     running = lock_holder(out) if out.is_dir() else None
     if running is not None:
         raise ConfigError(
@@ -363,7 +367,9 @@ def _check_new_out(out: Path) -> None:
         raise ConfigError(f"--out {out} is a file; give a folder")
     if out.exists() and not out.is_dir():  # /dev/null, a pipe: not "a folder, not empty"
         raise ConfigError(f"--out {out} is neither a file nor a folder; give a new folder")
-    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+    # A .lock no process holds (checked above) is a killed sweep's, or run's, before it wrote
+    # anything: the folder counts as empty
+    if out.exists() and not (out.is_dir() and not {p.name for p in out.iterdir()} - {".lock"}):
         raise ConfigError(f"--out {out} exists and is not an empty folder; choose another")
     if not is_utf8(str(out)):  # the report and results.json name it
         raise ConfigError(f"--out {str(out)!r}: not valid UTF-8; give another folder")

@@ -103,6 +103,10 @@ def test_bad_arguments_name_the_problem(tmp_path: Path, capsys: pytest.CaptureFi
     (tmp_path / "sweep" / "notes.txt").write_text("mine")
     rc, _ = sweep(tmp_path)
     assert rc == 2 and "not an empty folder" in capsys.readouterr().err
+    # A lock no process holds (a sweep killed before it wrote anything) leaves it empty
+    (tmp_path / "sweep" / "notes.txt").unlink()
+    (tmp_path / "sweep" / ".lock").write_text("12345\n")
+    profile_train._check_new_out(tmp_path / "sweep")
 
 
 def test_compile_follows_the_config_unless_given(
