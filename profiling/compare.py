@@ -398,7 +398,12 @@ def compare_folders(given: list[Path]) -> str:
             continue
         folders[real] = folder
     if len(folders) < 2:
-        raise ConfigError("--compare: give two sweep folders or more")
+        left = (
+            f" ({len(folders)} left of the {len(given)} given, as said above)"
+            if len(given) > 1
+            else ""
+        )
+        raise ConfigError(f"--compare: give two sweep folders or more{left}")
     sweeps = [(folder, load_results(folder, "--compare")) for folder in folders.values()]
     seen: dict[tuple, Path] = {}
     for folder, results in sweeps:

@@ -97,7 +97,8 @@ def _completeness(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]
     failed = sum(r.get("status") not in ("ok", "interrupted") for r in rows)
     why = "out of memory, unsupported or an error"
     of_them = f" ({failed} of them failed: {why})" if failed else ""
-    also = f"; {timed} more were timed, not profiled (status interrupted)" if timed else ""
+    were = "was" if timed == 1 else "were"
+    also = f"; {timed} more {were} timed, not profiled (status interrupted)" if timed else ""
     if "stopped_at" in meta:
         text = f"ran to their end before it stopped{of_them}{also}"
     else:

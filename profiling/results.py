@@ -277,9 +277,14 @@ def load_results(folder: Path, flag: str) -> dict:
         )
     running = lock_holder(folder)
     if running is not None:  # its files are rewritten after every cell, and it has not ended
+        report = (
+            "its report.md is redrawn after every cell: read that"
+            if (folder / "report.md").is_file()
+            else "its report.md comes with its first cell: read that then"
+        )
         raise ConfigError(
-            f"{flag} {folder}: a sweep (pid {running}) is still writing there; its report.md "
-            "is redrawn after every cell: read that, or wait for it to end"
+            f"{flag} {folder}: a sweep (pid {running}) is still writing there; {report}, or "
+            "wait for it to end"
         )
     if path.exists() and not path.is_file():
         raise ConfigError(f"{path} is not a file: not a results.json of profile_train.py")

@@ -347,7 +347,13 @@ def paired_deepest(rows: list[dict[str, Any]]) -> list[str]:
         "",
         f"Saving per step at L{deepest} against {BASELINE}"
         + (f" (+compile rows: {BASELINE}+compile)" if any("+compile" in n for n, _ in at) else "")
-        + ", paired by round (ms, median [95% interval]; report.md has every depth):",
+        + ", paired by round (ms, median [95% interval]"
+        + (
+            "; (n=N): too few rounds for an interval, 6 at least"
+            if any(s["interval"] is None for _, s in at)
+            else ""
+        )
+        + "; report.md has every depth):",
         *(f"  {name}: {_paired_text(s)}" for name, s in at),
     ]
 

@@ -140,6 +140,11 @@ def test_compare_reads_the_savings_of_several_sweeps(
     assert f"{folders[0]} given twice, counted once" in err
     assert f"{tmp_path / 'stopped'} holds no results.json" in err
     assert printed.startswith("# 4 sweeps of one setup")
+    # One sweep, named twice: nothing to compare, and the count says why
+    assert profile_train.main(["--compare", str(folders[0]), str(folders[0])]) == 2
+    assert "give two sweep folders or more (1 left of the 2 given, as said above)" in (
+        capsys.readouterr().err
+    )
 
     # naive failed at n_layer=3 in the first: its inplace saving is fitted over L1,2 only,
     # another quantity, shown marked and left out of the median.

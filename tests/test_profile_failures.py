@@ -200,7 +200,7 @@ def test_an_incomplete_sweep_counts_its_failed_cells_apart() -> None:
     stopped = {"cells_planned": 4, "stopped_at": "2026-12-07T20:00:00+00:00"}
     assert _completeness(stopped, rows) == [
         "**Incomplete sweep**: 2 of 4 cells ran to their end before it stopped (1 of them "
-        "failed: out of memory, unsupported or an error); 1 more were timed, not profiled "
+        "failed: out of memory, unsupported or an error); 1 more was timed, not profiled "
         "(status interrupted).",
         "",
     ]
@@ -316,7 +316,7 @@ def test_a_signal_whose_exception_python_drops_still_stops_the_sweep(
 
 
 def test_ctrl_c_during_the_closing_peak_reading_still_draws_the_plots(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     import profiling.sweep
 
@@ -332,6 +332,8 @@ def test_ctrl_c_during_the_closing_peak_reading_still_draws_the_plots(
     monkeypatch.setattr(profiling.sweep, "matmul_peaks", peaks_then_interrupt)
     rc, results = sweep(tmp_path, "--variants", "naive", "--layers", "1")
     assert rc == 130 and len(results["rows"]) == 1
+    said = f"interrupted; the cells measured so far are in {tmp_path / 'sweep'} (report.md)"
+    assert said in capsys.readouterr().err
     assert "finished_at" not in results["meta"]  # what gpu_check.sh tells a whole sweep by
     assert "stopped_at" in results["meta"]
     report = (tmp_path / "sweep" / "report.md").read_text()
@@ -606,7 +608,18 @@ def test_a_running_sweep_holds_its_folder(
             pass
         for flag in (["--report", str(running)], ["--compare", str(other), str(running)]):
             assert profile_train.main(flag) == 2
-            assert "is still writing there" in capsys.readouterr().err
+            assert "is still writing there; its report.md is redrawn after every cell" in (
+                capsys.readouterr().err
+            )
+    # One that has not finished its first cell has no report.md yet to read
+    starting = tmp_path / "starting"
+    starting.mkdir()
+    with sweep_lock(starting):
+        assert profile_train.main(["--report", str(starting)]) == 2
+        assert "its report.md comes with its first cell: read that then, or wait" in (
+            capsys.readouterr().err
+        )
+    with sweep_lock(running):
         # A new sweep given its folder: refused as running, not as holding an earlier sweep
         assert sweep(tmp_path, "--variants", "naive", "--layers", "1")[0] == 2
         assert re.search(

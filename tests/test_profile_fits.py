@@ -199,6 +199,13 @@ def test_the_tables_notes_say_only_what_the_sweep_has() -> None:
     assert like in headline_table({"rows": rows, "fits": fits_by_label(rows)})
     (paired,) = [line for line in paired_deepest(rows) if "paired by round" in line]
     assert paired.startswith("Saving per step at L4 against naive (+compile rows: naive+compile)")
+    assert "(n=N)" not in paired  # 6 rounds: each has its interval
+    for r in rows:
+        r["times_ms"] = r["times_ms"][:4]
+    (paired,) = [line for line in paired_deepest(rows) if "paired by round" in line]
+    assert "; (n=N): too few rounds for an interval, 6 at least;" in paired
+    for r in rows:
+        r["times_ms"] = [r["step_ms"]["median"]] * 6
     eager = [r for r in rows if not r["compile"]]
     assert "+compile" not in "\n".join(paired_deepest(eager))
     alone = [r for r in rows if r["variant"] == "sdpa"]  # no naive: nothing set against it
