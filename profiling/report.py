@@ -353,6 +353,11 @@ def _report_md(results: dict[str, Any], plots: tuple[str, ...] = tuple(PLOTS)) -
                     "`python profile_train.py --report DIR` draws them for one that did not.)"
                 ]
             ),
+            *(
+                ["", "The plots leave out the cells that failed or did not run (listed below)."]
+                if plots and problems
+                else []
+            ),
             "",
             *(["## What compiling buys", "", *gain, ""] if (gain := compile_gain(rows)) else []),
             "## Findings: what each variant changes, per layer per step",

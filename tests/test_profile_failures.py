@@ -154,6 +154,7 @@ def test_failing_cells_do_not_stop_the_sweep(
     assert "only for CUDA" in status[("sdpa-efficient", 1)][1]
     report = (tmp_path / "sweep" / "report.md").read_text()
     assert "did not run" in report
+    assert "The plots leave out the cells that failed or did not run" in report
     # One line in the row; where it failed, in the traceback kept beside it
     assert "Each failed cell's traceback is in `failures.log`." in report
     log = (tmp_path / "sweep" / "failures.log").read_text()
