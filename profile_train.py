@@ -57,8 +57,24 @@ from training.probe import available_variants, unavailable_reason
 from training.rundir import lock_holder
 from training.runtime import SignalScope, autocast_dtype, pick_device
 
-# Config fields the sweep sets itself, from its own flags, or does not use (a config file may
-# hold them for train.py): as overrides, an error saying which flag does what they look like
+# train.py's fields a sweep does not use, and why (a config file may hold them for train.py)
+SWEEP_UNUSED = [
+    (  # not min_lr: a lower train.lr needs one no higher to pass the config's check
+        ("max_steps", "warmup_steps"),
+        "its steps run at train.lr, with no schedule: --warmup, --steps and "
+        "--profile-steps set how many each cell runs",
+    ),
+    (
+        ("eval_interval", "eval_batches", "log_interval", "sample_tokens", "sample_prompt"),
+        "it neither evaluates, logs metrics.jsonl nor samples",
+    ),
+    (
+        ("peak_tflops",),
+        "MFU is against the peak it measures on the spot (--peak-seconds: how long)",
+    ),
+]
+# Config fields the sweep sets itself, from its own flags, or does not use: as overrides, an
+# error saying which flag does what they look like
 SWEEP_SETS = {
     **dict.fromkeys(
         ("--model.n_layer", "--model.attention"),
@@ -69,21 +85,7 @@ SWEEP_SETS = {
     "--data NAME, a corpus prepared under data.root",
     **{
         f"--train.{name}": f"--train.{name}: the sweep does not use it; {why}"
-        for names, why in [
-            (  # not min_lr: a lower train.lr needs one no higher to pass the config's check
-                ("max_steps", "warmup_steps"),
-                "its steps run at train.lr, with no schedule: --warmup, --steps and "
-                "--profile-steps set how many each cell runs",
-            ),
-            (
-                ("eval_interval", "eval_batches", "log_interval", "sample_tokens", "sample_prompt"),
-                "it neither evaluates, logs metrics.jsonl nor samples",
-            ),
-            (
-                ("peak_tflops",),
-                "MFU is against the peak it measures on the spot (--peak-seconds: how long)",
-            ),
-        ]
+        for names, why in SWEEP_UNUSED
         for name in names
     },
 }
@@ -125,7 +127,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         formatter_class=_DefaultsShown,
         epilog="Any config field can be overridden, as in train.py: --train.cpu_linear=torch "
         "--model.n_embd=256 (not model.n_layer, model.attention, train.compile or data.name: "
-        "--layers, --variants, --compile and --data)\n" + fields_help(),
+        "--layers, --variants, --compile and --data; nor the train fields a sweep does not use: "
+        + ", ".join(name for names, _ in SWEEP_UNUSED for name in names)
+        + ")\n"
+        + fields_help(),
         allow_abbrev=False,  # unknown --flags are config overrides; never guess a prefix
     )
     p.add_argument(

@@ -109,6 +109,16 @@ def test_bad_arguments_name_the_problem(tmp_path: Path, capsys: pytest.CaptureFi
     profile_train._check_new_out(tmp_path / "sweep")
 
 
+def test_help_names_every_config_field_a_sweep_refuses(capsys: pytest.CaptureFixture) -> None:
+    """--help lists the config fields; those the sweep sets itself or does not use are named in
+    its epilog, so no override's refusal comes as a surprise."""
+    with pytest.raises(SystemExit):
+        profile_train.parse_args(["--help"])
+    epilog = capsys.readouterr().out.split("Any config field can be overridden")[1]
+    for flag in profile_train.SWEEP_SETS:
+        assert flag.split(".")[-1] in epilog.split("config fields, with")[0], flag
+
+
 def test_compile_follows_the_config_unless_given(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
