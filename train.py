@@ -68,6 +68,7 @@ from training.rundir import (
     write_run_files,
 )
 from training.runtime import (
+    StopAtOnce,
     autocast_dtype,
     init_distributed,
     launched_ranks,
@@ -456,7 +457,8 @@ def _main(argv: list[str] | None) -> int:
             with contextlib.suppress(OSError):  # unreadable: run_config says so
                 config_read = saved.read_bytes()
         config = run_config(out, args.config, overrides, args.resume)
-        end = train(config, out, args.resume, args.stop_after, config_read)
+        with StopAtOnce():  # in the set-up; the loop's own StopSignal saves first
+            end = train(config, out, args.resume, args.stop_after, config_read)
     except USER_ERRORS as e:
         _say_error(f"error: {e}")
         return 2

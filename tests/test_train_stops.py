@@ -269,6 +269,35 @@ def test_a_second_sigterm_stops_at_once_with_sigterms_status(
     assert not (out / checkpoint.CHECKPOINT).exists()
 
 
+def test_a_sigterm_during_the_set_up_stops_at_once_and_says_so(
+    data_root: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Before the loop there is nothing to save: SIGTERM stops there as Ctrl-C does, saying so
+    and with its own status, not in silence; the handlers are put back."""
+    real_build = train.build_model
+
+    def build_when_signalled(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real_build(*args, **kwargs)
+
+    def outside(signum, frame):  # stands for SIGTERM's default action, which ends pytest too
+        raise AssertionError("SIGTERM reached the handler train.py found")
+
+    monkeypatch.setattr(train, "build_model", build_when_signalled)
+    before = signal.signal(signal.SIGTERM, outside)
+    try:
+        status = run(data_root, tmp_path / "run", "--train.max_steps=2")
+        assert signal.getsignal(signal.SIGTERM) is outside, "put back"
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert status == 128 + signal.SIGTERM
+    assert "interrupted: stopped without saving" in capsys.readouterr().err
+    assert not (tmp_path / "run" / checkpoint.CHECKPOINT).exists()
+
+
 @pytest.mark.parametrize("torchrun", [False, True])
 def test_a_signal_torchrun_forwards_is_not_a_second_one(
     torchrun: bool, monkeypatch: pytest.MonkeyPatch

@@ -266,6 +266,15 @@ class StopNow(KeyboardInterrupt):
         self.signum = signum
 
 
+class StopAtOnce(SignalScope):
+    """While active, SIGINT and SIGTERM raise StopNow: for a run's set-up, before the loop's
+    StopSignal, when there is nothing to save. Unhandled, SIGTERM would end the process with
+    no word of what it left (Python raises KeyboardInterrupt for SIGINT only)."""
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        raise StopNow(signum)
+
+
 # torchrun forwards a signal it gets to its workers at once; a signal sent to the whole job
 # (scancel, `pkill -f train.py`, a systemd stop) reaches each worker twice, this far apart at most.
 FORWARDED_WITHIN_S = 2.0
