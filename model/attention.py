@@ -79,9 +79,11 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: None, dropout_p: float) -> Tenso
 
     is_causal=True instead of passing `mask`: an explicit mask rules out CUDA's flash kernel
     and makes the kernels that take one (the CPU's flash kernel among them) read a T x T
-    mask and compute the blocks it hides, while is_causal lets the fused kernels (flash,
-    efficient, cuDNN, the CPU's flash) skip the blocks above the diagonal; the math backend
-    still computes all of T x T.
+    mask and compute the blocks it hides, while is_causal lets the fused kernels skip key
+    blocks wholly above the diagonal: CUDA's flash, efficient and cuDNN kernels by tile, the
+    CPU's flash kernel by 512-key block only, so up to T=512 it computes all of T x T and
+    masks inside the block (MKL_VERBOSE shows each 64-query block times all 256 keys at
+    T=256, torch 2.13). The math backend computes all of T x T.
     """
     return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
 
@@ -132,10 +134,12 @@ def causal_block_mask(T: int, device: torch.device) -> BlockMask:
     the cache and rebuild the mask on every call.
 
     On a CPU it covers T rounded up to whole blocks, and flex pads q, k and v to that length:
-    Inductor's C++ kernel for flex (PyTorch 2.13) returned wrong rows, NaN at times and
-    different from run to run, at lengths that end in a part-filled block (seen at 8, 24, 40,
-    56, 72 and 104, against SDPA); at whole blocks it matched at every length tried. Causal,
-    the padding is never attended by a real row, so the rows kept are exact.
+    on a 2-core AMD EPYC (Inductor's AVX2 code), its C++ kernel for flex (PyTorch 2.13)
+    returned wrong rows, NaN at times and different from run to run, at lengths that end in a
+    part-filled block (seen at 8, 24, 40, 56, 72 and 104, against SDPA); an Intel AVX-512
+    machine did not show it, even with ATEN_CPU_CAPABILITY=avx2. At whole blocks it matched at
+    every length tried. Causal, the padding is never attended by a real row, so the rows kept
+    are exact.
     """
     if device.type == "cpu":
         T = -(-T // FLEX_BLOCK) * FLEX_BLOCK
