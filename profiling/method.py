@@ -195,7 +195,9 @@ def one_call_text(meta: dict[str, Any]) -> str:
         " An op directly inside one of its own name is the same call, counted once: autocast "
         "records an op it wraps at its own dispatch key and again as it calls the op in the "
         "cast dtype, and some overloads call another (`aten::add_` on a tensor and a number, "
-        "`aten::arange`)."
+        "`aten::arange`). That is in the profiler's raw events; `key_averages()` merges a pair "
+        "whose outer op has only the inner one inside, so it shows those overloads once but "
+        "autocast's pairs twice."
     )
 
 

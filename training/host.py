@@ -20,8 +20,9 @@ import torch
 def keep_freed_host_memory() -> bool:
     """Let freed tensor memory stay in the process's heap for the next step (glibc only).
 
-    glibc's malloc serves large blocks with mmap, unmaps them on free and trims the heap top,
-    so each CPU step faults in fresh zeroed pages for its activations: at the profile shape
+    glibc's malloc serves blocks above its mmap threshold (dynamic, at most 32 MiB) with mmap
+    and unmaps them on free, and trims the heap top past its trim threshold, so each CPU step
+    faults in fresh zeroed pages for its activations: at the profile shape
     20,000-30,000 page faults per step for naive attention, a fifth of its step. Raising the
     mmap threshold and turning trimming off keeps freed blocks for reuse, as the caching
     allocator does on CUDA; the price is that the process keeps its heap's high-water mark, which

@@ -63,8 +63,9 @@ def train_step(
     grad_norm = None
     with record_function("optimizer"):
         if grad_clip > 0:
-            # foreach=None: the multi-tensor norm where the device has one (CPU, CUDA), a loop
-            # elsewhere (MPS, meta), where foreach=True raises.
+            # foreach=None: torch._foreach_norm where the device supports the foreach API
+            # (CUDA: multi-tensor kernels; CPU: a loop over the tensors inside the op), a Python
+            # loop elsewhere (MPS, meta), where foreach=True raises.
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip, foreach=None)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
