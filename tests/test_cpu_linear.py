@@ -181,10 +181,10 @@ def test_matmul_peaks_time_each_path() -> None:
         assert peaks["oneDNN"] > 1e8
 
 
-def run_in_processes(script: str, *modes: str) -> list[str]:
-    """A malloc setting is process-wide: each check runs in its own process, one per mode, all
-    started at once (each imports torch, ~2.5 s on a slow machine). Exit status 3: this malloc
-    is not glibc's, and the check does not apply."""
+def run_in_processes(*checks: tuple[str, str]) -> list[str]:
+    """A malloc setting is process-wide: each check, (script, mode), runs in its own process,
+    all started at once (each imports torch, ~2.5 s on a slow machine). Exit status 3: this
+    malloc is not glibc's, and the check does not apply."""
     root = Path(__file__).parents[1]
     procs = [
         subprocess.Popen(
@@ -194,7 +194,7 @@ def run_in_processes(script: str, *modes: str) -> list[str]:
             text=True,
             cwd=root,
         )
-        for mode in modes
+        for script, mode in checks
     ]
     try:
         outputs = [proc.communicate(timeout=120) for proc in procs]
@@ -232,8 +232,21 @@ print(in_heap, heap()[0])
 """
 
 
+@pytest.fixture(scope="module")
+def host_checks() -> dict[str, list[str]]:
+    """The three checks below, their five processes started at once: each test reads its own
+    outputs (one at a time, they were three rounds of torch imports)."""
+    checks = {
+        "big block": [(WHERE_A_BIG_BLOCK_LIVES, "release"), (WHERE_A_BIG_BLOCK_LIVES, "keep")],
+        "fresh block": [(FAULTS_OF_A_FRESH_BLOCK, "fresh"), (FAULTS_OF_A_FRESH_BLOCK, "reserve")],
+        "large peak": [(FAULTS_AFTER_A_LARGE_PEAK, "keep")],
+    }
+    outputs = iter(run_in_processes(*(check for each in checks.values() for check in each)))
+    return {name: [next(outputs) for _ in each] for name, each in checks.items()}
+
+
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux")
-def test_kept_host_memory_stays_for_reuse() -> None:
+def test_kept_host_memory_stays_for_reuse(host_checks: dict[str, list[str]]) -> None:
     """Under glibc's defaults a 64 MiB activation is mmapped and unmapped on free, so the next
     step faults its pages in again; after keep_freed_host_memory it comes from the heap, and
     the heap keeps it after the free. Each in its own process: the setting is process-wide."""
@@ -242,8 +255,9 @@ def test_kept_host_memory_stays_for_reuse() -> None:
         in_heap, heap_bytes = out.split()
         return in_heap == "True", int(heap_bytes)
 
-    outputs = run_in_processes(WHERE_A_BIG_BLOCK_LIVES, "release", "keep")
-    (released_in_heap, released_heap), (kept_in_heap, kept_heap) = map(parse, outputs)
+    (released_in_heap, released_heap), (kept_in_heap, kept_heap) = map(
+        parse, host_checks["big block"]
+    )
     assert not released_in_heap and kept_in_heap
     assert kept_heap - released_heap > 60 * 2**20  # freed, and still there for the next step
 
@@ -263,12 +277,14 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux")
-def test_a_reserved_heap_serves_new_blocks_without_page_faults() -> None:
+def test_a_reserved_heap_serves_new_blocks_without_page_faults(
+    host_checks: dict[str, list[str]],
+) -> None:
     """With memory kept, a block the heap has not held yet is faulted in page by page (8192
     for 32 MiB); after reserve_heap, the heap's top already holds faulted pages for it. So the
     profiler's timed steps do not pay for the heap's growth."""
 
-    fresh, reserved = map(int, run_in_processes(FAULTS_OF_A_FRESH_BLOCK, "fresh", "reserve"))
+    fresh, reserved = map(int, host_checks["fresh block"])
     assert fresh > 6000  # most of its 8192 pages (the heap top may hold a few)
     assert reserved < 500
 
@@ -294,8 +310,10 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux")
-def test_kept_host_memory_stays_after_a_peak_over_a_gib() -> None:
+def test_kept_host_memory_stays_after_a_peak_over_a_gib(
+    host_checks: dict[str, list[str]],
+) -> None:
     """Trimming is off, not merely raised: a step finds the 1.2 GiB the one before freed still in
     the heap (at a 1 GiB trim threshold all 300,000 pages were faulted in again, every step)."""
-    (faults,) = run_in_processes(FAULTS_AFTER_A_LARGE_PEAK, "keep")
+    (faults,) = host_checks["large peak"]
     assert int(faults) < 1000

@@ -163,14 +163,14 @@ def test_readout_gain_script_times_both_modes(
     stdout (train.py's own lines go to stderr); a reader that goes ends it quietly."""
     argv = [sys.executable, str(ROOT / "scripts" / "readout_gain.py"), "--config", str(TINY)]
     argv += ["--steps", "6", "--skip", "2", "--rounds", "1", f"--data.root={data_root}"]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    head, *modes = done.stdout.splitlines()
+    monkeypatch.setattr(loop, "StepReadout", loop.StepReadout)  # the script sets its own
+    status, out, err = run_script("readout_gain", *argv[2:])
+    assert status == 0, err[-2000:]
+    head, *modes = out.splitlines()
     assert head.startswith(f"config {TINY} --data.root=") and "steps 3..5, median of 1 runs" in head
     assert [m.split()[0] for m in modes] == ["lagged", "read"]
     assert all(float(m.split()[-3]) > 0 for m in modes), modes  # the median ms per step
     # Bad input: train.py's status (2, a user error) and its one-line reason, or the flag's
-    monkeypatch.setattr(loop, "StepReadout", loop.StepReadout)  # the script sets its own
     for bad, named in [(["--rounds", "0"], "--rounds=0: must be >= 1"), ([], "nowhere.toml")]:
         argv[3] = str(TINY) if bad else "nowhere.toml"
         status, _, err = run_script("readout_gain", *argv[2:], *bad)
