@@ -161,8 +161,10 @@ def test_hub_reads_local_parquet_folder(
         prepare("hubby", hub=str(folder), text_column="nope", out_root=tmp_path)
     with pytest.raises(PrepareError, match=r"--text-column 'id'.*not strings"):
         prepare("hubby", hub=str(folder), text_column="id", out_root=tmp_path)
-    with pytest.raises(PrepareError, match=r"--hub .*cannot load split 'validation'"):
-        prepare("hubby", hub=str(folder), split="validation", text_column="body", out_root=tmp_path)
+    # --split on the command line reaches the loader
+    argv = ["--name", "hubby", "--hub", str(folder), "--text-column", "body"]
+    assert prepare_module.main([*argv, "--split", "validation", "--out-root", str(tmp_path)]) == 2
+    assert "cannot load split 'validation'" in capsys.readouterr().err
 
 
 def test_a_local_hub_corpus_is_reused_from_an_out_root_it_cannot_write(
@@ -500,6 +502,17 @@ def test_cli_prepares_and_reports_errors_without_traceback(
     got = read_meta(tmp_path / "cli")["vocab_size"]
     assert got < VOCAB
     assert f"vocab {got} (of {VOCAB} asked: the corpus had no more pairs to merge), " in out
+    assert read_meta(tmp_path / "cli")["settings"]["seed"] == 0
+    # --seed reaches the split: the same files, another split, recorded
+    assert (
+        prepare_module.main(
+            [*common[2:], "--name", "seeded", "--seed", "7", "--files", str(corpus / "*.txt")]
+        )
+        == 0
+    )
+    capsys.readouterr()
+    assert read_meta(tmp_path / "seeded")["settings"]["seed"] == 7
+    assert decode_split(tmp_path / "seeded", "val") != decode_split(tmp_path / "cli", "val")
 
     assert prepare_module.main([*common, "--files", str(corpus / "*.nothing")]) == 2
     err = capsys.readouterr().err

@@ -404,13 +404,18 @@ def test_a_sample_is_printed_once_when_the_run_reaches_its_end(
     that ends the run, so a split-and-resumed run prints one sample, as an unbroken one does."""
     out = tmp_path / "run"
     argv = ["--train.max_steps=3", "--train.eval_interval=0", "--train.sample_tokens=3"]
+    argv.append("--train.sample_prompt=class Q")
     for extra, sampled in (
         (["--stop-after", "2"], False),
         (["--resume"], True),
         (["--resume"], False),
     ):
         assert run(data_root, out, *argv, *extra) == 0
-        assert ("--- sample from" in capsys.readouterr().out) == sampled, extra
+        printed = capsys.readouterr().out
+        assert ("--- sample from" in printed) == sampled, extra
+        if sampled:  # from train.sample_prompt
+            heading, text = printed.split("--- sample from")[1].split("\n", 1)
+            assert heading.endswith("(prompt 'class Q') ---") and text.startswith("class Q"), text
     assert load_ckpt(out)["step"] == 3
 
 
