@@ -4,14 +4,20 @@ per layer."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+import train
+from model import attention
 from profiling.analysis import op_diff
 from profiling.measure import verify_backend
-from sweeps import split_row
+from sweeps import ROOT, split_row, sweep
+from tiny_runs import run_argv
+from training.checkpoint import CHECKPOINT
 from training.probe import BACKEND_OPS
 
 # The stand-ins of sweeps.py, for every test here.
@@ -278,3 +284,30 @@ def test_findings_compare_compiled_variants_with_compiled_naive() -> None:
         "- sdpa+compile vs naive+compile",
     ]
     assert "aten::mm" not in lines[1], "what compiling changes cancels against compiled naive"
+
+
+def test_a_variant_added_as_the_readme_shows_trains_and_is_profiled(
+    data_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The README's 'Adding a variant' example, as written: registered under a new name, it
+    trains by --model.attention and is swept by --variants, its op diff against naive in the
+    findings (the scale moves from the (T, T) scores to q; the in-place fill drops the copy)."""
+    readme = (ROOT / "README.md").read_text()
+    code = next(c for c in re.findall(r"```python\n(.*?)```", readme, re.S) if "prescaled" in c)
+    registry = dict(attention.VARIANTS)  # the example registers into this copy
+    exec(code, {"F": F, "VARIANTS": registry, "Variant": attention.Variant})
+    monkeypatch.setitem(attention.VARIANTS, "prescaled", registry["prescaled"])
+
+    out = tmp_path / "run"
+    argv = run_argv(data_root, out, "--model.attention=prescaled", "--train.max_steps=2")
+    assert train.main(argv) == 0
+    assert (out / CHECKPOINT).is_file()
+    rc, results = sweep(tmp_path, "--variants", "naive,prescaled", "--layers", "1", "--no-traces")
+    assert rc == 0
+    assert [(r["variant"], r["status"]) for r in results["rows"]] == [
+        ("naive", "ok"),
+        ("prescaled", "ok"),
+    ]
+    report = (tmp_path / "sweep" / "report.md").read_text()
+    findings = report.split("## Findings")[1].split("##")[0]
+    assert "1 aten::clone fewer (forward); 1 aten::copy_ fewer (forward)" in findings, findings
