@@ -81,9 +81,10 @@ echo "== 1. CUDA tests"
 # SIGABRT, not TERM: pytest's faulthandler then prints where each thread was, so a test that
 # hangs is named (killed, pytest prints no summary); stderr goes to the file too.
 ulimit -c 0  # no core file of a CUDA process
-# Every test file with CUDA tests: none of these imports tokenizers or datasets, which this
-# python may lack (the other test files need a corpus prepared with them).
-timeout -s ABRT -k 10 110 "$PY" -m pytest -m cuda -p no:cacheprovider -q -rs --durations=8 \
+# Every test file with CUDA tests: none imports tokenizers or datasets, which this python may
+# lack, and no CUDA test needs a corpus prepared with them (their other tests, left out by
+# -m cuda, may). pyproject's addopts give -q already: one more would hide the count line.
+timeout -s ABRT -k 10 110 "$PY" -m pytest -m cuda -p no:cacheprovider -rs --durations=8 \
   tests/test_attention.py tests/test_model.py tests/test_profile_*.py tests/test_runtime.py \
   tests/test_train_step.py \
   2>&1 | tee "$OUT/cuda_tests.txt"
