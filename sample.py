@@ -270,9 +270,10 @@ def sample_run(
             top_k=top_k,
             top_p=top_p,
             generator=generator,
-            vocab_limit=tokenizer.get_vocab_size(),
             stop_id=eot,
-            first_allowed=first_allowed,
+            logits_hook=logits_hook(
+                tokenizer.get_vocab_size(), config.model.vocab_size, first_allowed
+            ),
             on_token=shown.add if stream is not None else None,
         )
     new = out[0, len(ids) :].tolist()
@@ -340,6 +341,34 @@ def heal(tokenizer: Tokenizer, ids: list[int]) -> tuple[list[int], torch.Tensor 
     vocab = tokenizer.get_vocab().items()
     allowed[[index for token, index in vocab if token.startswith(stem) and index != eot]] = True
     return ids[:-1], allowed
+
+
+def logits_hook(
+    vocab_limit: int, vocab_size: int, first_allowed: torch.Tensor | None = None
+) -> Callable[[int, torch.Tensor], torch.Tensor]:
+    """generate()'s logits_hook: only the tokenizer's vocab_limit ids are drawn (the model's
+    vocab_size may pad past them, and those rows decode to no text), cut before temperature,
+    top_k and top_p so the probabilities are over the real vocabulary; and the first token only
+    among the ids `first_allowed` marks (a bool mask over those ids: token healing, see `heal`)."""
+    if not 0 < vocab_limit <= vocab_size:
+        raise ValueError(f"vocab_limit={vocab_limit}: must be in 1..vocab_size ({vocab_size})")
+    if first_allowed is not None and (
+        first_allowed.shape != (vocab_limit,) or first_allowed.dtype != torch.bool
+    ):
+        raise ValueError(
+            f"first_allowed: must be a bool mask of shape ({vocab_limit},), "
+            f"not {first_allowed.dtype} {tuple(first_allowed.shape)}"
+        )
+    if first_allowed is not None and not bool(first_allowed.any()):
+        raise ValueError("first_allowed: allows no token")
+
+    def hook(step: int, logits: torch.Tensor) -> torch.Tensor:
+        logits = logits[:, :vocab_limit]  # (B, vocab_limit)
+        if step == 0 and first_allowed is not None:
+            logits = logits.masked_fill(~first_allowed.to(logits.device), float("-inf"))
+        return logits
+
+    return hook
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

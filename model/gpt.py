@@ -161,39 +161,22 @@ class GPT(nn.Module):
         top_k: int | None = None,
         top_p: float | None = None,
         generator: torch.Generator | None = None,
-        vocab_limit: int | None = None,
         stop_id: int | None = None,
-        first_allowed: Tensor | None = None,
+        logits_hook: Callable[[int, Tensor], Tensor] | None = None,
         on_token: Callable[[Tensor], None] | None = None,
     ) -> Tensor:
         """Extend idx (B, T) by max_new_tokens tokens, each drawn by `sampling.next_token`
         (temperature, top_k, top_p: see there). The model's mode is the caller's, as in
         nanoGPT: call .eval() first, or dropout, if the config has any, applies here too.
 
-        vocab_limit: sample only ids below it, for a tokenizer with fewer tokens than the
-        model's (padded) vocab_size; the rows above it have no text to decode to.
         stop_id: stop once every row has sampled it (a row that has goes on sampling until
         then: cut each at its first stop_id after the prompt).
-        first_allowed: a bool mask over the ids that can be sampled (vocab_limit or vocab_size
-        of them): the first token is drawn among the True ones (token healing: the tokens
-        that start with the text of a prompt's last token, which the caller dropped).
+        logits_hook: logits_hook(step, logits) gets each step's fp32 scores (B, V) and returns
+        those to draw from, before temperature, top_k and top_p: -inf where an id may not be
+        drawn, or fewer columns (ids from there up are never drawn).
         on_token: called with each step's sampled ids (B, 1) as they are drawn (to stream).
         """
         check_sampling(temperature, top_k, top_p)
-        if vocab_limit is not None and not 0 < vocab_limit <= self.config.vocab_size:
-            raise ValueError(
-                f"vocab_limit={vocab_limit}: must be in 1..vocab_size ({self.config.vocab_size})"
-            )
-        sampled = vocab_limit if vocab_limit is not None else self.config.vocab_size
-        if first_allowed is not None and (
-            first_allowed.shape != (sampled,) or first_allowed.dtype != torch.bool
-        ):
-            raise ValueError(
-                f"first_allowed: must be a bool mask of shape ({sampled},), "
-                f"not {first_allowed.dtype} {tuple(first_allowed.shape)}"
-            )
-        if first_allowed is not None and not bool(first_allowed.any()):
-            raise ValueError("first_allowed: allows no token")
         stopped = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
         for step in range(max_new_tokens):
             context = idx[:, -self.config.block_size :]
@@ -201,10 +184,8 @@ class GPT(nn.Module):
             # Drawn from in fp32 (under autocast the head's output is bf16: this upcasts it,
             # its rounding stays).
             logits = self.lm_head(self.features(context)[:, -1, :]).float()  # (B, V)
-            if vocab_limit is not None:
-                logits = logits[:, :vocab_limit]  # ids from vocab_limit up are never drawn
-            if step == 0 and first_allowed is not None:
-                logits = logits.masked_fill(~first_allowed.to(logits.device), float("-inf"))
+            if logits_hook is not None:
+                logits = logits_hook(step, logits)
             next_id = next_token(logits, temperature, top_k, top_p, generator)  # (B, 1)
             idx = torch.cat((idx, next_id), dim=1)
             if on_token is not None:

@@ -268,59 +268,25 @@ def test_generate_tiny_temperature_is_greedy_not_nan() -> None:
     # 1e-45 overflows unshifted logits to inf, and softmax to NaN; 1e-50 is 0 in fp32.
     for tiny in (1e-45, 1e-50, 1e-320):
         assert torch.equal(model.generate(prompt, 10, temperature=tiny), greedy), tiny
-    # An infinite temperature samples uniformly, also from a vocabulary cut by vocab_limit.
-    uniform = model.generate(prompt, 50, temperature=float("inf"), vocab_limit=10)
-    assert set(uniform[:, 5:].flatten().tolist()) == set(range(10))
 
 
-def test_generate_vocab_limit_samples_only_ids_the_tokenizer_has() -> None:
-    torch.manual_seed(0)
-    model = GPT(tiny_config()).eval()  # vocab_size 97, as if the tokenizer had only 10
-    prompt = torch.randint(0, 10, (4, 3))
-    unlimited = model.generate(prompt, 30, temperature=1.0)
-    assert int(unlimited[:, 3:].max()) >= 10, "an untrained model samples the unused rows"
-    for kwargs in ({"temperature": 1.0}, {"temperature": 1.0, "top_k": 50}, {"temperature": 0}):
-        limited = model.generate(prompt, 30, vocab_limit=10, **kwargs)
-        assert int(limited.max()) < 10, kwargs
-    # A tokenizer as large as the model's vocabulary: every id, as without a limit
-    assert torch.equal(
-        model.generate(prompt, 5, temperature=0, vocab_limit=97),
-        model.generate(prompt, 5, temperature=0),
-    )
-    for bad in (0, 98):
-        with pytest.raises(ValueError, match=f"vocab_limit={bad}"):
-            model.generate(prompt, 1, vocab_limit=bad)
-
-
-def test_generate_draws_the_first_token_among_first_allowed_only() -> None:
-    """Token healing's constraint, at every temperature (an infinite one included, where a
-    masked score would turn NaN) and with top_k/top_p; the tokens after it are free."""
+def test_generate_draws_from_the_scores_its_logits_hook_returns() -> None:
+    """The hook gets each step's index and the last position's fp32 scores, before temperature,
+    top_k and top_p; what it returns is drawn from: here the ids from 10 up cut at every step
+    (an infinite temperature then draws uniformly among the rest), and one id forced at step 1."""
     torch.manual_seed(0)
     model = GPT(tiny_config()).eval()  # vocab_size 97
-    prompt = torch.randint(0, 97, (8, 3))
-    allowed = torch.zeros(97, dtype=torch.bool)
-    allowed[[4, 40, 90]] = True
-    settings = [
-        {"temperature": 0},
-        {"temperature": 1.0},
-        {"temperature": float("inf")},
-        {"temperature": 1.0, "top_k": 1},
-        {"temperature": 1.0, "top_k": 5},
-        {"temperature": float("inf"), "top_p": 0.5},
-    ]
-    later = set()
-    for kwargs in settings:
-        out = model.generate(prompt, 6, first_allowed=allowed, **kwargs)
-        assert set(out[:, 3].tolist()) <= {4, 40, 90}, kwargs
-        later |= set(out[:, 4:].flatten().tolist())
-    assert len(later - {4, 40, 90}) > 10, "only the first token is constrained"
-    first = model.generate(prompt, 1, temperature=float("inf"), first_allowed=allowed)[:, 3]
-    assert len(set(first.tolist())) > 1, "sampled among the allowed, not collapsed onto one"
-    limited = allowed[:10]
-    out = model.generate(prompt % 10, 2, vocab_limit=10, first_allowed=limited)
-    assert set(out[:, 3].tolist()) == {4}
-    for bad, problem in [(allowed[:10], r"shape \(97,\)"), (allowed.int(), "bool mask")]:
-        with pytest.raises(ValueError, match=problem):
-            model.generate(prompt, 1, first_allowed=bad)
-    with pytest.raises(ValueError, match="allows no token"):
-        model.generate(prompt, 1, first_allowed=torch.zeros(97, dtype=torch.bool))
+    prompt = torch.randint(0, 97, (2, 5))
+    seen: list[tuple[int, Tensor]] = []
+
+    def hook(step: int, logits: Tensor) -> Tensor:
+        seen.append((step, logits))
+        logits = logits[:, :10]
+        return logits.masked_fill(torch.arange(10) != 7, -math.inf) if step == 1 else logits
+
+    out = model.generate(prompt, 50, temperature=math.inf, top_k=50, logits_hook=hook)
+    assert [step for step, _ in seen] == list(range(50))
+    torch.testing.assert_close(seen[0][1], model(prompt)[0][:, -1])  # raw: not scaled, not cut
+    assert seen[0][1].dtype == torch.float32
+    assert out[:, 6].tolist() == [7, 7]
+    assert set(out[:, 5:].flatten().tolist()) == set(range(10))

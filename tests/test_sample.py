@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 import os
 import shutil
 import signal
@@ -20,6 +21,7 @@ import sample
 from data.prepare import EOT, EOT_ID
 from model import GPT
 from streams import FullDisk
+from tiny_models import tiny_config
 from tiny_runs import ROOT, TINY, copy_run, copy_run_trained_with, error_of, run
 from training import checkpoint, rundir, runtime
 from training.config import load_config
@@ -166,22 +168,21 @@ def test_sample_heals_the_prompts_last_token(
     tokenizer = Tokenizer.from_file(str(base_run / "tokenizer.json"))
     ids = tokenizer.encode("def ").ids
     assert tokenizer.id_to_token(ids[-1]) == "Ġ", "the test needs a prompt ending mid-token"
-    seen: list[tuple[list[int], torch.Tensor | None]] = []
+    seen: list[tuple[list[int], set[int]]] = []  # the prompt, and the first token's choices
     real = GPT.generate
 
     def spy(self: GPT, idx: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        seen.append((idx[0].tolist(), kwargs.get("first_allowed")))
+        scores = kwargs["logits_hook"](0, torch.zeros(1, self.config.vocab_size))
+        seen.append((idx[0].tolist(), set(scores[0].isfinite().nonzero().flatten().tolist())))
         return real(self, idx, *args, **kwargs)
 
     monkeypatch.setattr(GPT, "generate", spy)
     for temperature in ("0", "1"):
         assert sample_text(capsys, base_run, "--temperature", temperature).startswith("def ")
-    healed, allowed = seen[0]
-    assert healed == ids[:-1] and allowed is not None
     spaced = {i for token, i in tokenizer.get_vocab().items() if token.startswith("Ġ")}
-    assert set(allowed.nonzero().flatten().tolist()) == spaced
+    assert seen[0] == (ids[:-1], spaced)
     sample_text(capsys, base_run, "--no-token-healing")
-    assert seen[-1] == (ids, None)
+    assert seen[-1] == (ids, set(range(tokenizer.get_vocab_size())))
     for unhealed in ("d", EOT, f"def{EOT}"):  # one token; ends in the separator
         prompt = tokenizer.encode(unhealed).ids
         assert sample.heal(tokenizer, prompt) == (prompt, None), unhealed
@@ -190,6 +191,90 @@ def test_sample_heals_the_prompts_last_token(
     assert allowed is not None and allowed.any() and not allowed[tokenizer.token_to_id(EOT)]
     # Nothing to sample: the prompt as given, not healed (its last token dropped)
     assert sample.sample_run(base_run, "def ", max_new_tokens=0) == "def "
+
+
+def test_logits_hook_draws_only_ids_the_tokenizer_has() -> None:
+    """A model's vocab_size padded past its tokenizer's: the rows above are cut before
+    temperature, top_k and top_p, so they are never drawn and the rest share all the
+    probability (an infinite temperature draws uniformly among them)."""
+    torch.manual_seed(0)
+    model = GPT(tiny_config()).eval()  # vocab_size 97, as if the tokenizer had only 10
+    prompt = torch.randint(0, 10, (4, 3))
+    unlimited = model.generate(prompt, 30, temperature=1.0)
+    assert int(unlimited[:, 3:].max()) >= 10, "an untrained model samples the unused rows"
+    limit = sample.logits_hook(10, 97)
+    for kwargs in ({"temperature": 1.0}, {"temperature": 1.0, "top_k": 50}, {"temperature": 0}):
+        limited = model.generate(prompt, 30, logits_hook=limit, **kwargs)
+        assert int(limited.max()) < 10, kwargs
+    uniform = model.generate(prompt, 50, temperature=math.inf, logits_hook=limit)
+    assert set(uniform[:, 3:].flatten().tolist()) == set(range(10))
+    # A tokenizer as large as the model's vocabulary: every id, as without a limit
+    assert torch.equal(
+        model.generate(prompt, 5, temperature=0, logits_hook=sample.logits_hook(97, 97)),
+        model.generate(prompt, 5, temperature=0),
+    )
+    for bad in (0, 98):
+        with pytest.raises(
+            ValueError, match=rf"vocab_limit={bad}: must be in 1..vocab_size \(97\)"
+        ):
+            sample.logits_hook(bad, 97)
+
+
+def test_sample_never_draws_the_rows_of_a_padded_vocabulary(
+    data_root: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A model whose vocab_size (576) pads its tokenizer's 512 ids: sampling uniformly
+    (--temperature inf, --top-k 0), no id from 512 up is drawn, on the healed first token too."""
+    out = tmp_path / "padded"
+    assert run(data_root, out, "--model.vocab_size=576", "--train.max_steps=1") == 0
+    drawn: list[int] = []
+    real = GPT.generate
+
+    def spied(self: GPT, idx: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        ids = real(self, idx, *args, **kwargs)
+        drawn.extend(ids[0, idx.size(1) :].tolist())
+        return ids
+
+    monkeypatch.setattr(GPT, "generate", spied)
+    sample_text(capsys, out, "--temperature", "inf", "--top-k", "0", "--tokens", "300")
+    assert len(drawn) == 300 and max(drawn) < 512 and len(set(drawn)) > 100
+
+
+def test_logits_hook_draws_the_first_token_among_first_allowed_only() -> None:
+    """Token healing's constraint, at every temperature (an infinite one included, where a
+    masked score would turn NaN) and with top_k/top_p; the tokens after it are free."""
+    torch.manual_seed(0)
+    model = GPT(tiny_config()).eval()  # vocab_size 97
+    prompt = torch.randint(0, 97, (8, 3))
+    allowed = torch.zeros(97, dtype=torch.bool)
+    allowed[[4, 40, 90]] = True
+    hook = sample.logits_hook(97, 97, allowed)
+    settings = [
+        {"temperature": 0},
+        {"temperature": 1.0},
+        {"temperature": math.inf},
+        {"temperature": 1.0, "top_k": 1},
+        {"temperature": 1.0, "top_k": 5},
+        {"temperature": math.inf, "top_p": 0.5},
+    ]
+    later = set()
+    for kwargs in settings:
+        out = model.generate(prompt, 6, logits_hook=hook, **kwargs)
+        assert set(out[:, 3].tolist()) <= {4, 40, 90}, kwargs
+        later |= set(out[:, 4:].flatten().tolist())
+    assert len(later - {4, 40, 90}) > 10, "only the first token is constrained"
+    first = model.generate(prompt, 1, temperature=math.inf, logits_hook=hook)[:, 3]
+    assert len(set(first.tolist())) > 1, "sampled among the allowed, not collapsed onto one"
+    cut = sample.logits_hook(10, 97, allowed[:10])  # a mask over the tokenizer's ids
+    assert set(model.generate(prompt % 10, 2, logits_hook=cut)[:, 3].tolist()) == {4}
+    for bad, problem in [(allowed[:10], r"shape \(97,\)"), (allowed.int(), "bool mask")]:
+        with pytest.raises(ValueError, match=problem):
+            sample.logits_hook(97, 97, bad)
+    with pytest.raises(ValueError, match="allows no token"):
+        sample.logits_hook(97, 97, torch.zeros(97, dtype=torch.bool))
 
 
 def test_sample_with_another_attention_variant_gives_the_same_text(
