@@ -395,16 +395,33 @@ def paired_table(rows: list[dict[str, Any]]) -> list[str]:
     ]
 
 
+# How the fits table shows a metric: its unit, what a JSON value is divided by for it, the format.
+FIT_UNITS = {"step_ms": ("ms", 1, ".2f"), "peak_mem_bytes": ("MiB", 2**20, ".2f")}
+
+
+def _fit_unit(metric: str) -> tuple[str, float, str]:
+    # ops_per_step.forward and the like: counts, whole where the fit is exact
+    return FIT_UNITS.get(metric, (metric.partition("_per_step")[0], 1, ".4g"))
+
+
 def fits_table(fits: dict[str, dict[str, dict[str, float]]]) -> list[str]:
     lines = [
-        "| variant | metric | slope (per layer) | ± se | intercept | r² |",
-        "|---|---|---|---|---|---|",
+        "| variant | metric | unit | slope (per layer) | ± se | intercept | r² |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, by_metric in fits.items():
         for metric, f in sorted(by_metric.items()):
+            unit, scale, spec = _fit_unit(metric)
             r2 = f"{f['r2']:.4f}" if f.get("points", 3) > 2 else "– (2 depths)"
+            if f["slope_se"] is None:
+                se = "–"
+            elif spec == ".4g":
+                se = format(f["slope_se"], ".2g")
+            else:  # as the headline writes it: a positive se that rounds to 0 reads <0.01
+                se = format(f["slope_se"] / scale, spec)
+                se = "<0.01" if f["slope_se"] > 0 and float(se) == 0 else se
             lines.append(
-                f"| {name} | {metric} | {f['slope']:.4g} | {_fmt(f['slope_se'], '.2g')} | "
-                f"{f['intercept']:.4g} | {r2} |"
+                f"| {name} | {metric} | {unit} | {f['slope'] / scale:{spec}} | {se} | "
+                f"{f['intercept'] / scale:{spec}} | {r2} |"
             )
     return lines
