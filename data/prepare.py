@@ -354,7 +354,10 @@ def split_documents(texts: Iterable[str], val_fraction: float, seed: int) -> Spl
     keys = np.fromiter((_content_key(text, seed) for text in texts), dtype=np.uint64)
     if len(keys) < 2:
         raise PrepareError(
-            f"need at least 2 non-empty documents to split train/val by document, got {len(keys)}"
+            f"need at least 2 non-empty documents to split train/val by document, got "
+            f"{len(keys)}; each file is one document (with --hub, each row or text file): cut "
+            "one long text into several first, e.g. `split -l 1000 input.txt part_` and then "
+            "--files 'part_*'"
         )
     # Equal keys stand for equal texts: two different texts share a 64-bit key with
     # probability about n**2 / 2**65, 3e-6 for ten million documents.

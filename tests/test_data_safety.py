@@ -278,7 +278,10 @@ def test_a_killed_runs_temporary_files_go_with_the_next_build(corpus: Path, tmp_
             {"files": ["{corpus}/*.txt", "{corpus}/empty.md", "{corpus}/empty2.md"]},
             r"empty\.md is empty \(and 1 more of the \d+ matched\); .*: give patterns that leave",
         ),
-        ({"files": ["{corpus}/quokka.txt"]}, r"at least 2 non-empty documents"),
+        (
+            {"files": ["{corpus}/quokka.txt"]},
+            r"at least 2 non-empty .* each file is one document.*split -l",
+        ),
         ({"files": []}, r"--files needs at least one"),
         ({"files": [""]}, r"--files '': an empty path"),
         ({"files": None, "hub": ""}, r"--hub '': empty"),
