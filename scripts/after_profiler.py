@@ -41,9 +41,18 @@ from training.step import build_model, train_step
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", type=Path, default=Path("configs/profile.toml"))
-    parser.add_argument("--steps", type=int, default=30, help="timed before and after each")
-    parser.add_argument("--sessions", type=int, default=3)
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=Path("configs/profile.toml"),
+        help="a train.py config (default: configs/profile.toml)",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=30, help="steps timed before and after each (default: 30)"
+    )
+    parser.add_argument(
+        "--sessions", type=int, default=3, help="profiler sessions, one after another (default: 3)"
+    )
     args, overrides = parser.parse_known_args()
     for flag, value in (("--steps", args.steps), ("--sessions", args.sessions)):
         if value < 1:

@@ -61,9 +61,11 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--variants", default="inplace,naive", help="two names, A,B: A's ops against B's"
+        "--variants",
+        default="inplace,naive",
+        help="two names, A,B: A's ops against B's (default: inplace,naive)",
     )
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=4, help="n_layer of both (default: 4)")
     args = parser.parse_args()
     variants = args.variants.split(",")
     try:

@@ -66,10 +66,16 @@ def run(mode: type[_Timed], args: argparse.Namespace, overrides: list[str]) -> f
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", type=Path, required=True)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--skip", type=int, default=10, help="first steps left out (compile)")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--config", type=Path, required=True, help="a train.py config")
+    parser.add_argument(
+        "--steps", type=int, default=60, help="steps per run, at least --skip + 3 (default: 60)"
+    )
+    parser.add_argument(
+        "--skip", type=int, default=10, help="first steps left out: compile (default: 10)"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="runs of each readout, alternating (default: 2)"
+    )
     args, overrides = parser.parse_known_args()
     for flag, value, least in (("--skip", args.skip, 0), ("--rounds", args.rounds, 1)):
         if value < least:
