@@ -248,7 +248,7 @@ def hub_corpus(
     max_bytes: int | None,
     cache_dir: Path,
 ) -> Corpus:
-    rows = _load_hub(dataset, config, split, text_column, cache_dir)
+    rows, unread = _load_hub(dataset, config, split, text_column, cache_dir)
     keep: list[int] = []
     content = hashlib.sha256()
     skipped = {"empty_documents": 0, "over_max_bytes": 0}
@@ -276,6 +276,8 @@ def hub_corpus(
     where = os.path.abspath(dataset) if Path(dataset).exists() else dataset  # a local folder
     source = {"kind": "hub", "dataset": where, "config": config, "split": split}
     source |= {"text_column": text_column, "rows": len(rows)}
+    if unread:
+        skipped["unread_files"] = unread
     return Corpus(source=source, digest=content.hexdigest(), skipped=skipped, documents=documents)
 
 
@@ -344,16 +346,20 @@ def load_text_files(corpus: Corpus, cache_dir: Path) -> Dataset:
 
 def _load_hub(
     dataset: str, config: str | None, split: str, text_column: str, cache_dir: Path
-) -> Dataset:
+) -> tuple[Dataset, list[str]]:
+    """The split's rows, only the text column, and a local folder's files that `datasets`
+    reads in no split (see _unread_files)."""
     _check_local(dataset)
     datasets = _import_datasets()
+    unread: list[str] = []
     try:
         if _saved_to_disk(Path(dataset)):  # load_dataset refuses these and names load_from_disk
             if config is not None:
                 raise ValueError("a folder save_to_disk wrote has no configurations (--hub-config)")
             rows = _split_of(datasets.load_from_disk(dataset), split)
         else:
-            rows = _load_dataset(datasets, dataset, config, split, str(cache_dir))
+            rows, data_files = _load_dataset(datasets, dataset, config, split, str(cache_dir))
+            unread = _unread_files(Path(dataset), data_files)
     except PrepareError:
         raise
     # The Hub client, fsspec and the builders raise many types; to the user all of them mean
@@ -370,7 +376,25 @@ def _load_hub(
         raise PrepareError(
             f"--text-column {text_column!r} of {dataset!r} holds {feature}, not strings"
         )
-    return rows.select_columns([text_column])
+    return rows.select_columns([text_column]), unread
+
+
+def _unread_files(folder: Path, data_files: Any) -> list[str]:
+    """The files of a local folder that `datasets` reads in no split, by relative name: it
+    reads one format per folder (the most common one), and where any file's name says a split
+    (train_*, test*, valid*, ...), only those files. The dataset card (README.md) and hidden
+    files are not counted."""
+    if not folder.is_dir():
+        return []  # a Hub dataset
+    read = {Path(name).resolve() for names in (data_files or {}).values() for name in names}
+    unread = []
+    for path in sorted(folder.rglob("*")):
+        relative = path.relative_to(folder)
+        hidden = any(part.startswith(".") for part in relative.parts)
+        card = relative == Path("README.md")
+        if path.is_file() and not hidden and not card and path.resolve() not in read:
+            unread.append(relative.as_posix())
+    return unread
 
 
 def _check_local(dataset: str) -> None:
@@ -397,14 +421,15 @@ def _check_local(dataset: str) -> None:
 
 def _load_dataset(
     datasets: Any, dataset: str, config: str | None, split: str, cache_dir: str
-) -> Dataset:
+) -> tuple[Dataset, Any]:
     """`load_dataset`, except that plain-text files are one document per file, as --files
     reads them. `datasets`' text builder defaults to one row per line, which would drop the
-    newlines and split a file between train and val line by line."""
+    newlines and split a file between train and val line by line. Also returns the data
+    files of every split, as the builder chose them."""
     builder = datasets.load_dataset_builder(dataset, config, cache_dir=cache_dir)
     if builder.name != "text":
         builder.download_and_prepare()
-        return builder.as_dataset(split=split)
+        return builder.as_dataset(split=split), builder.config.data_files
     builder = datasets.load_dataset_builder(
         dataset, config, cache_dir=cache_dir, sample_by="document"
     )
@@ -413,7 +438,7 @@ def _load_dataset(
     except Exception as error:
         _name_the_non_utf8_file(error, dataset, builder.config.data_files)
         raise
-    return builder.as_dataset(split=split)
+    return builder.as_dataset(split=split), builder.config.data_files
 
 
 def _name_the_non_utf8_file(error: BaseException, dataset: str, data_files: Any) -> None:

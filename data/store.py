@@ -173,15 +173,17 @@ def is_complete(out_dir: Path, content_sha256: str) -> bool:
         return False
 
 
-def record_source(out_dir: Path, source: dict[str, Any]) -> None:
+def record_source(out_dir: Path, source: dict[str, Any], skipped: dict[str, Any]) -> None:
     """The same documents read from elsewhere (a folder copied or moved) are reused; meta.json
-    then says where they are now, which a rebuild command is made from. A note: where it
-    cannot be written (a read-only folder), the corpus is still reused, with a warning."""
+    then says where they are now, which a rebuild command is made from, and what was left out
+    there (the digest covers the documents kept, not the empty rows or unread files beside
+    them). A note: where it cannot be written (a read-only folder), the corpus is still
+    reused, with a warning."""
     meta = json.loads((out_dir / "meta.json").read_text())
-    if meta.get("source") == source:
+    if meta.get("source") == source and meta.get("skipped") == skipped:
         return
     try:
-        write_json_atomic(out_dir / "meta.json", {**meta, "source": source})
+        write_json_atomic(out_dir / "meta.json", {**meta, "source": source, "skipped": skipped})
     except OSError as e:
         print(
             f"warning: could not record the documents' new place in {out_dir / 'meta.json'} "

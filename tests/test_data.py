@@ -228,6 +228,31 @@ def test_hub_reads_a_folder_of_text_files_one_document_per_file(tmp_path: Path) 
     assert sorted(decode_split(out, "train") + decode_split(out, "val")) == sorted(documents)
 
 
+def test_hub_says_which_files_of_a_folder_datasets_reads_in_no_split(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`datasets` takes splits from file names (train_*) and one format per folder, and
+    leaves the other files out: named, on stdout and in meta.json, never dropped unseen."""
+    folder = tmp_path / "texts"
+    (folder / "sub").mkdir(parents=True)
+    for name in ("train_a.txt", "train_b.txt", "test_c.txt", "loose.txt", "sub/deep.txt"):
+        (folder / name).write_text(document(name), encoding="utf-8")
+    (folder / "README.md").write_text("a dataset card\n", encoding="utf-8")
+    (folder / ".hidden.txt").write_text(document("hidden"), encoding="utf-8")
+
+    out = prepare("split", hub=str(folder), vocab_size=VOCAB, out_root=tmp_path / "out")
+    assert read_meta(out)["source"]["rows"] == 2  # train_a, train_b
+    assert read_meta(out)["skipped"]["unread_files"] == ["loose.txt", "sub/deep.txt"]
+    said = capsys.readouterr().out
+    assert "`datasets` reads 2 of its files in no split (loose.txt, sub/deep.txt)" in said
+
+    for name in ("loose.txt", "sub/deep.txt"):  # every file in a split: nothing to say
+        (folder / name).rename(folder / f"test_{Path(name).name}")
+    out = prepare("split", hub=str(folder), vocab_size=VOCAB, out_root=tmp_path / "out")
+    assert "unread_files" not in read_meta(out)["skipped"]
+    assert "no split" not in capsys.readouterr().out
+
+
 def test_hub_given_a_file_or_a_missing_folder_says_so_without_the_network(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
