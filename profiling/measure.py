@@ -207,6 +207,7 @@ class StepProfile:
     device_split_us: Counter = field(default_factory=Counter)
     trace: Path | None = None
     trace_bytes: int = 0  # unzipped: what a viewer loads
+    trace_error: str | None = None  # why no trace was written where one was asked for
 
     def per_step(self, steps: int) -> dict[str, dict[str, dict[str, float]]]:
         def scale(by_region: dict[str, Counter]) -> dict[str, dict[str, float]]:
@@ -405,7 +406,10 @@ def profiled_steps(
     def on_ready(prof: profile) -> None:
         parsed = parse_events(prof.profiler.kineto_results.events(), device)
         if trace_path is not None:
-            parsed.trace, parsed.trace_bytes = _export_trace(prof, trace_path)
+            try:  # the counts are in hand already: a trace that cannot be written loses only itself
+                parsed.trace, parsed.trace_bytes = _export_trace(prof, trace_path)
+            except OSError as e:
+                parsed.trace_error = str(e)
         results.append(parsed)
 
     with profile(
@@ -423,12 +427,25 @@ def profiled_steps(
 def _export_trace(prof: profile, path: Path) -> tuple[Path, int]:
     """Writes the trace gzipped to path; returns it and its size unzipped, the size a viewer
     loads (JSON traces compress about 14x)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     raw = path.with_suffix("")  # foo.json.gz -> foo.json
-    prof.export_chrome_trace(str(raw))
-    size = raw.stat().st_size
-    with open(raw, "rb") as src, gzip.open(path, "wb", compresslevel=6) as dst:
-        shutil.copyfileobj(src, dst)
+    # PyTorch writes raw.tmp, then renames it; where the write fails (a full disk) it logs
+    # "Failed to write to log file!", raises nothing and keeps raw.tmp open until the profiler
+    # is collected: emptied, not just unlinked, it gives back the space results.json needs next.
+    partial = raw.with_name(raw.name + ".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(raw))
+        if not raw.is_file():
+            raise OSError(f"could not write the trace {raw} (is the disk full?)")
+        size = raw.stat().st_size
+        with open(raw, "rb") as src, gzip.open(path, "wb", compresslevel=6) as dst:
+            shutil.copyfileobj(src, dst)
+    except OSError:
+        for leftover in (partial, raw, path):
+            with contextlib.suppress(OSError):
+                os.truncate(leftover, 0)
+            leftover.unlink(missing_ok=True)
+        raise
     os.remove(raw)
     return path, size
 

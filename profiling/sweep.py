@@ -539,6 +539,10 @@ class Sweep:
                 synchronize(self.device)
                 advance()
         seen = results[0]
+        if seen.trace_error is not None:
+            tqdm.write(
+                f"warning: {seen.trace_error}; the cell's measurements are kept", file=sys.stderr
+            )
         if seen.trace_bytes > TRACE_WARN_BYTES:
             tqdm.write(
                 f"warning: trace {seen.trace} is {seen.trace_bytes / 2**20:.0f} MB unzipped, "

@@ -213,6 +213,27 @@ def test_results_json_contract(naive_vs_inplace: dict) -> None:
     assert sum(e.get("name") == "attention" for e in events["traceEvents"]) == 3
 
 
+def test_a_trace_that_cannot_be_written_loses_only_itself(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On a full disk PyTorch's trace export raises nothing: it leaves a part-written .tmp
+    (which would take the space results.json needs) and no trace. The cell keeps its
+    measurements, the half-written file goes, and the sweep says which trace is missing."""
+
+    def export_that_fails(self: torch.profiler.profile, path: str) -> None:
+        Path(path + ".tmp").write_text('{"traceEvents": [')  # as far as the disk allowed
+
+    monkeypatch.setattr(torch.profiler.profile, "export_chrome_trace", export_that_fails)
+    rc, results = sweep(tmp_path, "--variants", "naive", "--layers", "1")
+    assert rc == 0
+    (row,) = results["rows"]
+    assert row["status"] == "ok" and row["trace"] is None and row["ops_per_step"]["forward"]
+    assert not list((tmp_path / "sweep" / "traces").iterdir())
+    assert "naive_L1.json (is the disk full?); the cell's measurements are kept" in (
+        capsys.readouterr().err
+    )
+
+
 def test_pinned_backend_is_verified(naive_vs_inplace: dict) -> None:
     math_rows = [r for r in naive_vs_inplace["rows"] if r["variant"] == "sdpa-math"]
     assert all(r["backend"] == "MATH" for r in math_rows)
