@@ -95,6 +95,20 @@ def test_resume_drops_a_metrics_line_cut_short(
     )
 
 
+def test_resume_without_its_log_says_that_a_new_one_starts(
+    base_run: Path, data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run copied without metrics.jsonl (or one deleted) resumes, and says that its log
+    now starts after the checkpoint: the earlier steps' lines are not coming back."""
+    out = copy_run(base_run, tmp_path / "run")
+    (out / "metrics.jsonl").unlink()
+    capsys.readouterr()
+    assert run(data_root, out, f"--train.max_steps={STEPS + 2}", "--resume") == 0
+    assert [r["step"] for r in train_lines(out)] == [STEPS + 1, STEPS + 2]
+    said = f"metrics.jsonl is missing: a new one starts, with the steps after {STEPS} only"
+    assert said in capsys.readouterr().err
+
+
 def test_resume_without_checkpoint_is_an_error(
     data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -34,6 +34,12 @@ def start_metrics(path: Path, resume_step: int | None, complete: bool = False) -
     The kept lines are written to a temporary file and renamed over the log, so a crash
     meanwhile loses none of them."""
     if resume_step is None or not path.exists():
+        if resume_step is not None:  # deleted, or never copied with the checkpoint
+            print(
+                f"note: {path} is missing: a new one starts, with the steps after "
+                f"{resume_step} only",
+                file=sys.stderr,
+            )
         path.write_text("")
         return
 
