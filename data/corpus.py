@@ -290,12 +290,15 @@ def _iter_texts(rows: Dataset, column: str) -> Iterator[str | None]:
 
 
 def _import_datasets() -> Any:
-    """Import `datasets` quietly: no telemetry, progress bars or 'Generating split' logs."""
+    """Import `datasets` quietly: no telemetry, progress bars, 'Generating split' logs, or the
+    Hub client's 'Repo card metadata block was not found' for a folder's plain README.md."""
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     import datasets
+    import huggingface_hub
 
     datasets.disable_progress_bars()
     datasets.utils.logging.set_verbosity_error()
+    huggingface_hub.utils.logging.set_verbosity_error()
     return datasets
 
 
