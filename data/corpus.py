@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import logging
 import os
 import platform
 import re
@@ -294,11 +295,10 @@ def _import_datasets() -> Any:
     Hub client's 'Repo card metadata block was not found' for a folder's plain README.md."""
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     import datasets
-    import huggingface_hub
 
     datasets.disable_progress_bars()
     datasets.utils.logging.set_verbosity_error()
-    huggingface_hub.utils.logging.set_verbosity_error()
+    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)  # a dependency of datasets
     return datasets
 
 
