@@ -351,7 +351,7 @@ def _load_hub(
     dataset: str, config: str | None, split: str, text_column: str, cache_dir: Path
 ) -> tuple[Dataset, list[str]]:
     """The split's rows, only the text column, and a local folder's files that `datasets`
-    reads in no split (see _unread_files)."""
+    does not read for it (see _unread_files)."""
     _check_local(dataset)
     datasets = _import_datasets()
     unread: list[str] = []
@@ -362,7 +362,7 @@ def _load_hub(
             rows = _split_of(datasets.load_from_disk(dataset), split)
         else:
             rows, data_files = _load_dataset(datasets, dataset, config, split, str(cache_dir))
-            unread = _unread_files(Path(dataset), data_files)
+            unread = _unread_files(Path(dataset), data_files, split)
     except PrepareError:
         raise
     # The Hub client, fsspec and the builders raise many types; to the user all of them mean
@@ -382,21 +382,31 @@ def _load_hub(
     return rows.select_columns([text_column]), unread
 
 
-def _unread_files(folder: Path, data_files: Any) -> list[str]:
-    """The files of a local folder that `datasets` reads in no split, by relative name: it
-    reads one format per folder (the most common one), and where any file's name says a split
-    (train_*, test*, valid*, ...), only those files. The dataset card (README.md) and hidden
-    files are not counted."""
+def _unread_files(folder: Path, data_files: Any, split: str) -> list[str]:
+    """The files of a local folder that `datasets` does not read for `split`, by relative
+    name, each with why: it reads one format per folder (the most common one), and where any
+    file's name says a split (train_*, test*, valid*, ...), a split's files only. The dataset
+    card (README.md) and what `datasets` skips itself (names starting with . or __) are not
+    counted."""
     if not folder.is_dir():
         return []  # a Hub dataset
-    read = {Path(name).resolve() for names in (data_files or {}).values() for name in names}
+    in_split = {
+        Path(name).resolve(): str(named)
+        for named, names in (data_files or {}).items()
+        for name in names
+    }
     unread = []
     for path in sorted(folder.rglob("*")):
         relative = path.relative_to(folder)
-        hidden = any(part.startswith(".") for part in relative.parts)
-        card = relative == Path("README.md")
-        if path.is_file() and not hidden and not card and path.resolve() not in read:
-            unread.append(relative.as_posix())
+        skipped = any(part.startswith((".", "__")) for part in relative.parts)
+        card = len(relative.parts) == 1 and relative.name.lower() == "readme.md"
+        if not path.is_file() or skipped or card:
+            continue
+        named = in_split.get(path.resolve())
+        if named is None:
+            unread.append(f"{relative.as_posix()} (in no split)")
+        elif named != split:
+            unread.append(f"{relative.as_posix()} (split {named})")
     return unread
 
 

@@ -50,8 +50,8 @@ Decisions, so that a reader need not reverse-engineer them:
   a row, dropping the newlines and splitting a file's lines between train and val. An empty
   file there is skipped and counted, as an empty Hub row is (--files calls it an error).
   `datasets` picks a local folder's files itself (the most common format; where names say a
-  split, train_*, test_*, only those): the files it reads in no split are said and listed in
-  meta.json's skipped.unread_files.
+  split, train_*, test_*, a split's files only): the files it does not read for --split are
+  said and listed in meta.json's skipped.unread_files, each with why.
 * `--max-bytes N` keeps the longest prefix of whole documents, in input order, that fits in
   N bytes (raw file bytes for --files/--stdlib, UTF-8 bytes for --hub). meta.json's
   skipped.over_max_bytes counts the inputs left unread from the first that did not fit on,
@@ -206,7 +206,7 @@ def prepare(
             settings["text_column"] = text_column
             hub_cache = Path(cleanup.enter_context(_hub_cache(hub, out_dir)))
             corpus = hub_corpus(hub, hub_config, split, text_column, max_bytes, hub_cache)
-            _say_unread(hub, corpus.skipped.get("unread_files", []))
+            _say_unread(hub, split, corpus.skipped.get("unread_files", []))
         content_sha256 = content_hash(settings, corpus.digest)
         # The out-root, then the reuse check and the writing: one prepare at a time in it.
         try:  # failing as check_out_dir cannot foresee (root ignores permissions; /proc)
@@ -249,15 +249,16 @@ def _say_repeated(matches: list[Path]) -> None:
         )
 
 
-def _say_unread(hub: str, unread: list[str]) -> None:
-    """A local --hub folder's files that `datasets` reads in no split: said, never dropped
-    unseen (meta.json's skipped.unread_files lists them)."""
+def _say_unread(hub: str, split: str, unread: list[str]) -> None:
+    """A local --hub folder's files that `datasets` does not read for the split: said, never
+    dropped unseen (meta.json's skipped.unread_files lists them)."""
     if unread:
         names = ", ".join(unread[:3]) + (", ..." if len(unread) > 3 else "")
         _say(
-            f"note: --hub {hub!r}: `datasets` reads {len(unread)} of its files in no split "
-            f"({names}): it reads one format per folder, and where file names say a split "
-            f"(train_*, test_*, validation_*), only those; --files reads files as they are named"
+            f"note: --hub {hub!r}: `datasets` does not read {len(unread)} of its files for "
+            f"split {split!r}: {names}; it reads one format per folder, and where file names "
+            "say a split (train_*, test_*, validation_*), a split's files only; --files reads "
+            "files as they are named"
         )
 
 

@@ -186,8 +186,8 @@ def record_source(out_dir: Path, source: dict[str, Any], skipped: dict[str, Any]
         write_json_atomic(out_dir / "meta.json", {**meta, "source": source, "skipped": skipped})
     except OSError as e:
         print(
-            f"warning: could not record the documents' new place in {out_dir / 'meta.json'} "
-            f"({e.strerror}); the corpus is reused as it is",
+            f"warning: could not update {out_dir / 'meta.json'} (where the documents are now, "
+            f"what was left out there: {e.strerror}); the corpus is reused as it is",
             file=sys.stderr,
         )
 

@@ -228,29 +228,34 @@ def test_hub_reads_a_folder_of_text_files_one_document_per_file(tmp_path: Path) 
     assert sorted(decode_split(out, "train") + decode_split(out, "val")) == sorted(documents)
 
 
-def test_hub_says_which_files_of_a_folder_datasets_reads_in_no_split(
+def test_hub_says_which_files_of_a_folder_datasets_does_not_read(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`datasets` takes splits from file names (train_*) and one format per folder, and
-    leaves the other files out: named, on stdout and in meta.json, never dropped unseen."""
+    leaves the other files out: named with why, on stdout and in meta.json, never dropped
+    unseen. Its dataset card and what it skips itself (.hidden, __pycache__) are not named."""
     folder = tmp_path / "texts"
     (folder / "sub").mkdir(parents=True)
+    (folder / "__pycache__").mkdir()
     for name in ("train_a.txt", "train_b.txt", "test_c.txt", "loose.txt", "sub/deep.txt"):
         (folder / name).write_text(document(name), encoding="utf-8")
-    (folder / "README.md").write_text("a dataset card\n", encoding="utf-8")
-    (folder / ".hidden.txt").write_text(document("hidden"), encoding="utf-8")
+    (folder / "Readme.md").write_text("a dataset card\n", encoding="utf-8")
+    for name in (".hidden.txt", "__pycache__/x.txt"):
+        (folder / name).write_text(document("skipped"), encoding="utf-8")
 
     out = prepare("split", hub=str(folder), vocab_size=VOCAB, out_root=tmp_path / "out")
     assert read_meta(out)["source"]["rows"] == 2  # train_a, train_b
-    assert read_meta(out)["skipped"]["unread_files"] == ["loose.txt", "sub/deep.txt"]
+    unread = ["loose.txt (in no split)", "sub/deep.txt (in no split)", "test_c.txt (split test)"]
+    assert read_meta(out)["skipped"]["unread_files"] == unread
     said = capsys.readouterr().out
-    assert "`datasets` reads 2 of its files in no split (loose.txt, sub/deep.txt)" in said
+    assert f"does not read 3 of its files for split 'train': {', '.join(unread)};" in said
 
-    for name in ("loose.txt", "sub/deep.txt"):  # every file in a split: nothing to say
-        (folder / name).rename(folder / f"test_{Path(name).name}")
+    for i, name in enumerate(("loose.txt", "sub/deep.txt", "test_c.txt")):  # all read: no note
+        (folder / name).rename(folder / f"train_{i}.txt")
     out = prepare("split", hub=str(folder), vocab_size=VOCAB, out_root=tmp_path / "out")
+    assert read_meta(out)["source"]["rows"] == 5
     assert "unread_files" not in read_meta(out)["skipped"]
-    assert "no split" not in capsys.readouterr().out
+    assert "does not read" not in capsys.readouterr().out
 
 
 def test_hub_given_a_file_or_a_missing_folder_says_so_without_the_network(
