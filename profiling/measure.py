@@ -424,6 +424,11 @@ def profiled_steps(
         yield prof.step, results
 
 
+class _TraceNotWritten(OSError):
+    def __str__(self) -> str:
+        return f"could not write the trace {self.args[0]}"
+
+
 def _export_trace(prof: profile, path: Path) -> tuple[Path, int]:
     """Writes the trace gzipped to path; returns it and its size unzipped, the size a viewer
     loads (JSON traces compress about 14x)."""
@@ -436,16 +441,18 @@ def _export_trace(prof: profile, path: Path) -> tuple[Path, int]:
         path.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(raw))
         if not raw.is_file():
-            raise OSError(f"could not write the trace {raw} (is the disk full?)")
+            raise _TraceNotWritten(f"{raw}: PyTorch's export wrote no file (is the disk full?)")
         size = raw.stat().st_size
         with open(raw, "rb") as src, gzip.open(path, "wb", compresslevel=6) as dst:
             shutil.copyfileobj(src, dst)
-    except OSError:
+    except OSError as e:
         for leftover in (partial, raw, path):
             with contextlib.suppress(OSError):
                 os.truncate(leftover, 0)
             leftover.unlink(missing_ok=True)
-        raise
+        if isinstance(e, _TraceNotWritten):
+            raise
+        raise _TraceNotWritten(f"{path}: {e.strerror or e}") from e
     os.remove(raw)
     return path, size
 

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import errno
 import gzip
 import itertools
 import json
+import os
+import shutil
 import statistics
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -213,23 +217,34 @@ def test_results_json_contract(naive_vs_inplace: dict) -> None:
     assert sum(e.get("name") == "attention" for e in events["traceEvents"]) == 3
 
 
+@pytest.mark.parametrize("fails", ["export", "gzip"])
 def test_a_trace_that_cannot_be_written_loses_only_itself(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], fails: str
 ) -> None:
     """On a full disk PyTorch's trace export raises nothing: it leaves a part-written .tmp
-    (which would take the space results.json needs) and no trace. The cell keeps its
-    measurements, the half-written file goes, and the sweep says which trace is missing."""
+    (which would take the space results.json needs) and no trace; or the gzipped copy fails.
+    The cell keeps its measurements, what was written of the trace goes, and the sweep says
+    which trace is missing."""
 
     def export_that_fails(self: torch.profiler.profile, path: str) -> None:
         Path(path + ".tmp").write_text('{"traceEvents": [')  # as far as the disk allowed
 
-    monkeypatch.setattr(torch.profiler.profile, "export_chrome_trace", export_that_fails)
+    def copy_that_fails(src: Any, dst: Any) -> None:
+        dst.write(src.read(100))
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    if fails == "export":
+        monkeypatch.setattr(torch.profiler.profile, "export_chrome_trace", export_that_fails)
+        said = "naive_L1.json: PyTorch's export wrote no file (is the disk full?)"
+    else:
+        monkeypatch.setattr(shutil, "copyfileobj", copy_that_fails)
+        said = "naive_L1.json.gz: No space left on device"
     rc, results = sweep(tmp_path, "--variants", "naive", "--layers", "1")
     assert rc == 0
     (row,) = results["rows"]
     assert row["status"] == "ok" and row["trace"] is None and row["ops_per_step"]["forward"]
     assert not list((tmp_path / "sweep" / "traces").iterdir())
-    assert "naive_L1.json (is the disk full?); the cell's measurements are kept" in (
+    assert f"warning: could not write the trace {tmp_path / 'sweep' / 'traces' / said}; " in (
         capsys.readouterr().err
     )
 
