@@ -395,13 +395,17 @@ def paired_table(rows: list[dict[str, Any]]) -> list[str]:
     ]
 
 
-# How the fits table shows a metric: its unit, what a JSON value is divided by for it, the format.
-FIT_UNITS = {"step_ms": ("ms", 1, ".2f"), "peak_mem_bytes": ("MiB", 2**20, ".2f")}
+# The fits table's unit for a metric and what a JSON value is divided by for it; counts of
+# ops and kernels (ops_per_step.forward, ...) go by their own name, undivided.
+FIT_UNITS = {"step_ms": ("ms", 1), "peak_mem_bytes": ("MiB", 2**20)}
 
 
-def _fit_unit(metric: str) -> tuple[str, float, str]:
-    # ops_per_step.forward and the like: counts, whole where the fit is exact
-    return FIT_UNITS.get(metric, (metric.partition("_per_step")[0], 1, ".4g"))
+def _fit_number(x: float, count: bool) -> str:
+    """Two decimals (a count that fits exactly, whole), thousands separated, never -0.00."""
+    if count and abs(x - round(x)) < 0.005:
+        return f"{round(x):,}"
+    text = f"{x:,.2f}"
+    return text[1:] if text == "-0.00" else text
 
 
 def fits_table(fits: dict[str, dict[str, dict[str, float]]]) -> list[str]:
@@ -411,17 +415,16 @@ def fits_table(fits: dict[str, dict[str, dict[str, float]]]) -> list[str]:
     ]
     for name, by_metric in fits.items():
         for metric, f in sorted(by_metric.items()):
-            unit, scale, spec = _fit_unit(metric)
+            count = metric not in FIT_UNITS
+            unit, scale = FIT_UNITS.get(metric, (metric.partition("_per_step")[0], 1))
             r2 = f"{f['r2']:.4f}" if f.get("points", 3) > 2 else "– (2 depths)"
             if f["slope_se"] is None:
                 se = "–"
-            elif spec == ".4g":
-                se = format(f["slope_se"], ".2g")
             else:  # as the headline writes it: a positive se that rounds to 0 reads <0.01
-                se = format(f["slope_se"] / scale, spec)
-                se = "<0.01" if f["slope_se"] > 0 and float(se) == 0 else se
+                se = _fit_number(f["slope_se"] / scale, count)
+                se = "<0.01" if f["slope_se"] > 0 and se in ("0", "0.00") else se
             lines.append(
-                f"| {name} | {metric} | {unit} | {f['slope'] / scale:{spec}} | {se} | "
-                f"{f['intercept'] / scale:{spec}} | {r2} |"
+                f"| {name} | {metric} | {unit} | {_fit_number(f['slope'] / scale, count)} | "
+                f"{se} | {_fit_number(f['intercept'] / scale, count)} | {r2} |"
             )
     return lines

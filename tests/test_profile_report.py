@@ -525,8 +525,9 @@ def test_where_the_time_goes_on_mps_says_it_is_host_time() -> None:
 
 
 def test_the_fits_table_reads_in_each_metrics_unit() -> None:
-    """Step time in ms, memory in MiB (not 2.758e+07 bytes), counts of ops and kernels; an
-    se that rounds to 0 but is not reads <0.01, as in the headline."""
+    """Step time in ms, memory in MiB (not 2.758e+07 bytes), counts of ops and kernels (whole
+    where exact), never in e-notation; an se that rounds to 0 but is not reads <0.01, as in
+    the headline."""
     from profiling.tables import fits_table
 
     def fit(slope: float, intercept: float, se: float | None, r2: float = 1.0) -> dict:
@@ -539,11 +540,15 @@ def test_the_fits_table_reads_in_each_metrics_unit() -> None:
             "ops_per_step.forward": fit(127.0, 60.0, None) | {"points": 2},
             "kernels_per_step.total": fit(99.29, 86.34, 0.08),
         },
-        "sdpa": {"step_ms": fit(2.7149, 14.31, 0.004)},
+        "sdpa": {
+            "step_ms": fit(-0.001, 14.31, 0.004),
+            "ops_per_step.total": fit(123456.0, 7.0, 456.0),
+        },
     }
     table = "\n".join(fits_table(fits))
     assert "| naive | peak_mem_bytes | MiB | 26.30 | 0.00 | 69.46 | 1.0000 |" in table
     assert "| naive | step_ms | ms | 19.03 | 0.21 | 13.71 | 0.9998 |" in table
     assert "| naive | ops_per_step.forward | ops | 127 | – | 60 | – (2 depths) |" in table
     assert "| naive | kernels_per_step.total | kernels | 99.29 | 0.08 | 86.34 | 1.0000 |" in table
-    assert "| sdpa | step_ms | ms | 2.71 | <0.01 | 14.31 | 1.0000 |" in table
+    assert "| sdpa | step_ms | ms | 0.00 | <0.01 | 14.31 | 1.0000 |" in table  # not -0.00
+    assert "| sdpa | ops_per_step.total | ops | 123,456 | 456 | 7 | 1.0000 |" in table
