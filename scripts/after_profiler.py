@@ -40,7 +40,11 @@ from training.step import build_model, train_step
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Other arguments are train.py overrides, over the config and this script's "
+        "own defaults: --model.n_layer=2 --model.attention=sdpa --data.name=synthetic.",
+    )
     parser.add_argument(
         "--config",
         type=Path,

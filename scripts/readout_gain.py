@@ -65,7 +65,10 @@ def run(mode: type[_Timed], args: argparse.Namespace, overrides: list[str]) -> f
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Other arguments are train.py overrides (--model.n_layer=8 ...).",
+    )
     parser.add_argument("--config", type=Path, required=True, help="a train.py config")
     parser.add_argument(
         "--steps", type=int, default=60, help="steps per run, at least --skip + 3 (default: 60)"
