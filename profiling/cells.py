@@ -235,7 +235,9 @@ def kernel_libraries() -> int:
     shows; the files do. Read around a cell's first step only: it walks the folder."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-    return sum(1 for _ in Path(cache_dir()).rglob("*.so"))
+    root = Path(cache_dir())
+    triton = root / "triton"  # on CUDA, Triton's own launchers and utilities: not kernels built
+    return sum(1 for path in root.rglob("*.so") if triton not in path.parents)
 
 
 def compile_cache(before: dict[str, int], after: dict[str, int], kernels_built: int = 0) -> str:

@@ -477,7 +477,10 @@ def verify_backend(
         seen_kernels = {name for region in kernels.values() for name in region}
         if not any(pattern.search(k) for k in seen_kernels):
             longest = sorted(seen_kernels, key=len, reverse=True)[:3]  # templates: attention's
-            return f"no kernel name matches /{pattern.pattern}/ (e.g. {'; '.join(longest)[:600]})"
+            return (
+                f"trace has no kernel whose name matches /{pattern.pattern}/ (e.g. "
+                f"{'; '.join(longest)[:600]})"
+            )
     return None
 
 
