@@ -40,6 +40,7 @@ KEPT_ON_WRONG_BACKEND = frozenset(
         "kernels_per_step",
         "kernels_unattributed_per_step",
         "trace",
+        "trace_error",
     }
 )
 
@@ -117,6 +118,7 @@ class Cell:
             "device_ms_per_step": None,
             "time_split": None,
             "trace": None,
+            "trace_error": None,  # why a trace asked for was not written (a full disk)
         }
         if self.step is not None:
             row.update(self._timing_fields(tokens_per_step))

@@ -579,12 +579,20 @@ def _compile_time_lines(meta: dict[str, Any], rows: list[dict[str, Any]]) -> lis
 
 def _traces_text(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     """Where the sweep's traces are, or that it wrote none, and why where that is known."""
+    missing = "".join(
+        f" No trace of {label(r['variant'], r['compile'])} at L{r['n_layer']}: {r['trace_error']}."
+        for r in rows
+        if r.get("trace_error")  # a trace asked for that could not be written
+    )
     traced = sorted({r["n_layer"] for r in rows if r.get("trace")})
     if not traced:
         asked = meta.get("traces", "--no-traces" not in meta["command"])  # older: the command
         if not asked:
             return "This sweep wrote no traces (`--no-traces`)."
-        return "No cell of this sweep wrote a trace."
+        return "No cell of this sweep wrote a trace." + missing
     depths = {r["n_layer"] for r in rows}
     where = "" if set(traced) == depths else f" (cells at L{','.join(map(str, traced))} only)"
-    return f"Open a trace from `traces/`{where} in https://ui.perfetto.dev or chrome://tracing."
+    return (
+        f"Open a trace from `traces/`{where} in https://ui.perfetto.dev or chrome://tracing."
+        + missing
+    )

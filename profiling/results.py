@@ -127,6 +127,7 @@ ROW_FIELDS: dict[str, Check] = {
     "device_ms_per_step": _BY_NAME,
     "time_split": _BY_NAME,
     "trace": _TEXT,
+    "trace_error": _TEXT,
 }
 _IN_EVERY_ROW = list(ROW_FIELDS)[: list(ROW_FIELDS).index("kernels_per_step") + 1]
 _NEVER_NULL = _IN_EVERY_ROW[:4]

@@ -570,6 +570,7 @@ class Sweep:
             "device_ms_per_step": counts["device_ms"] if self.device.type == "cuda" else None,
             "backend": backend_that_ran(counts["ops"]),
             "trace": str(seen.trace.relative_to(self.out)) if seen.trace else None,
+            "trace_error": seen.trace_error,
             "peak_mem_bytes": peak_memory(
                 cell.model, cell.optimizer, cell.step, self.device, seen.peak_transient_bytes
             ),

@@ -244,9 +244,10 @@ def test_a_trace_that_cannot_be_written_loses_only_itself(
     (row,) = results["rows"]
     assert row["status"] == "ok" and row["trace"] is None and row["ops_per_step"]["forward"]
     assert not list((tmp_path / "sweep" / "traces").iterdir())
-    assert f"warning: could not write the trace {tmp_path / 'sweep' / 'traces' / said}; " in (
-        capsys.readouterr().err
-    )
+    why = f"could not write the trace {tmp_path / 'sweep' / 'traces' / said}"
+    assert f"warning: {why}; " in capsys.readouterr().err
+    assert row["trace_error"] == why  # and the report, read later, says it too
+    assert f"No trace of naive at L1: {why}." in (tmp_path / "sweep" / "report.md").read_text()
 
 
 def test_pinned_backend_is_verified(naive_vs_inplace: dict) -> None:
