@@ -87,6 +87,7 @@ import hashlib
 import itertools
 import math
 import os
+import shlex
 import signal
 import sys
 import tempfile
@@ -177,6 +178,13 @@ def prepare(
     _check_settings(vocab_size, val_fraction, max_bytes, encoding_errors, seed, kind)
     out_dir = Path(out_root if out_root is not None else DEFAULT_OUT_ROOT) / name
     inputs = match_files(files) if kind == "files" and files else []
+    if len(set(inputs)) == 1 and inputs[0].stat().st_size > 0:  # said before any work
+        one = shlex.quote(os.path.relpath(inputs[0]))
+        raise PrepareError(
+            f"--files matched one file, {one}, and each file is one document: a train/val "
+            f"split needs two or more. Cut it into several first, e.g. `mkdir parts && split "
+            f"-l 1000 {one} parts/part_`, then --files 'parts/*'"
+        )
     # --files may sit in the corpus's folder, as nanoGPT keeps its input.txt
     check_out_dir(out_dir, inputs)
     _say_repeated(inputs)
@@ -373,8 +381,8 @@ def split_documents(texts: Iterable[str], val_fraction: float, seed: int) -> Spl
         raise PrepareError(
             f"need at least 2 non-empty documents to split train/val by document, got "
             f"{len(keys)}; each file is one document (with --hub, each row or text file): cut "
-            "one long text into several first, e.g. `split -l 1000 input.txt part_` and then "
-            "--files 'part_*'"
+            "one long text into several first, e.g. `mkdir parts && split -l 1000 input.txt "
+            "parts/part_`, then --files 'parts/*'"
         )
     # Equal keys stand for equal texts: two different texts share a 64-bit key with
     # probability about n**2 / 2**65, 3e-6 for ten million documents.

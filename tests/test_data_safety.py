@@ -280,7 +280,8 @@ def test_a_killed_runs_temporary_files_go_with_the_next_build(corpus: Path, tmp_
         ),
         (
             {"files": ["{corpus}/quokka.txt"]},
-            r"at least 2 non-empty .* each file is one document.*split -l",
+            r"--files matched one file, .*quokka\.txt, and each file is one document.*"
+            r"split -l 1000 .*quokka\.txt parts/part_`, then --files 'parts/\*'",
         ),
         ({"files": []}, r"--files needs at least one"),
         ({"files": [""]}, r"--files '': an empty path"),
