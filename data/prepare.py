@@ -182,8 +182,7 @@ def prepare(
         one = shlex.quote(os.path.relpath(inputs[0]))
         raise PrepareError(
             f"--files matched one file, {one}, and each file is one document: a train/val "
-            f"split needs two or more. Cut it into several first, e.g. `mkdir parts && split "
-            f"-l 1000 {one} parts/part_`, then --files 'parts/*'"
+            f"split needs two or more. {_cut_into_files('Cut it', one)}"
         )
     # --files may sit in the corpus's folder, as nanoGPT keeps its input.txt
     check_out_dir(out_dir, inputs)
@@ -380,9 +379,8 @@ def split_documents(texts: Iterable[str], val_fraction: float, seed: int) -> Spl
     if len(keys) < 2:
         raise PrepareError(
             f"need at least 2 non-empty documents to split train/val by document, got "
-            f"{len(keys)}; each file is one document (with --hub, each row or text file): cut "
-            "one long text into several first, e.g. `mkdir parts && split -l 1000 input.txt "
-            "parts/part_`, then --files 'parts/*'"
+            f"{len(keys)}; each file is one document (with --hub, each row or text file): "
+            + _cut_into_files("cut one long text", "input.txt")
         )
     # Equal keys stand for equal texts: two different texts share a 64-bit key with
     # probability about n**2 / 2**65, 3e-6 for ten million documents.
@@ -400,6 +398,14 @@ def split_documents(texts: Iterable[str], val_fraction: float, seed: int) -> Spl
         in_val = keys != distinct[-1]
     train, val = np.flatnonzero(~in_val).tolist(), np.flatnonzero(in_val).tolist()
     return Split(train, val, duplicates=len(keys) - len(distinct))
+
+
+def _cut_into_files(what: str, file: str) -> str:
+    """How to make several documents of one text: files of 1000 lines, in a folder of their own."""
+    return (
+        f"{what} into several first, e.g. `mkdir parts && split -l 1000 {file} parts/part_`, "
+        "then --files 'parts/*'"
+    )
 
 
 def _content_key(text: str, seed: int) -> int:

@@ -6,6 +6,7 @@ Each measurement runs in its own steps: the profiler is never attached to a time
 from __future__ import annotations
 
 import contextlib
+import errno
 import gzip
 import itertools
 import os
@@ -424,11 +425,6 @@ def profiled_steps(
         yield prof.step, results
 
 
-class _TraceNotWritten(OSError):
-    def __str__(self) -> str:
-        return f"could not write the trace {self.args[0]}"
-
-
 def _export_trace(prof: profile, path: Path) -> tuple[Path, int]:
     """Writes the trace gzipped to path; returns it and its size unzipped, the size a viewer
     loads (JSON traces compress about 14x)."""
@@ -441,7 +437,8 @@ def _export_trace(prof: profile, path: Path) -> tuple[Path, int]:
         path.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(raw))
         if not raw.is_file():
-            raise _TraceNotWritten(f"{raw}: PyTorch's export wrote no file (is the disk full?)")
+            message = "PyTorch's export wrote no file (is the disk full?)"
+            raise FileNotFoundError(errno.ENOENT, message, str(raw))
         size = raw.stat().st_size
         with open(raw, "rb") as src, gzip.open(path, "wb", compresslevel=6) as dst:
             shutil.copyfileobj(src, dst)
@@ -450,9 +447,7 @@ def _export_trace(prof: profile, path: Path) -> tuple[Path, int]:
             with contextlib.suppress(OSError):
                 os.truncate(leftover, 0)
             leftover.unlink(missing_ok=True)
-        if isinstance(e, _TraceNotWritten):
-            raise
-        raise _TraceNotWritten(f"{path}: {e.strerror or e}") from e
+        raise OSError(f"could not write the trace {e.filename or path}: {e.strerror or e}") from e
     os.remove(raw)
     return path, size
 

@@ -420,9 +420,9 @@ def fits_table(fits: dict[str, dict[str, dict[str, float]]]) -> list[str]:
             r2 = f"{f['r2']:.4f}" if f.get("points", 3) > 2 else "– (2 depths)"
             if f["slope_se"] is None:
                 se = "–"
-            else:  # as the headline writes it: a positive se that rounds to 0 reads <0.01
-                se = _fit_number(f["slope_se"] / scale, count)
-                se = "<0.01" if f["slope_se"] > 0 and se in ("0", "0.00") else se
+            else:  # one that rounds to nothing but is not 0 reads <0.01, as in the headline
+                x = f["slope_se"] / scale
+                se = _fit_number(x, count) if x == 0 or round(x, 2) else _se(x, 2)
             lines.append(
                 f"| {name} | {metric} | {unit} | {_fit_number(f['slope'] / scale, count)} | "
                 f"{se} | {_fit_number(f['intercept'] / scale, count)} | {r2} |"
