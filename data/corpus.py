@@ -387,7 +387,7 @@ def _unread_files(folder: Path, data_files: Any, split: str) -> list[str]:
     name, each with why: it reads one format per folder (the most common one), and where any
     file's name says a split (train_*, test*, valid*, ...), a split's files only. The dataset
     card (README.md) and what `datasets` skips itself (names starting with . or __) are not
-    counted."""
+    counted. A linked folder is named once: neither `datasets` nor rglob goes into one."""
     if not folder.is_dir():
         return []  # a Hub dataset
     in_split = {
@@ -400,7 +400,12 @@ def _unread_files(folder: Path, data_files: Any, split: str) -> list[str]:
         relative = path.relative_to(folder)
         skipped = any(part.startswith((".", "__")) for part in relative.parts)
         card = len(relative.parts) == 1 and relative.name.lower() == "readme.md"
-        if not path.is_file() or skipped or card:
+        if skipped or card:
+            continue
+        if path.is_symlink() and path.is_dir():
+            unread.append(f"{relative.as_posix()}/ (a linked folder)")
+            continue
+        if not path.is_file():
             continue
         named = in_split.get(path.resolve())
         if named is None:

@@ -50,8 +50,8 @@ Decisions, so that a reader need not reverse-engineer them:
   a row, dropping the newlines and splitting a file's lines between train and val. An empty
   file there is skipped and counted, as an empty Hub row is (--files calls it an error).
   `datasets` picks a local folder's files itself (the most common format; where names say a
-  split, train_*, test_*, a split's files only): the files it does not read for --split are
-  said and listed in meta.json's skipped.unread_files, each with why.
+  split, train_*, test_*, a split's files only; no linked folder): the files it does not
+  read for --split are said and listed in meta.json's skipped.unread_files, each with why.
 * `--max-bytes N` keeps the longest prefix of whole documents, in input order, that fits in
   N bytes (raw file bytes for --files/--stdlib, UTF-8 bytes for --hub). meta.json's
   skipped.over_max_bytes counts the inputs left unread from the first that did not fit on,

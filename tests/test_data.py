@@ -242,13 +242,22 @@ def test_hub_says_which_files_of_a_folder_datasets_does_not_read(
     (folder / "Readme.md").write_text("a dataset card\n", encoding="utf-8")
     for name in (".hidden.txt", "__pycache__/x.txt"):
         (folder / name).write_text(document("skipped"), encoding="utf-8")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "train_linked.txt").write_text(document("linked"), encoding="utf-8")
+    (folder / "linked").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
 
     out = prepare("split", hub=str(folder), vocab_size=VOCAB, out_root=tmp_path / "out")
     assert read_meta(out)["source"]["rows"] == 2  # train_a, train_b
-    unread = ["loose.txt (in no split)", "sub/deep.txt (in no split)", "test_c.txt (split test)"]
+    unread = [
+        "linked/ (a linked folder)",
+        "loose.txt (in no split)",
+        "sub/deep.txt (in no split)",
+        "test_c.txt (split test)",
+    ]
     assert read_meta(out)["skipped"]["unread_files"] == unread
     said = capsys.readouterr().out
-    assert f"does not read 3 of its files for split 'train': {', '.join(unread)};" in said
+    assert f"does not read 4 of its files for split 'train': {', '.join(unread[:3])}, ...;" in said
+    (folder / "linked").unlink()
 
     for i, name in enumerate(("loose.txt", "sub/deep.txt", "test_c.txt")):  # all read: no note
         (folder / name).rename(folder / f"train_{i}.txt")
