@@ -2,7 +2,8 @@
 
 Each cell is built the way train.py builds a run (training.step.build_model) and stepped
 with training.step.train_step, the step train.py's loop runs, imported: the sweep measures
-what training runs. profile_train.py is the command line around it.
+what training runs. profile_train.py is the command line around it; a cell's profiled steps,
+read into its row, are profiling/cell_profile.py.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from tqdm import tqdm
 
 from console import first_line
 from model import VARIANTS
-from profiling.analysis import REGIONS, balanced_orders, label
+from profiling.analysis import balanced_orders
+from profiling.cell_profile import profile_cell
 from profiling.cells import (
     KEPT_ON_WRONG_BACKEND,
     Cell,
@@ -40,13 +42,8 @@ from profiling.cells import (
     minor_faults,
 )
 from profiling.measure import (
-    TRACE_WARN_BYTES,
-    attention_calls_marked,
     backend_problem,
-    backend_that_ran,
     matmul_peaks,
-    peak_memory,
-    profiled_steps,
     step_flops,
     synchronize,
     timed,
@@ -478,7 +475,7 @@ class Sweep:
         row = cell.row(flops, self.tokens_per_step)
         if cell.step is not None:
             with self._guard(cell, "in the profiled steps, after the timed ones"):
-                row.update(self._profile(cell))
+                row.update(profile_cell(cell, self.options, self.device))
                 problem = backend_problem(cell.variant, row, self.device)
                 if problem is not None:
                     # Another backend ran: its numbers are not the variant's. What ran (the
@@ -518,64 +515,6 @@ class Sweep:
         if row["status"] != "ok" or not row["flops_per_step"] or not row["step_ms"]:
             return None
         return row["flops_per_step"] / (row["step_ms"]["median"] / 1e3) / self.meta["peak_flops"]
-
-    def _profile(self, cell: Cell) -> dict[str, Any]:
-        active = self.options.profile_steps
-        trace = (
-            self.out / "traces" / f"{label(cell.variant, cell.compiled)}_L{cell.n_layer}.json.gz"
-        )
-        wanted = self.options.traces and (
-            not self.options.trace_layers or cell.n_layer in self.options.trace_layers
-        )
-        marked = contextlib.nullcontext() if cell.compiled else attention_calls_marked(cell.model)
-        with (
-            marked,
-            profiled_steps(
-                self.device, active, trace if wanted else None, self.options.trace_stacks and wanted
-            ) as (advance, results),
-        ):
-            for _ in range(PROFILE_LEAD_STEPS + active):
-                cell.step()
-                synchronize(self.device)
-                advance()
-        seen = results[0]
-        if seen.trace_error is not None:
-            tqdm.write(
-                f"warning: {seen.trace_error}; the cell's measurements are kept", file=sys.stderr
-            )
-        if seen.trace_bytes > TRACE_WARN_BYTES:
-            tqdm.write(
-                f"warning: trace {seen.trace} is {seen.trace_bytes / 2**20:.0f} MB unzipped, "
-                "what a viewer loads; lower --profile-steps or the model size"
-                + (", or leave out --trace-stacks" if self.options.trace_stacks else ""),
-                file=sys.stderr,
-            )
-        counts = seen.per_step(active)
-        # Ops are placed by the regions training.step.train_step names: a region renamed there
-        # would otherwise count its ops as none.
-        empty = [region for region in REGIONS if not counts["ops"][region]]
-        if empty:
-            raise RuntimeError(
-                f"no ATen ops in the profiled steps' {' and '.join(empty)} region: the step "
-                f"names its regions otherwise than the profiler ({', '.join(REGIONS)})"
-            )
-        fields: dict[str, Any] = {
-            "ops_per_step": counts["ops"],
-            "kernels_per_step": counts["kernels"] if self.device.type == "cuda" else None,
-            "kernels_unattributed_per_step": (
-                counts["unattributed"] if self.device.type == "cuda" else None
-            ),
-            "cpu_ms_per_step": counts["cpu_ms"],
-            "time_split": counts["time_split"],
-            "device_ms_per_step": counts["device_ms"] if self.device.type == "cuda" else None,
-            "backend": backend_that_ran(counts["ops"]),
-            "trace": str(seen.trace.relative_to(self.out)) if seen.trace else None,
-            "trace_error": seen.trace_error,
-            "peak_mem_bytes": peak_memory(
-                cell.model, cell.optimizer, cell.step, self.device, seen.peak_transient_bytes
-            ),
-        }
-        return fields
 
     # --- output ---------------------------------------------------------------------------------
 

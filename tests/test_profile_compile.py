@@ -86,11 +86,11 @@ def test_compile_time_keeps_an_eager_first_steps_own_compile() -> None:
 def test_every_depth_traces_its_own_graphs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Identical blocks would reuse the first depth's Dynamo graphs and compile nothing; each
     cell also says whether Inductor's on-disk cache supplied its compiled graphs."""
-    import profiling.sweep
+    import profiling.cell_profile
 
     seconds = record_step_times(monkeypatch)
     marked = []  # compiled blocks' attention calls stay unmarked: swapping would recompile them
-    monkeypatch.setattr(profiling.sweep, "attention_calls_marked", marked.append)
+    monkeypatch.setattr(profiling.cell_profile, "attention_calls_marked", marked.append)
     rc, results = sweep(tmp_path, "--variants", "naive", "--layers", "1,2", "--compile", "on")
     assert rc == 0 and marked == []
     assert len(seconds) == len(results["rows"]) == 2

@@ -218,15 +218,17 @@ def test_a_sweep_stopped_while_profiling_keeps_the_depths_timed_cells(
 ) -> None:
     """A depth's cells are all timed, then profiled one by one: a Ctrl-C in between (or
     gpu_check.sh's timeout) keeps the step times of the cells not yet profiled, marked so."""
-    real_profile = Sweep._profile
+    import profiling.sweep
 
-    def profile_then_interrupt(self, cell):
+    real_profile = profiling.sweep.profile_cell
+
+    def profile_then_interrupt(cell, options, device):
         if cell.n_layer == 2:
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(5)  # the handler raises at once; this is never finished
-        return real_profile(self, cell)
+        return real_profile(cell, options, device)
 
-    monkeypatch.setattr(Sweep, "_profile", profile_then_interrupt)
+    monkeypatch.setattr(profiling.sweep, "profile_cell", profile_then_interrupt)
     rc, results = sweep(tmp_path, "--variants", "naive,inplace", "--layers", "1,2")
     assert rc == 130
     rows = {(r["variant"], r["n_layer"]): r for r in results["rows"]}
@@ -655,14 +657,14 @@ def test_a_failure_in_the_profiled_steps_keeps_the_timed_ones(
 ) -> None:
     """The profiled steps come after the timed ones: a trace that cannot be written (a full
     disk) fails the cell, and its step times stay in the row."""
-    import profiling.sweep
+    import profiling.cell_profile
 
     @contextlib.contextmanager
     def full_disk(*args):
         raise OSError(errno.ENOSPC, "No space left on device")
         yield
 
-    monkeypatch.setattr(profiling.sweep, "profiled_steps", full_disk)
+    monkeypatch.setattr(profiling.cell_profile, "profiled_steps", full_disk)
     rc, results = sweep(tmp_path, "--variants", "naive", "--layers", "1")
     assert rc == 1  # its only cell failed
     [row] = results["rows"]

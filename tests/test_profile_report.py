@@ -465,9 +465,9 @@ def test_the_trace_warning_goes_by_the_size_a_viewer_loads(
 ) -> None:
     """Traces are gzipped (about 14x smaller); the warning weighs the JSON a viewer unzips."""
 
-    import profiling.sweep
+    import profiling.cell_profile
 
-    monkeypatch.setattr(profiling.sweep, "TRACE_WARN_BYTES", 10**5)
+    monkeypatch.setattr(profiling.cell_profile, "TRACE_WARN_BYTES", 10**5)
     assert sweep(tmp_path, "--variants", "naive", "--layers", "1")[0] == 0
     (trace,) = (tmp_path / "sweep" / "traces").glob("*.json.gz")
     assert trace.stat().st_size < 10**5 < len(gzip.decompress(trace.read_bytes()))
@@ -487,16 +487,16 @@ def test_python_stacks_only_where_a_trace_is_written(
 ) -> None:
     """--trace-stacks slows the profiled step (the Python tracer): only cells whose trace is
     kept pay for it."""
-    import profiling.sweep
+    import profiling.cell_profile
 
     asked = []
-    real = profiling.sweep.profiled_steps
+    real = profiling.cell_profile.profiled_steps
 
     def recording(device, active, trace_path, with_stack=False):
         asked.append((trace_path is not None, with_stack))
         return real(device, active, trace_path, with_stack)
 
-    monkeypatch.setattr(profiling.sweep, "profiled_steps", recording)
+    monkeypatch.setattr(profiling.cell_profile, "profiled_steps", recording)
     args = ("--variants", "naive", "--layers", "1,2", "--trace-layers", "1", "--trace-stacks")
     assert sweep(tmp_path, *args)[0] == 0
     assert sorted(asked) == [(False, False), (True, True)]
