@@ -1,9 +1,9 @@
 """Choosing the documents of a corpus: this Python's stdlib, local files, or a `datasets` dataset.
 
 Each reader checks its input, applies --max-bytes, hashes the content it keeps and returns a
-`Corpus`; prepare.py then splits, tokenizes and writes it. `datasets` is imported only inside
-the functions that load through it. The rules (what is skipped, what is an error) are listed
-in prepare.py's docstring.
+`Corpus`; prepare.py then splits, tokenizes and writes it (through tokens.py). `datasets` is
+imported only inside the functions that load through it. The rules (what is skipped, what is an
+error) are listed in prepare.py's docstring.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A corpus folder as data/prepare.py writes it: whether it can be one (a folder, writable,
 not a run's or another tool's), one prepare at a time per out-root, the check that what is
 there is whole and of these inputs (reuse), what a replacement loses, and files moved into
-place whole (meta.json last, see _write_outputs in prepare.py).
+place whole (meta.json last, see write_outputs in tokens.py).
 
 Imports only the standard library, data.meta and data.corpus (whose `datasets` is imported
 only where a corpus is read).

@@ -24,9 +24,10 @@ from corpora import META_KEYS, ROOT, VOCAB, WORDS, decode_split, document, read_
 from data import corpus as corpus_module
 from data import prepare as prepare_module
 from data.loader import TokenBatches
-from data.meta import DataError
-from data.prepare import EOT, EOT_ID, PrepareError, _content_key, prepare, split_documents
+from data.meta import EOT, EOT_ID, DataError
+from data.prepare import PrepareError, prepare
 from data.store import is_complete
+from data.tokens import _content_key, split_documents
 
 
 def test_files_glob_writes_uint16_tokens_split_by_document(corpus: Path, tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from corpora import VOCAB, WORDS, Prepared, contents_of, document, mtimes, read_
 from data import corpus as corpus_module
 from data import prepare as prepare_module
 from data import store as store_module
+from data import tokens as tokens_module
 from data.prepare import PrepareError, prepare
 
 
@@ -161,14 +162,14 @@ def test_interrupted_rebuild_keeps_previous_outputs(
     prepared: Prepared, corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     files, out, before = prepared
-    real_write_tokens = prepare_module._write_tokens
+    real_write_tokens = tokens_module._write_tokens
 
     def interrupted(tokenizer: Tokenizer, documents: object, path: Path, split: str) -> dict:
         if split == "val":
             raise KeyboardInterrupt
         return real_write_tokens(tokenizer, documents, path, split)
 
-    monkeypatch.setattr(prepare_module, "_write_tokens", interrupted)
+    monkeypatch.setattr(tokens_module, "_write_tokens", interrupted)
     (corpus / "fjord.txt").write_text("changed\n")
     with pytest.raises(KeyboardInterrupt):
         prepare("tiny", files=files, vocab_size=VOCAB, out_root=tmp_path)
@@ -190,7 +191,7 @@ def test_sigterm_removes_the_scratch_folder_and_exits_143(
         assert list(tmp_path.glob(".prepare-*")), "the scratch folder is there while it tokenizes"
         os.kill(os.getpid(), signal.SIGTERM)
 
-    monkeypatch.setattr(prepare_module, "_train_tokenizer", terminated)
+    monkeypatch.setattr(prepare_module, "train_tokenizer", terminated)
     (corpus / "fjord.txt").write_text("changed\n")
     handler = signal.getsignal(signal.SIGTERM)
     argv = ["--name", "tiny", "--files", *files, "--vocab-size", str(VOCAB)]
@@ -218,13 +219,13 @@ def test_ctrl_c_after_the_new_meta_json_says_the_new_corpus_is_whole(
     """Stopped while cleaning up, after the new meta.json was written: the corpus there is the
     new one, whole, not the one before."""
     files, out, before = prepared
-    real_write_outputs = prepare_module._write_outputs
+    real_write_outputs = prepare_module.write_outputs
 
     def written_then_interrupted(*args: Any, **kwargs: Any) -> dict:
         real_write_outputs(*args, **kwargs)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(prepare_module, "_write_outputs", written_then_interrupted)
+    monkeypatch.setattr(prepare_module, "write_outputs", written_then_interrupted)
     (corpus / "fjord.txt").write_text("changed\n")
     argv = ["--name", "tiny", "--files", *files, "--vocab-size", str(VOCAB)]
     assert prepare_module.main([*argv, "--out-root", str(tmp_path)]) == 130
@@ -403,7 +404,7 @@ def test_a_read_only_corpus_is_reused_and_not_rebuilt(
     monkeypatch.setattr(prepare_module.os, "access", lambda path, mode: Path(path) != out)
     assert prepare("tiny", files=files, vocab_size=VOCAB, out_root=tmp_path) == out
     trained = []
-    monkeypatch.setattr(prepare_module, "_train_tokenizer", lambda *a: trained.append(a))
+    monkeypatch.setattr(prepare_module, "train_tokenizer", lambda *a: trained.append(a))
     with pytest.raises(PrepareError, match=f"no permission to write in {re.escape(str(out))};"):
         prepare("tiny", files=files, vocab_size=300, out_root=tmp_path)  # other settings
     assert not trained and contents_of(out) == before
@@ -426,7 +427,7 @@ def test_each_file_reaches_the_disk_before_it_is_renamed_into_place(
         renamed(source, target)
 
     monkeypatch.setattr(store_module, "sync", sync)
-    monkeypatch.setattr(prepare_module, "sync", sync)
+    monkeypatch.setattr(tokens_module, "sync", sync)
     monkeypatch.setattr(prepare_module.os, "replace", replace)
     out = prepare("c", files=[str(corpus / "*.txt")], vocab_size=VOCAB, out_root=tmp_path)
     moved = [name for kind, name in events if kind == "replace"]
@@ -447,7 +448,7 @@ def test_a_full_disk_leaves_the_corpus_there_before_whole(
     def full(*args: object) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(prepare_module, "_write_tokens", full)
+    monkeypatch.setattr(tokens_module, "_write_tokens", full)
     argv = ["--name", "tiny", "--files", *files, "--out-root", str(tmp_path), "--vocab-size", "300"]
     assert prepare_module.main(argv) == 2
     said = f"cannot write {out} (No space left on device); the corpus there before is as it was"
@@ -473,7 +474,7 @@ def test_token_files_on_a_full_disk_fail_with_the_errno(corpus: Path, tmp_path: 
         corpus_module.files_corpus([str(corpus / "*.txt")], "strict", None), tmp_path / "arrow"
     )
     with pytest.raises(OSError) as raised:
-        prepare_module._write_tokens(tokenizer, documents, Path("/dev/full"), "train")
+        tokens_module._write_tokens(tokenizer, documents, Path("/dev/full"), "train")
     assert raised.value.errno == errno.ENOSPC
 
 

@@ -18,7 +18,7 @@ import torch
 from tokenizers import Tokenizer
 
 import sample
-from data.prepare import EOT, EOT_ID
+from data.meta import EOT, EOT_ID
 from model import GPT
 from streams import FullDisk
 from tiny_models import tiny_config

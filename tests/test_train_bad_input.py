@@ -17,7 +17,8 @@ import torch
 import train
 from data import meta as data_meta
 from data.meta import DataError
-from data.prepare import prepare, split_documents
+from data.prepare import prepare
+from data.tokens import split_documents
 from tiny_runs import (
     CUDA_ONLY,
     HEAD_SIZE,
