@@ -24,8 +24,8 @@ from profiling.analysis import (
     points_by_label,
     savings,
 )
+from profiling.header import BUSY_SHARE, peak_dtype, rate_text
 from profiling.method import METHOD
-from profiling.report import BUSY_SHARE, peak_dtype, rate_text
 from profiling.results import cannot_read, load_results
 from training.config import ConfigError
 

@@ -41,6 +41,7 @@ from profiling.cells import (
     kernel_libraries,
     minor_faults,
 )
+from profiling.header import peak_dtype
 from profiling.measure import (
     backend_problem,
     matmul_peaks,
@@ -50,7 +51,6 @@ from profiling.measure import (
 )
 from profiling.method import METHOD, MIN_TIMED_STEPS, PROFILE_LEAD_STEPS, STARTUP
 from profiling.progress import Progress
-from profiling.report import peak_dtype
 from profiling.results import render_results, write_json
 from profiling.startup import BATCH_POOL, batch_pool, device_name, warm_up
 from training.checkpoint import provenance

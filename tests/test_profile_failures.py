@@ -195,7 +195,7 @@ def test_an_incomplete_sweep_counts_its_failed_cells_apart() -> None:
     """A cell that ran out of memory ran to its end, but measured nothing: the report's line
     says so, not that it was measured. A report written between cells (no stopped_at) does
     not say the sweep stopped: it may be running still."""
-    from profiling.report import _completeness
+    from profiling.header import _completeness
 
     rows = [{"status": "oom"}, {"status": "ok"}, {"status": "interrupted"}]
     stopped = {"cells_planned": 4, "stopped_at": "2026-12-07T20:00:00+00:00"}
