@@ -33,7 +33,7 @@ from tiny_runs import (
     run,
     run_argv,
 )
-from training import checkpoint
+from training import checkpoint, start
 from training.config import load_config
 from training.probe import unavailable_reason
 
@@ -276,7 +276,7 @@ def test_a_batch_larger_than_the_corpus_is_an_error(
     def build_model(*args, **kwargs):
         raise AssertionError("the model was built before the data was checked")
 
-    monkeypatch.setattr(train, "build_model", build_model)
+    monkeypatch.setattr(start, "build_model", build_model)
     assert run(data_root, tmp_path / "run", "--train.batch_size=100000000") == 2
     err = error_of(capsys.readouterr().err)
     assert "train.batch_size=100000000" in err and "lower train.batch_size" in err
@@ -292,10 +292,10 @@ def test_a_batch_larger_than_the_corpus_is_an_error(
     corpus = {"splits": {"train": {"tokens": 1000}}}
     grad_accum = config.train.micro_batches(1)
     ran = {"config": {"train": asdict(config.train)}}
-    train.check_step_tokens(config, corpus, grad_accum, ran)
+    start.check_step_tokens(config, corpus, grad_accum, ran)
     ran["config"]["train"]["global_batch_size"] = 8
     with pytest.raises(DataError, match="tokens a step in each process"):
-        train.check_step_tokens(config, corpus, grad_accum, ran)
+        start.check_step_tokens(config, corpus, grad_accum, ran)
 
 
 def test_data_vocab_larger_than_the_model_is_an_error(

@@ -30,7 +30,7 @@ from tiny_runs import (
     stdlib_documents,
     train_lines,
 )
-from training import checkpoint, loop, optim, resume
+from training import checkpoint, loop, optim, resume, start
 from training.config import dump_toml, load_config
 
 # tiny_runs.py's stand-in, for every test here.
@@ -527,7 +527,7 @@ def test_resume_does_not_keep_the_loaded_checkpoint_in_memory(
 ) -> None:
     """Its weights are copied into the model: holding it too costs a model's size of host RAM."""
     out = copy_run(base_run, tmp_path / "run")
-    real_open_run = train.open_run
+    real_open_run = start.open_run
     loaded: list[weakref.ref] = []
 
     def open_run(*args: Any) -> tuple[Path, dict[str, Any] | None]:
@@ -535,7 +535,7 @@ def test_resume_does_not_keep_the_loaded_checkpoint_in_memory(
         loaded.extend(weakref.ref(t) for t in ckpt["model"].values())
         return path, ckpt
 
-    monkeypatch.setattr(train, "open_run", open_run)
+    monkeypatch.setattr(start, "open_run", open_run)
     held = []
     misbehave_at(monkeypatch, 1, before=lambda: held.extend(r for r in loaded if r() is not None))
     assert run(data_root, out, f"--train.max_steps={STEPS + 1}", "--resume") == 0

@@ -44,7 +44,7 @@ from tiny_runs import (
     run,
     train_lines,
 )
-from training import checkpoint, loop, metrics, step
+from training import checkpoint, loop, metrics, start, step
 from training.config import load_config
 from training.cpu_linear import wants_onednn
 
@@ -548,7 +548,7 @@ def test_the_last_evaluation_is_of_the_final_weights_on_each_split(
     cpu, folder = torch.device("cpu"), data_root / "tiny"
     seeds = {
         k: b.seed
-        for k, b in train.token_batches(config, folder, meta(data_root), cpu, 0, 1).items()
+        for k, b in start.token_batches(config, folder, meta(data_root), cpu, 0, 1).items()
     }
     assert len(set(seeds.values())) == 3, "each sampler draws its own windows"
     last = eval_lines(base_run)[-1]

@@ -31,7 +31,7 @@ from tiny_runs import (
     run_argv,
     train_lines,
 )
-from training import checkpoint, loop, runtime, step
+from training import checkpoint, loop, runtime, start, step
 
 # tiny_runs.py's stand-in, for every test here.
 pytestmark = pytest.mark.usefixtures("sample_on_the_cpu")
@@ -277,7 +277,7 @@ def test_a_sigterm_during_the_set_up_stops_at_once_and_says_so(
 ) -> None:
     """Before the loop there is nothing to save: SIGTERM stops there as Ctrl-C does, saying so
     and with its own status, not in silence; the handlers are put back."""
-    real_build = train.build_model
+    real_build = start.build_model
 
     def build_when_signalled(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)
@@ -286,7 +286,7 @@ def test_a_sigterm_during_the_set_up_stops_at_once_and_says_so(
     def outside(signum, frame):  # stands for SIGTERM's default action, which ends pytest too
         raise AssertionError("SIGTERM reached the handler train.py found")
 
-    monkeypatch.setattr(train, "build_model", build_when_signalled)
+    monkeypatch.setattr(start, "build_model", build_when_signalled)
     before = signal.signal(signal.SIGTERM, outside)
     try:
         status = run(data_root, tmp_path / "run", "--train.max_steps=2")

@@ -1,4 +1,4 @@
-"""The training loop: a run as train.py sets it up, stepped (step.py) to its last step or to
+"""The training loop: a run as start.py sets it up, stepped (step.py) to its last step or to
 a signal, its losses read and logged between steps, evaluated and saved every eval_interval."""
 
 from __future__ import annotations

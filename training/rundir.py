@@ -4,8 +4,8 @@ checkpoint that a run writes before its first step; and a sweep's folder (profil
 made, the same kind of lock on it, which sample.py and --report read to know a folder is in
 use, and the `latest` link to a default one.
 
-train.py calls these before its first step; errors name the directory or file at fault
-(a RunDirError, or a ConfigError for the config a run resumes with).
+train.py and its run's set-up (start.py) call these before its first step; errors name the
+directory or file at fault (a RunDirError, or a ConfigError for the config a run resumes with).
 """
 
 from __future__ import annotations

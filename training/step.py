@@ -1,5 +1,5 @@
 """The one training step of this project, and the model and optimizer it steps: train.py
-(its loop, loop.py) and profile_train.py import them, never a copy.
+(its set-up, start.py, and its loop, loop.py) and profile_train.py import them, never a copy.
 """
 
 from __future__ import annotations
