@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from profiling.analysis import fit_line, fits_by_label, median_interval, paired_savings, savings
-from profiling.tables import headline_table, paired_deepest, paired_table
+from profiling.tables import headline_table, paired_deepest, paired_table, t95
 from sweeps import timed_row
 
 # The stand-ins of sweeps.py, for every test here.
@@ -125,6 +125,15 @@ def test_a_cell_whose_steps_varied_widely_is_marked() -> None:
 
     assert noisy({"p10": 10.0, "median": 11.0, "p90": 13.0})  # 13 > 12.5
     assert not noisy({"p10": 10.0, "median": 12.0, "p90": 12.4})
+
+
+@pytest.mark.parametrize(
+    ("dof", "t"),
+    [(10, 2.2281), (11, 2.2010), (12, 2.1788), (20, 2.0860), (30, 2.0423), (120, 1.9799)],
+)
+def test_t95_beyond_its_table_is_students_t(dof: int, t: float) -> None:
+    """A sweep over 13 depths or more leaves the table (dof > 10) for the expansion."""
+    assert t95(dof) == pytest.approx(t, abs=0.0002)
 
 
 def test_fits_recover_known_slopes() -> None:
