@@ -65,6 +65,18 @@ def test_files_glob_writes_uint16_tokens_split_by_document(corpus: Path, tmp_pat
         assert (tokenizer.token_to_id("Ġ" + word) is not None) == in_train, word
 
 
+def test_a_literal_separator_in_a_document_is_text_not_a_boundary(tmp_path: Path) -> None:
+    """A document that quotes "<|endoftext|>" keeps it as text: only prepare's own separators
+    end documents, so none is split in two and each decodes back whole."""
+    texts = {f"{w}.txt": document(w) for w in WORDS}
+    texts["quokka.txt"] += f"a {EOT} b\n"
+    folder = write_corpus(tmp_path / "corpus", texts)
+    out = prepare("tiny", files=[str(folder / "*.txt")], vocab_size=VOCAB, out_root=tmp_path)
+    assert sorted(decode_split(out, "train") + decode_split(out, "val")) == sorted(texts.values())
+    meta = read_meta(out)
+    assert meta["splits"]["train"]["documents"] + meta["splits"]["val"]["documents"] == len(WORDS)
+
+
 def test_a_vocabulary_the_text_cannot_fill_is_said(
     corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

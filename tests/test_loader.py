@@ -89,9 +89,10 @@ def test_an_id_beyond_the_tokenizer_is_an_error_naming_the_file_and_token(tokens
     fail in the embedding with an IndexError, or on a GPU with a device-side assert."""
     assert TokenBatches(tokens, T, 4, 0, CPU, vocab_size=N).next()  # ids 0..49: all fine
     damaged = np.arange(N, dtype=np.uint16)
-    damaged[20] = 60000
-    damaged.tofile(tokens)
-    batches = TokenBatches(tokens, T, batch_size=4, seed=0, device=CPU, vocab_size=N)
-    with pytest.raises(DataError, match=r"train\.bin is damaged: token 20 is id 60000, beyond"):
-        for _ in range(50):  # until a window covers token 20
-            batches.next()
+    for bad in (60000, N):  # N: the first id the tokenizer lacks
+        damaged[20] = bad
+        damaged.tofile(tokens)
+        batches = TokenBatches(tokens, T, batch_size=4, seed=0, device=CPU, vocab_size=N)
+        with pytest.raises(DataError, match=rf"train\.bin is damaged: token 20 is id {bad}, beyo"):
+            for _ in range(50):  # until a window covers token 20
+                batches.next()

@@ -85,6 +85,16 @@ def test_weight_tying_and_init() -> None:
     assert biases and all(torch.equal(b, torch.zeros_like(b)) for b in biases if b is not None)
 
 
+def test_bias_false_leaves_no_bias_anywhere() -> None:
+    """model.bias=false drops every Linear's and LayerNorm's bias (nanoGPT's `bias`)."""
+    biases = lambda model: [n for n, _ in model.named_parameters() if n.endswith(".bias")]
+    assert biases(GPT(tiny_config(bias=False))) == []
+    with_bias = biases(GPT(tiny_config(bias=True)))
+    for part in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj", "ln_1", "ln_2"):
+        assert f"blocks.0.{part}.bias" in with_bias
+    assert "ln_f.bias" in with_bias
+
+
 def test_pre_layernorm_residual_stream() -> None:
     """With every residual branch's output projection zeroed, the blocks pass the stream
     through untouched (pre-LN: the norms sit inside the branches), so the features are

@@ -18,6 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -563,6 +564,19 @@ def test_the_last_evaluation_is_of_the_final_weights_on_each_split(
         )
         expected = step.evaluate(model, windows, config.train.eval_batches, None)
         assert last[key] == pytest.approx(expected, rel=1e-5), key
+
+
+def test_a_val_split_smaller_than_one_batch_is_read_not_refused(tmp_path: Path) -> None:
+    """Only the train sampler needs a whole batch of distinct windows: a small val split is
+    evaluated on windows that overlap, as the loader's docstring says."""
+    config = load_config(ROOT / "configs" / "tiny.toml")  # 4 windows of 32 tokens
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 5000), ("val", 100)):  # 100 tokens: 3 windows, not 4
+        rng.integers(0, 64, n, dtype=np.uint16).tofile(tmp_path / f"{split}.bin")
+    meta = {"splits": {"train": {"tokens": 5000}, "val": {"tokens": 100}}, "vocab_size": 64}
+    batches = start.token_batches(config, tmp_path, meta, torch.device("cpu"), 0, 1)
+    x, y = batches["val"].next()
+    assert x.shape == y.shape == (4, 32)
 
 
 @pytest.mark.parametrize("variant", CPU_VARIANTS)

@@ -207,6 +207,18 @@ def test_restore_rng_takes_this_ranks_state() -> None:
     assert checkpoint.restore_rng(states[0], 0, 5, torch.device("cpu"), 0, world_size=2) is None
 
 
+def test_a_resume_on_another_rank_count_gives_each_rank_its_own_dropout_stream() -> None:
+    """One rank saved, two resume: each takes a fresh seed of its own (alike, every rank would
+    drop the same units), the same again for the same (seed, rank, step)."""
+    saved = [{"torch": torch.get_rng_state()}]
+    draws = []
+    for rank in (0, 1, 0):
+        assert checkpoint.restore_rng(saved, 7, 5, torch.device("cpu"), rank, world_size=2) == 1
+        draws.append(torch.rand(8))
+    assert not torch.equal(draws[0], draws[1])
+    assert torch.equal(draws[0], draws[2])
+
+
 def test_an_apple_gpus_generator_is_saved_and_restored(monkeypatch: pytest.MonkeyPatch) -> None:
     """Dropout on MPS draws from the MPS generator: resuming there continues its stream."""
     generator = {"state": torch.tensor([1, 2, 3], dtype=torch.uint8)}
