@@ -132,7 +132,8 @@ def test_a_cell_whose_steps_varied_widely_is_marked() -> None:
     [(10, 2.2281), (11, 2.2010), (12, 2.1788), (20, 2.0860), (30, 2.0423), (120, 1.9799)],
 )
 def test_t95_beyond_its_table_is_students_t(dof: int, t: float) -> None:
-    """A sweep over 13 depths or more leaves the table (dof > 10) for the expansion."""
+    """A sweep over 13 depths or more leaves the table (dof > 10) for the expansion; 10, the
+    table's last entry, is where it meets it."""
     assert t95(dof) == pytest.approx(t, abs=0.0002)
 
 
