@@ -419,3 +419,12 @@ def test_help_lists_every_config_field_with_its_default(
         for f in dataclasses.fields(getattr(Config(), section.name)):
             assert f" {f.name}=" in shown, f"{section.name}.{f.name}"
     assert 'attention="naive"' in shown and "compile=false" in shown  # TOML's spelling
+
+
+def test_a_bool_for_a_float_field_is_rejected() -> None:
+    from training.config import ConfigError, build_config
+
+    with pytest.raises(ConfigError, match=r"train\.lr"):
+        build_config({"train": {"lr": True}})
+    with pytest.raises(ConfigError, match="lr"):
+        build_config({}, ["--train.lr=true"])

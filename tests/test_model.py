@@ -300,3 +300,10 @@ def test_generate_draws_from_the_scores_its_logits_hook_returns() -> None:
     assert seen[0][1].dtype == torch.float32
     assert out[:, 6].tolist() == [7, 7]
     assert set(out[:, 5:].flatten().tolist()) == set(range(10))
+
+
+def test_generate_refuses_top_k_zero() -> None:
+    from model.sampling import check_sampling
+
+    with pytest.raises(ValueError, match="top_k=0"):
+        check_sampling(1.0, 0, None)

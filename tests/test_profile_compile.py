@@ -204,3 +204,13 @@ def test_compiled_cells_stopped_in_their_rounds_net_out_the_eager_excess() -> No
     assert rows[True]["eager_excess_s"] == pytest.approx(0.9)
     assert rows[True]["compile_s"] == pytest.approx(5.0 - 0.05 - 0.9)
     assert "2 of its 4 steps were timed" in rows[True]["reason"]
+
+
+def test_compile_cache_bypass_is_cold() -> None:
+    from profiling.cells import compile_cache
+
+    keys = ("fxgraph_cache_miss", "fxgraph_cache_bypass", "fxgraph_cache_hit", "graphs")
+    before = dict.fromkeys(keys, 0)
+    # one graph from the cache, another the cache passed by: compiled, so cold
+    after = {**before, "fxgraph_cache_bypass": 1, "fxgraph_cache_hit": 1, "graphs": 2}
+    assert compile_cache(before, after) == "cold"

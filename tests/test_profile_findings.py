@@ -312,3 +312,41 @@ def test_a_variant_added_as_the_readme_shows_trains_and_is_profiled(
     report = (tmp_path / "sweep" / "report.md").read_text()
     findings = report.split("## Findings")[1].split("##")[0]
     assert "1 aten::clone fewer (forward); 1 aten::copy_ fewer (forward)" in findings, findings
+
+
+def test_findings_skip_a_variant_whose_baseline_failed() -> None:
+    from profiling.findings import findings
+
+    rows = [_ops_row(v, n, {"aten::mm": 4.0 * n}) for v in ("naive", "sdpa") for n in (1, 2)]
+    for row in rows[:2]:
+        row["status"] = "failed"
+    assert findings(rows) == []
+
+
+def test_time_split_of_old_categories_is_recomputed_from_the_listed_ops() -> None:
+    from profiling.findings import _split_ms
+    from profiling.names import CATEGORIES
+
+    row = {
+        "cpu_ms_per_step": {"aten::mm": 3.0, "aten::add": 1.0},
+        "time_split": {"matmul": 0.75, "rest": 0.25},
+    }  # a results.json's older categories
+    split, listed_only = _split_ms(row)
+    assert listed_only
+    assert set(split) <= set(CATEGORIES)
+    assert sum(split.values()) == pytest.approx(4.0)
+
+
+def test_backend_check_counts_unattributed_cuda_kernels() -> None:
+    from profiling.measure import backend_problem
+
+    row = {
+        "ops_per_step": {
+            "forward": {"aten::_scaled_dot_product_flash_attention": 2.0},
+            "backward": {},
+            "optimizer": {},
+        },
+        "kernels_per_step": {"forward": {}, "backward": {}, "optimizer": {}},
+        "kernels_unattributed_per_step": {"void pytorch_flash::flash_fwd_kernel<...>": 2.0},
+    }
+    assert backend_problem("sdpa-flash", row, torch.device("cuda")) is None

@@ -572,3 +572,14 @@ def test_resident_memory_counts_the_causal_mask_naive_holds() -> None:
     # Weights and AdamW's two moments, in fp32, and its 4-byte step count per tensor.
     assert resident("sdpa") == 3 * weights + 4 * len(tensors)
     assert resident("naive") - resident("sdpa") == 48 * 48
+
+
+def test_per_step_other_time_is_per_step() -> None:
+    from profiling.measure import TOP_TIMES, StepProfile
+
+    p = StepProfile()
+    p.cpu_self_us = Counter({f"aten::op{i}": 1000.0 * (100 - i) for i in range(TOP_TIMES + 2)})
+    rest = sum(1000.0 * (100 - i) for i in range(TOP_TIMES, TOP_TIMES + 2))
+    ms = p.per_step(4)["cpu_ms"]
+    assert ms["other"] == pytest.approx(rest / 1e3 / 4)
+    assert sum(ms.values()) == pytest.approx(sum(p.cpu_self_us.values()) / 1e3 / 4)

@@ -638,3 +638,35 @@ def test_sample_from_a_dir_without_checkpoint_exits_2(
         captured = capsys.readouterr()
         assert captured.err.startswith("error: ") and str(run_dir) in captured.err
         assert captured.out == ""
+
+
+def test_logits_hook_masks_only_the_first_step() -> None:
+    from sample import logits_hook
+
+    allowed = torch.tensor([True, False, False, True])
+    hook = logits_hook(4, 6, allowed)
+    logits = torch.zeros(1, 6)
+    assert hook(0, logits).isneginf().tolist() == [[False, True, True, False]]
+    for step in (1, 2):
+        out = hook(step, logits)
+        assert out.shape == (1, 4) and not out.isneginf().any()
+
+
+def _word_tokenizer():
+    from tokenizers import Tokenizer, models
+
+    vocab = {"a": 0, "b": 1, "<|endoftext|>": 2}
+    return Tokenizer(models.WordLevel(vocab, unk_token="a"))
+
+
+def test_shown_streams_nothing_after_the_separator_even_when_sampling_goes_on() -> None:
+    from sample import Shown
+
+    pieces: list[str] = []
+    shown = Shown(_word_tokenizer(), [0], eot=2, stream=pieces.append)
+    shown.add(torch.tensor([[1]]))
+    before = "".join(pieces)
+    shown.add(torch.tensor([[2]]))  # the separator
+    shown.add(torch.tensor([[0]]))  # sampled on past it (another row has not stopped)
+    shown.add(torch.tensor([[1]]))
+    assert "".join(pieces) == before

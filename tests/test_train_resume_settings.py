@@ -299,3 +299,26 @@ def test_resuming_on_another_number_of_processes_says_what_changes(
     assert ("evaluated on other windows" in said[0]) != bool(keeps_rows)
     assert ("matches one that never stopped to rounding" in said[0]) == bool(keeps_rows)
     assert load_ckpt(out)["step"] == STEPS + 1
+
+
+def test_no_schedule_note_for_a_run_already_at_its_end(capsys) -> None:
+    from training.config import TrainConfig
+    from training.resume import SCHEDULE_FIELDS, say_the_schedule_changed
+
+    tc = TrainConfig(max_steps=100, warmup_steps=10, lr=1e-3, min_lr=1e-4)
+    before = {k: getattr(tc, k) for k in SCHEDULE_FIELDS} | {"min_lr": 2e-4}
+    say_the_schedule_changed({"step": 100, "config": {"train": before}}, tc)
+    assert capsys.readouterr().err == ""
+    # one step before the end, it is said
+    say_the_schedule_changed({"step": 99, "config": {"train": before}}, tc)
+    assert "resuming with train.min_lr" in capsys.readouterr().err
+
+
+def test_a_checkpoint_that_records_no_seed_resumes_with_any() -> None:
+    from training.config import ConfigError
+    from training.resume import check_seed
+
+    check_seed({"config": {"train": {}}}, 7, Path("runs/x"))  # before train.seed was recorded
+    check_seed({}, 7, Path("runs/x"))
+    with pytest.raises(ConfigError, match="seeded with 3"):
+        check_seed({"config": {"train": {"seed": 3}}}, 7, Path("runs/x"))
