@@ -651,23 +651,19 @@ def test_a_stdout_that_fails_costs_its_lines_not_the_corpus(corpus: Path, tmp_pa
 
 
 def test_max_bytes_equal_to_the_corpus_size_keeps_every_file(tmp_path: Path) -> None:
-    from data.corpus import files_corpus
-
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     (tmp_path / "a" / "x.txt").write_text("hello")
     (tmp_path / "b" / "y.txt").write_text("world")
-    corpus = files_corpus([str(tmp_path / "*" / "*.txt")], "strict", max_bytes=10)
+    corpus = corpus_module.files_corpus([str(tmp_path / "*" / "*.txt")], "strict", max_bytes=10)
     assert corpus.names == ["a/x.txt", "b/y.txt"]
     assert corpus.skipped["over_max_bytes"] == 0
-    one = files_corpus([str(tmp_path / "a" / "x.txt")], "strict", max_bytes=5)
+    one = corpus_module.files_corpus([str(tmp_path / "a" / "x.txt")], "strict", max_bytes=5)
     assert one.names == ["x.txt"]
 
 
 def test_hub_digest_tells_document_boundaries_apart(tmp_path: Path, monkeypatch) -> None:
     import datasets
-
-    from data import corpus as corpus_module
 
     def digest(texts: list[str]) -> str:
         rows = datasets.Dataset.from_dict({"text": texts})
@@ -678,9 +674,7 @@ def test_hub_digest_tells_document_boundaries_apart(tmp_path: Path, monkeypatch)
 
 
 def test_load_text_files_turns_a_lone_cr_into_a_newline(tmp_path: Path) -> None:
-    from data.corpus import files_corpus, load_text_files
-
     (tmp_path / "mac.txt").write_bytes(b"one\rtwo\r\nthree\n")
-    corpus = files_corpus([str(tmp_path / "mac.txt")], "strict", None)
-    documents = load_text_files(corpus, tmp_path / "cache")
+    corpus = corpus_module.files_corpus([str(tmp_path / "mac.txt")], "strict", None)
+    documents = corpus_module.load_text_files(corpus, tmp_path / "cache")
     assert documents[0]["text"] == "one\ntwo\nthree\n"

@@ -536,17 +536,10 @@ def test_an_input_that_changes_while_it_is_prepared_is_an_error(
     assert not (tmp_path / "c").exists()
 
 
-def test_a_truncated_val_bin_is_not_complete(tmp_path: Path) -> None:
-    import json
-
-    from corpora import VOCAB, WORDS, document, write_corpus
-    from data import store
-    from data.prepare import prepare
-
-    src = write_corpus(tmp_path / "corpus", {f"{w}.txt": document(w) for w in WORDS})
-    out = prepare("tiny", files=[str(src / "*.txt")], vocab_size=VOCAB, out_root=tmp_path)
-    meta = json.loads((out / "meta.json").read_text())
-    assert store.is_complete(out, meta["content_sha256"])
-    val = out / "val.bin"
+def test_a_truncated_val_bin_is_not_complete(prepared: Prepared) -> None:
+    """Every token file is checked, val.bin as well as train.bin, before a corpus is reused."""
+    digest = read_meta(prepared.out)["content_sha256"]
+    assert store_module.is_complete(prepared.out, digest)
+    val = prepared.out / "val.bin"
     val.write_bytes(val.read_bytes()[:-2])
-    assert not store.is_complete(out, meta["content_sha256"])
+    assert not store_module.is_complete(prepared.out, digest)
